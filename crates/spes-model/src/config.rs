@@ -1,0 +1,206 @@
+//! Model shapes: the built-in presets (SPES.md §1) and analytic parameter counts.
+
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+/// Where QK-norm normalises: over the whole q/k projection (OLMoE) or per head (Qwen3, the 9B).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNorm {
+    None,
+    Full,
+    PerHead,
+}
+
+/// Every shape of the decoder. A TOML `[model]` section may give a `preset` and override any field.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub n_experts: usize,
+    pub top_k: usize,
+    pub expert_hidden: usize,
+    /// Longest sequence the model is trained for (exported as `max_position_embeddings`).
+    pub context_length: usize,
+    pub rope_theta: f64,
+    pub qk_norm: QkNorm,
+    /// Renormalise the top-k router probabilities to sum to one (the 9B does).
+    pub normalize_topk: bool,
+    pub norm_eps: f64,
+    pub init_std: f64,
+}
+
+/// Names accepted by [`ModelConfig::preset`].
+pub const PRESETS: &[&str] = &["tiny", "1b", "7b", "9b"];
+
+/// The Qwen2.5 tokenizer's size, the vocabulary of the paper's runs.
+const QWEN_VOCAB: usize = 151_665;
+
+impl ModelConfig {
+    /// A built-in shape: `tiny` trains on two CPU cores in minutes; `1b`, `7b`, `9b` are SPES.md §1.
+    pub fn preset(name: &str) -> Result<Self> {
+        let olmoe = |n_layers, d_model, n_heads, n_experts, top_k, expert_hidden| ModelConfig {
+            vocab_size: QWEN_VOCAB,
+            d_model,
+            n_layers,
+            n_heads,
+            n_kv_heads: n_heads,
+            head_dim: d_model / n_heads,
+            n_experts,
+            top_k,
+            expert_hidden,
+            context_length: 2048,
+            rope_theta: 500_000.0,
+            qk_norm: QkNorm::Full,
+            normalize_topk: false,
+            norm_eps: 1e-6,
+            init_std: 0.02,
+        };
+        Ok(match name {
+            "tiny" => ModelConfig {
+                vocab_size: 8192,
+                context_length: 256,
+                rope_theta: 10_000.0,
+                ..olmoe(4, 256, 4, 16, 2, 256)
+            },
+            "1b" => olmoe(12, 768, 12, 16, 2, 2048),
+            "7b" => olmoe(16, 2048, 16, 32, 4, 2048),
+            "9b" => ModelConfig {
+                n_kv_heads: 8,
+                head_dim: 128,
+                context_length: 4096,
+                rope_theta: 1_000_000.0,
+                qk_norm: QkNorm::PerHead,
+                normalize_topk: true,
+                ..olmoe(28, 2048, 16, 8, 2, 6144)
+            },
+            other => bail!("unknown model preset `{other}`; expected one of {PRESETS:?}"),
+        })
+    }
+
+    /// Checks relations between fields that serde cannot.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("d_model", self.d_model),
+            ("n_layers", self.n_layers),
+            ("n_heads", self.n_heads),
+            ("n_kv_heads", self.n_kv_heads),
+            ("head_dim", self.head_dim),
+            ("n_experts", self.n_experts),
+            ("top_k", self.top_k),
+            ("expert_hidden", self.expert_hidden),
+            ("context_length", self.context_length),
+        ];
+        for (key, v) in positive {
+            if v == 0 {
+                bail!("model.{key} must be > 0");
+            }
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            bail!(
+                "model.n_heads ({}) must be a multiple of model.n_kv_heads ({})",
+                self.n_heads,
+                self.n_kv_heads
+            );
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            bail!("model.head_dim ({}) must be even for RoPE", self.head_dim);
+        }
+        if self.top_k > self.n_experts {
+            bail!(
+                "model.top_k ({}) must be <= model.n_experts ({})",
+                self.top_k,
+                self.n_experts
+            );
+        }
+        Ok(())
+    }
+
+    /// Parameter counts derived from the shapes alone.
+    pub fn param_counts(&self) -> ParamCounts {
+        let (d, l) = (self.d_model as u64, self.n_layers as u64);
+        let q = (self.n_heads * self.head_dim) as u64;
+        let kv = (self.n_kv_heads * self.head_dim) as u64;
+        let qk_norm = match self.qk_norm {
+            QkNorm::None => 0,
+            QkNorm::Full => q + kv,
+            QkNorm::PerHead => 2 * self.head_dim as u64,
+        };
+        let attention = d * q + 2 * d * kv + q * d + qk_norm;
+        let per_layer_shared = attention + 2 * d + d * self.n_experts as u64;
+        let embeddings = 2 * self.vocab_size as u64 * d;
+        let shared = l * per_layer_shared + embeddings + d;
+        let per_expert = 3 * d * self.expert_hidden as u64;
+        let experts = l * self.n_experts as u64 * per_expert;
+        ParamCounts {
+            total: shared + experts,
+            active: shared + l * self.top_k as u64 * per_expert,
+            shared,
+            per_expert,
+            embeddings,
+        }
+    }
+}
+
+/// Parameter counts of a configuration. `active` is what one token touches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ParamCounts {
+    pub total: u64,
+    pub active: u64,
+    /// Everything that is not an expert: embeddings, head, attention, norms, routers.
+    pub shared: u64,
+    /// One expert in one layer (gate + up + down).
+    pub per_expert: u64,
+    /// Input embedding plus output head.
+    pub embeddings: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The paper prints sizes in billions with two decimals: the count must round to them.
+    fn rounds_to(actual: u64, billions: f64) -> bool {
+        ((actual as f64 / 1e9) * 100.0).round() / 100.0 == billions
+    }
+
+    #[test]
+    fn paper_presets_report_paper_sizes() {
+        let expect = [("1b", 1.17, 0.37), ("7b", 7.33, 1.70), ("9b", 9.43, 3.09)];
+        for (name, total, active) in expect {
+            let c = ModelConfig::preset(name).unwrap();
+            c.validate().unwrap();
+            let n = c.param_counts();
+            assert!(rounds_to(n.total, total), "{name} total {}", n.total);
+            assert!(rounds_to(n.active, active), "{name} active {}", n.active);
+            let total_err = (n.total as f64 / 1e9 - total).abs() / total;
+            assert!(
+                total_err < 0.01,
+                "{name} total {} off by {total_err}",
+                n.total
+            );
+            assert_eq!(
+                n.total,
+                n.shared + (c.n_layers * c.n_experts) as u64 * n.per_expert
+            );
+        }
+    }
+
+    #[test]
+    fn bad_shapes_name_the_field() {
+        let mut c = ModelConfig::preset("tiny").unwrap();
+        c.n_kv_heads = 3;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("model.n_kv_heads"), "{err}");
+        assert!(ModelConfig::preset("2b")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown model preset `2b`"));
+    }
+}

@@ -1,0 +1,11 @@
+//! The spes model: an OLMoE-style mixture-of-experts decoder in tch, its presets and the
+//! parameter roles (shared vs expert) that SPES trains, freezes and synchronises.
+
+pub mod config;
+pub mod model;
+
+pub use config::{ModelConfig, ParamCounts, QkNorm, PRESETS};
+pub use model::{
+    expert_tensor_name, load_balancing_loss, token_losses, LossWeights, Losses, MoeModel, Param,
+    Role, EXPERT_PARTS,
+};

@@ -1,0 +1,448 @@
+//! The OLMoE-style mixture-of-experts decoder (SPES.md §1), top to bottom.
+//!
+//! Block: `x + Attn(RMSNorm(x))`, then `x + MoE(RMSNorm(x))`. Attention has QK-norm, RoPE
+//! and optional grouped-query heads. The MoE layer routes each token to its top-k of E SwiGLU
+//! experts and runs each expert only on the tokens routed to it (dropless).
+//!
+//! Every expert is its own set of leaf tensors, so a node can freeze exactly the experts it does
+//! not own: frozen tensors never get `requires_grad`, hence no gradient and no optimizer state,
+//! while activations still flow through them. Tensor names follow Hugging Face's OLMoE layout.
+
+use crate::config::{ModelConfig, QkNorm};
+use anyhow::{bail, Context, Result};
+use tch::{Device, Kind, Tensor};
+
+/// What a parameter is for SPES: shared by every node (φ), or one expert of one layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    Shared,
+    Expert { layer: usize, index: usize },
+}
+
+/// A named parameter. `tensor` shares storage with the model's own tensor.
+pub struct Param {
+    pub name: String,
+    pub role: Role,
+    pub tensor: Tensor,
+}
+
+/// The three matrices of a SwiGLU expert, by their Hugging Face names.
+pub const EXPERT_PARTS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+/// Name of one expert matrix, e.g. `model.layers.3.mlp.experts.7.gate_proj.weight`.
+pub fn expert_tensor_name(layer: usize, index: usize, part: &str) -> String {
+    format!("model.layers.{layer}.mlp.experts.{index}.{part}.weight")
+}
+
+struct Expert {
+    gate: Tensor, // W1 [hidden, d]
+    up: Tensor,   // V1 [hidden, d]
+    down: Tensor, // W2 [d, hidden]
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    ffn_norm: Tensor,
+    router: Tensor, // [E, d]
+    experts: Vec<Expert>,
+}
+
+/// The whole decoder. Parameters are fp32 master weights on one device; matmuls run in
+/// `compute` precision (fp32, or bf16 for mixed precision), norms, softmax and losses in fp32.
+pub struct MoeModel {
+    pub cfg: ModelConfig,
+    compute: Kind,
+    /// Per-expert multiplier of the load-balancing counts `[E]` (SPES.md §6), if any.
+    lb_count_scale: Option<Tensor>,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    final_norm: Tensor,
+    head: Tensor,
+}
+
+/// Router statistics of one forward pass, for the auxiliary losses and for load plots.
+pub struct RouterAux {
+    /// Load-balancing loss, averaged over layers; 1.0 when routing is perfectly uniform.
+    pub lb: Tensor,
+    /// Router z-loss, summed over layers.
+    pub router_z: Tensor,
+    /// Top-k assignments per expert, `[layers, E]`, no gradient.
+    pub expert_counts: Tensor,
+}
+
+/// Loss weights (SPES.md §1).
+#[derive(Clone, Copy, Debug)]
+pub struct LossWeights {
+    pub z_loss: f64,
+    pub lb: f64,
+    pub router_z: f64,
+}
+
+/// The training objective and its parts, each a scalar tensor.
+pub struct Losses {
+    pub total: Tensor,
+    pub ce: Tensor,
+    pub z_loss: Tensor,
+    pub lb: Tensor,
+    pub router_z: Tensor,
+    pub expert_counts: Tensor,
+}
+
+/// erf(3/√2): sampling erfinv(u) for u in ±this gives a normal truncated at ±3σ.
+const ERF_3_SIGMA: f64 = 0.997_300_203_936_739_8;
+
+/// Truncated normal at ±3σ by inverse-CDF sampling, as PyTorch's `trunc_normal_` does it.
+fn trunc_normal(shape: &[i64], std: f64, device: Device) -> Tensor {
+    let mut u = Tensor::empty(shape, (Kind::Float, device)).uniform_(-ERF_3_SIGMA, ERF_3_SIGMA);
+    let _ = u.erfinv_();
+    u * (std * std::f64::consts::SQRT_2)
+}
+
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let n = weight.size()[0];
+    x.to_kind(Kind::Float)
+        .rms_norm([n], Some(weight), eps)
+        .to_kind(x.kind())
+}
+
+/// `[T, head_dim]` cos and sin tables, non-interleaved halves (HF `rotate_half` convention).
+fn rope_tables(t: i64, head_dim: i64, theta: f64, device: Device) -> (Tensor, Tensor) {
+    let inv_freq = Tensor::arange_start_step(0, head_dim, 2, (Kind::Float, device))
+        .divide_scalar(head_dim as f64)
+        .multiply_scalar(-theta.ln())
+        .exp();
+    let pos = Tensor::arange(t, (Kind::Float, device));
+    let freqs = pos.outer(&inv_freq);
+    let emb = Tensor::cat(&[&freqs, &freqs], -1);
+    (emb.cos(), emb.sin())
+}
+
+/// Rotates `x` `[B, H, T, hd]` by position.
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let half = x.size()[3] / 2;
+    let x1 = x.narrow(3, 0, half);
+    let x2 = x.narrow(3, half, half);
+    let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
+    x * cos.to_kind(x.kind()) + rotated * sin.to_kind(x.kind())
+}
+
+impl MoeModel {
+    /// A freshly initialised model: truncated normal(0.02) matrices, norms at 1. Seed first.
+    pub fn new(cfg: &ModelConfig, device: Device) -> Result<Self> {
+        cfg.validate()?;
+        let (d, v, hd) = (
+            cfg.d_model as i64,
+            cfg.vocab_size as i64,
+            cfg.head_dim as i64,
+        );
+        let (q, kv) = (cfg.n_heads as i64 * hd, cfg.n_kv_heads as i64 * hd);
+        let (e, h) = (cfg.n_experts as i64, cfg.expert_hidden as i64);
+        let w = |shape: &[i64]| trunc_normal(shape, cfg.init_std, device);
+        let ones = |n: i64| Tensor::ones([n], (Kind::Float, device));
+        let (qn, kn) = match cfg.qk_norm {
+            QkNorm::None => (None, None),
+            QkNorm::Full => (Some(ones(q)), Some(ones(kv))),
+            QkNorm::PerHead => (Some(ones(hd)), Some(ones(hd))),
+        };
+        let layers = (0..cfg.n_layers)
+            .map(|_| Layer {
+                attn_norm: ones(d),
+                q_proj: w(&[q, d]),
+                k_proj: w(&[kv, d]),
+                v_proj: w(&[kv, d]),
+                o_proj: w(&[d, q]),
+                q_norm: qn.as_ref().map(|t| t.copy()),
+                k_norm: kn.as_ref().map(|t| t.copy()),
+                ffn_norm: ones(d),
+                router: w(&[e, d]),
+                experts: (0..e)
+                    .map(|_| Expert {
+                        gate: w(&[h, d]),
+                        up: w(&[h, d]),
+                        down: w(&[d, h]),
+                    })
+                    .collect(),
+            })
+            .collect();
+        Ok(MoeModel {
+            cfg: cfg.clone(),
+            compute: Kind::Float,
+            lb_count_scale: None,
+            embed: w(&[v, d]),
+            layers,
+            final_norm: ones(d),
+            head: w(&[v, d]),
+        })
+    }
+
+    /// Runs matmuls in `kind` (`Kind::BFloat16` for mixed precision); weights stay fp32.
+    pub fn set_compute_kind(&mut self, kind: Kind) {
+        self.compute = kind;
+    }
+
+    /// Multiplies expert `e`'s load-balancing count by `scale[e]` (`[E]`); `None` disables.
+    /// A SPES node uses it to penalise routing to its own experts less early in training.
+    pub fn set_lb_count_scale(&mut self, scale: Option<Tensor>) {
+        self.lb_count_scale = scale;
+    }
+
+    /// `x · wᵀ` in the compute precision.
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
+        x.to_kind(self.compute)
+            .matmul(&w.to_kind(self.compute).tr())
+    }
+
+    /// Every parameter, in a fixed order, by its Hugging Face OLMoE name and SPES role.
+    pub fn params(&self) -> Vec<Param> {
+        let mut out = Vec::new();
+        let mut push = |name: String, role: Role, t: &Tensor| {
+            out.push(Param {
+                name,
+                role,
+                tensor: t.shallow_clone(),
+            })
+        };
+        push(
+            "model.embed_tokens.weight".into(),
+            Role::Shared,
+            &self.embed,
+        );
+        for (l, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            let s = Role::Shared;
+            push(format!("{p}.input_layernorm.weight"), s, &layer.attn_norm);
+            push(format!("{p}.self_attn.q_proj.weight"), s, &layer.q_proj);
+            push(format!("{p}.self_attn.k_proj.weight"), s, &layer.k_proj);
+            push(format!("{p}.self_attn.v_proj.weight"), s, &layer.v_proj);
+            push(format!("{p}.self_attn.o_proj.weight"), s, &layer.o_proj);
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                push(format!("{p}.self_attn.q_norm.weight"), s, qn);
+                push(format!("{p}.self_attn.k_norm.weight"), s, kn);
+            }
+            push(
+                format!("{p}.post_attention_layernorm.weight"),
+                s,
+                &layer.ffn_norm,
+            );
+            push(format!("{p}.mlp.gate.weight"), s, &layer.router);
+            for (i, ex) in layer.experts.iter().enumerate() {
+                let role = Role::Expert { layer: l, index: i };
+                for (part, t) in EXPERT_PARTS.iter().zip([&ex.gate, &ex.up, &ex.down]) {
+                    push(expert_tensor_name(l, i, part), role, t);
+                }
+            }
+        }
+        push("model.norm.weight".into(), Role::Shared, &self.final_norm);
+        push("lm_head.weight".into(), Role::Shared, &self.head);
+        out
+    }
+
+    /// Marks each parameter trainable or frozen. Frozen ones get no gradient, ever.
+    pub fn set_trainable(&self, trainable: impl Fn(Role) -> bool) {
+        for p in self.params() {
+            let _ = p.tensor.set_requires_grad(trainable(p.role));
+        }
+    }
+
+    /// The parameters that currently require a gradient.
+    pub fn trainable_params(&self) -> Vec<Param> {
+        self.params()
+            .into_iter()
+            .filter(|p| p.tensor.requires_grad())
+            .collect()
+    }
+
+    /// Overwrites parameters from named tensors. Every parameter must be present with its shape.
+    pub fn load(&self, named: &[(String, Tensor)], source: &str) -> Result<()> {
+        let map: std::collections::HashMap<&str, &Tensor> =
+            named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let params = self.params();
+        for p in &params {
+            let src = map
+                .get(p.name.as_str())
+                .with_context(|| format!("{source}: missing tensor `{}`", p.name))?;
+            if src.size() != p.tensor.size() {
+                bail!(
+                    "{source}: tensor `{}` has shape {:?}, expected {:?}",
+                    p.name,
+                    src.size(),
+                    p.tensor.size()
+                );
+            }
+        }
+        if map.len() != params.len() {
+            let known: std::collections::HashSet<&str> =
+                params.iter().map(|p| p.name.as_str()).collect();
+            let extra: Vec<&&str> = map.keys().filter(|k| !known.contains(**k)).collect();
+            bail!("{source}: unexpected tensors {extra:?} for this model configuration");
+        }
+        tch::no_grad(|| {
+            for p in &params {
+                let mut dst = p.tensor.shallow_clone();
+                dst.copy_(map[p.name.as_str()]);
+            }
+        });
+        Ok(())
+    }
+
+    /// Logits `[B, T, V]` for tokens `[B, T]`, plus router statistics.
+    // `x += y` on a Tensor is an in-place add, which would overwrite the residual that the
+    // RMSNorm backward still needs; the residual adds must allocate.
+    #[allow(clippy::assign_op_pattern)]
+    pub fn forward(&self, tokens: &Tensor) -> (Tensor, RouterAux) {
+        let (b, t) = tokens.size2().expect("tokens must be [batch, seq]");
+        let cfg = &self.cfg;
+        let (cos, sin) = rope_tables(t, cfg.head_dim as i64, cfg.rope_theta, tokens.device());
+        let mut x = Tensor::embedding(&self.embed, tokens, -1, false, false);
+        let (mut lb, mut rz, mut counts) = (Vec::new(), Vec::new(), Vec::new());
+        for layer in &self.layers {
+            let h = rms_norm(&x, &layer.attn_norm, cfg.norm_eps);
+            x = x + self.attention(layer, &h, &cos, &sin);
+            let h = rms_norm(&x, &layer.ffn_norm, cfg.norm_eps);
+            let (y, aux) = self.moe(layer, &h.view([b * t, cfg.d_model as i64]));
+            x = x + y.view([b, t, cfg.d_model as i64]);
+            lb.push(aux.0);
+            rz.push(aux.1);
+            counts.push(aux.2);
+        }
+        let x = rms_norm(&x, &self.final_norm, cfg.norm_eps);
+        let logits = self.linear(&x, &self.head);
+        let aux = RouterAux {
+            lb: Tensor::stack(&lb, 0).mean(Kind::Float),
+            router_z: Tensor::stack(&rz, 0).sum(Kind::Float),
+            expert_counts: Tensor::stack(&counts, 0),
+        };
+        (logits, aux)
+    }
+
+    fn attention(&self, layer: &Layer, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let cfg = &self.cfg;
+        let (b, t, _) = x.size3().unwrap();
+        let (hq, hkv, hd) = (
+            cfg.n_heads as i64,
+            cfg.n_kv_heads as i64,
+            cfg.head_dim as i64,
+        );
+        let mut q = self.linear(x, &layer.q_proj);
+        let mut k = self.linear(x, &layer.k_proj);
+        let v = self.linear(x, &layer.v_proj);
+        if let (QkNorm::Full, Some(qn), Some(kn)) = (cfg.qk_norm, &layer.q_norm, &layer.k_norm) {
+            q = rms_norm(&q, qn, cfg.norm_eps);
+            k = rms_norm(&k, kn, cfg.norm_eps);
+        }
+        let heads = |y: Tensor, n: i64| y.view([b, t, n, hd]).transpose(1, 2);
+        let (mut q, mut k, v) = (heads(q, hq), heads(k, hkv), heads(v, hkv));
+        if let (QkNorm::PerHead, Some(qn), Some(kn)) = (cfg.qk_norm, &layer.q_norm, &layer.k_norm) {
+            q = rms_norm(&q, qn, cfg.norm_eps);
+            k = rms_norm(&k, kn, cfg.norm_eps);
+        }
+        let q = apply_rope(&q, cos, sin);
+        let k = apply_rope(&k, cos, sin);
+        let y = Tensor::scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            None::<Tensor>,
+            0.0,
+            true,
+            None,
+            hq != hkv,
+        );
+        self.linear(&y.transpose(1, 2).reshape([b, t, hq * hd]), &layer.o_proj)
+    }
+
+    /// Dropless top-k MoE over flattened tokens `[N, d]`: returns output, (lb, router z, counts).
+    fn moe(&self, layer: &Layer, x: &Tensor) -> (Tensor, (Tensor, Tensor, Tensor)) {
+        let cfg = &self.cfg;
+        let (e, k) = (cfg.n_experts as i64, cfg.top_k as i64);
+        let router_logits = x.matmul(&layer.router.tr()).to_kind(Kind::Float);
+        let probs = router_logits.softmax(-1, Kind::Float);
+        let (mut weights, experts) = probs.topk(k, -1, true, false);
+        if cfg.normalize_topk {
+            weights = &weights / weights.sum_dim_intlist(-1, true, Kind::Float);
+        }
+
+        // Group the N·k (token, expert) assignments by expert: one sort, one host sync for the
+        // per-expert counts, then each expert runs on a contiguous slice of its tokens.
+        let flat_experts = experts.view([-1]);
+        let (_, order) = flat_experts.sort_stable(true, 0, false);
+        let counts = flat_experts.bincount(None::<Tensor>, e);
+        let host_counts = Vec::<i64>::try_from(&counts.to_device(Device::Cpu)).unwrap();
+        let token_of = order.divide_scalar_mode(k, "floor");
+        let mut outputs = Vec::with_capacity(cfg.n_experts);
+        let mut start = 0;
+        for (ex, &n) in layer.experts.iter().zip(&host_counts) {
+            if n > 0 {
+                let xe = x.index_select(0, &token_of.narrow(0, start, n));
+                let hidden = self.linear(&xe, &ex.gate).silu() * self.linear(&xe, &ex.up);
+                outputs.push(self.linear(&hidden, &ex.down));
+            }
+            start += n;
+        }
+        let expert_out = Tensor::cat(&outputs, 0).to_kind(Kind::Float);
+        let w = weights.view([-1]).index_select(0, &order).unsqueeze(-1);
+        let y = x
+            .to_kind(Kind::Float)
+            .zeros_like()
+            .index_add(0, &token_of, &(expert_out * w));
+
+        let lb = match &self.lb_count_scale {
+            Some(scale) => {
+                load_balancing_loss(&probs, &(counts.to_kind(Kind::Float) * scale), cfg.top_k)
+            }
+            None => load_balancing_loss(&probs, &counts, cfg.top_k),
+        };
+        let router_z = router_logits
+            .logsumexp([-1], false)
+            .square()
+            .mean(Kind::Float);
+        (y, (lb, router_z, counts))
+    }
+
+    /// Forward plus the weighted objective on a `[B, T+1]` window batch.
+    pub fn losses(&self, batch: &Tensor, w: &LossWeights) -> Losses {
+        let t = batch.size()[1] - 1;
+        let inputs = batch.narrow(1, 0, t);
+        let targets = batch.narrow(1, 1, t);
+        let (logits, aux) = self.forward(&inputs);
+        let (ce, z_loss) = token_losses(&logits, &targets);
+        let total = &ce + &z_loss * w.z_loss + &aux.lb * w.lb + &aux.router_z * w.router_z;
+        Losses {
+            total,
+            ce,
+            z_loss,
+            lb: aux.lb,
+            router_z: aux.router_z,
+            expert_counts: aux.expert_counts,
+        }
+    }
+}
+
+/// Mean token cross-entropy and the output z-loss `mean(logsumexp(logits)²)`, in fp32.
+pub fn token_losses(logits: &Tensor, targets: &Tensor) -> (Tensor, Tensor) {
+    let v = logits.size()[2];
+    let logits = logits.reshape([-1, v]).to_kind(Kind::Float);
+    let lse = logits.logsumexp([-1], false);
+    let target_logit = logits
+        .gather(1, &targets.reshape([-1, 1]), false)
+        .squeeze_dim(1);
+    let ce = (&lse - target_logit).mean(Kind::Float);
+    (ce, lse.square().mean(Kind::Float))
+}
+
+/// One layer's load-balancing loss `E/(T·k) · Σ_e c_e · p̄_e` (1.0 when uniform).
+///
+/// `probs` is `[T, E]` router softmax, `counts` the (possibly scaled) top-k assignments per
+/// expert; no gradient flows through the counts.
+pub fn load_balancing_loss(probs: &Tensor, counts: &Tensor, top_k: usize) -> Tensor {
+    let (t, e) = probs.size2().unwrap();
+    let c = counts.detach().to_kind(Kind::Float);
+    let p_mean = probs.mean_dim(0, false, Kind::Float);
+    (c * p_mean).sum(Kind::Float) * (e as f64 / (t as f64 * top_k as f64))
+}
