@@ -1,0 +1,93 @@
+//! `spes bench`: tokens/s and peak memory of training steps of a preset on random tokens.
+
+use crate::config::{Precision, TrainConfig};
+use crate::optim::AdamW;
+use crate::trainer::{compute_kind, step_on_batches};
+use anyhow::Result;
+use serde::Serialize;
+use spes_model::{LossWeights, ModelConfig, MoeModel, Role};
+use tch::{Device, Kind, Tensor};
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    pub model: ModelConfig,
+    pub device: Device,
+    pub precision: Precision,
+    pub batch_size: usize,
+    pub seq_len: usize,
+    /// Timed steps, after `warmup` untimed ones.
+    pub steps: usize,
+    pub warmup: usize,
+    /// Experts per layer this process trains (SPES node); `None` trains all of them.
+    pub own_experts: Option<usize>,
+}
+
+/// One benchmark result row.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchResult {
+    pub total_params: u64,
+    pub trainable_params: u64,
+    pub optimizer_state_bytes: u64,
+    pub tokens_per_step: u64,
+    pub step_ms: f64,
+    pub tokens_per_s: f64,
+    /// Peak resident set size of this process (VmHWM).
+    pub peak_rss_mb: f64,
+}
+
+/// Runs the benchmark in this process; peak RSS covers everything the process did before too.
+pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
+    tch::manual_seed(0);
+    let mut model = MoeModel::new(&o.model, o.device)?;
+    model.set_compute_kind(compute_kind(o.precision, o.device));
+    let own = o.own_experts;
+    model.set_trainable(|r| match (r, own) {
+        (Role::Expert { index, .. }, Some(n)) => index < n,
+        _ => true,
+    });
+    let t = TrainConfig::default();
+    let mut opt = AdamW::new(model.trainable_params(), &t);
+    let weights = LossWeights {
+        z_loss: t.z_loss_weight,
+        lb: t.lb_loss_weight,
+        router_z: t.router_z_loss_weight,
+    };
+    let vocab = o.model.vocab_size as i64;
+    let shape = [o.batch_size as i64, o.seq_len as i64 + 1];
+    let mut timed = Vec::new();
+    for i in 0..o.warmup + o.steps {
+        let batch = Tensor::randint(vocab, shape, (Kind::Int64, o.device));
+        let s = step_on_batches(&model, &mut opt, &weights, 1.0, 1e-4, &[batch]);
+        if i >= o.warmup {
+            timed.push(s.seconds);
+        }
+    }
+    timed.sort_by(f64::total_cmp);
+    let median = timed[timed.len() / 2];
+    let tokens = (o.batch_size * o.seq_len) as u64;
+    let params = model.params();
+    let trainable = model.trainable_params();
+    Ok(BenchResult {
+        total_params: params.iter().map(|p| p.tensor.numel() as u64).sum(),
+        trainable_params: trainable.iter().map(|p| p.tensor.numel() as u64).sum(),
+        optimizer_state_bytes: opt.state_bytes(),
+        tokens_per_step: tokens,
+        step_ms: median * 1e3,
+        tokens_per_s: tokens as f64 / median,
+        peak_rss_mb: peak_rss_mb(),
+    })
+}
+
+/// Peak resident set size of this process in MiB, from /proc (0 where unavailable).
+pub fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}

@@ -1,0 +1,176 @@
+//! Checkpoints: `<root>/step-N/{model,optimizer}.safetensors` + `state.json`, written into a
+//! temporary directory and renamed into place, with file checksums verified on load.
+
+use crate::config::RunConfig;
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use spes_data::shard::{hash_file, write_atomic};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use tch::{Device, Tensor};
+
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const STATE_FILE: &str = "state.json";
+
+/// Everything besides tensors needed to continue a run exactly.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrainState {
+    pub format_version: u32,
+    pub step: u64,
+    pub tokens: u64,
+    /// Training windows consumed by the data loader.
+    pub data_position: u64,
+    /// Seed of the data order (and of the initialisation, for the record).
+    pub seed: u64,
+    pub optimizer_steps: i64,
+    pub config: RunConfig,
+    /// xxh3 of each tensor file, checked before loading.
+    pub files: BTreeMap<String, String>,
+}
+
+/// A loaded checkpoint.
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub state: TrainState,
+    pub model: Vec<(String, Tensor)>,
+    pub optimizer: Vec<(String, Tensor)>,
+}
+
+fn to_cpu(named: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    named
+        .iter()
+        .map(|(n, t)| (n.clone(), t.to_device(Device::Cpu).contiguous()))
+        .collect()
+}
+
+fn write_tensors(path: &Path, named: &[(String, Tensor)]) -> Result<()> {
+    Tensor::write_safetensors(&to_cpu(named), path)
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Writes `root/step-<state.step>` atomically and prunes all but the newest `keep`.
+pub fn save(
+    root: &Path,
+    mut state: TrainState,
+    model: &[(String, Tensor)],
+    optimizer: &[(String, Tensor)],
+    keep: usize,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(root).with_context(|| format!("cannot create {}", root.display()))?;
+    let final_dir = root.join(format!("step-{}", state.step));
+    let tmp = root.join(format!(".step-{}.tmp-{}", state.step, std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)?;
+    }
+    std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let written = (|| -> Result<()> {
+        write_tensors(&tmp.join(MODEL_FILE), model)?;
+        write_tensors(&tmp.join(OPTIMIZER_FILE), optimizer)?;
+        state.files.clear();
+        for f in [MODEL_FILE, OPTIMIZER_FILE] {
+            let path = tmp.join(f);
+            std::fs::File::open(&path)?.sync_all()?;
+            state.files.insert(f.to_owned(), hash_file(&path)?);
+        }
+        write_atomic(
+            &tmp.join(STATE_FILE),
+            serde_json::to_string_pretty(&state)?.as_bytes(),
+        )?;
+        if final_dir.exists() {
+            std::fs::remove_dir_all(&final_dir)?;
+        }
+        std::fs::rename(&tmp, &final_dir)?;
+        Ok(())
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e.context(format!("cannot write checkpoint {}", final_dir.display())));
+    }
+    prune(root, keep)?;
+    Ok(final_dir)
+}
+
+/// `step-N` directories under `root` that hold a state file, sorted by N.
+pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Ok(out);
+    };
+    for entry in entries {
+        let path = entry?.path();
+        let name = path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string();
+        if let Some(n) = name
+            .strip_prefix("step-")
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            if path.join(STATE_FILE).exists() {
+                out.push((n, path));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The newest checkpoint directory under `root`, if any.
+pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
+    Ok(list(root)?.pop().map(|(_, p)| p))
+}
+
+fn prune(root: &Path, keep: usize) -> Result<()> {
+    let all = list(root)?;
+    let excess = all.len().saturating_sub(keep.max(1));
+    for (_, dir) in &all[..excess] {
+        std::fs::remove_dir_all(dir).with_context(|| format!("cannot remove {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+/// Reads the state file of a checkpoint directory.
+pub fn read_state(dir: &Path) -> Result<TrainState> {
+    let path = dir.join(STATE_FILE);
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read checkpoint state {}", path.display()))?;
+    let state: TrainState = serde_json::from_str(&text)
+        .with_context(|| format!("checkpoint state {} is corrupt", path.display()))?;
+    if state.format_version != 1 {
+        bail!(
+            "{}: unsupported format_version {}",
+            path.display(),
+            state.format_version
+        );
+    }
+    Ok(state)
+}
+
+/// Loads and verifies a checkpoint directory (tensors on the CPU).
+pub fn load(dir: &Path) -> Result<Checkpoint> {
+    let state = read_state(dir)?;
+    let read = |file: &str| -> Result<Vec<(String, Tensor)>> {
+        let path = dir.join(file);
+        let expected = state.files.get(file).with_context(|| {
+            format!("{}: no checksum for {file}", dir.join(STATE_FILE).display())
+        })?;
+        let actual = hash_file(&path)?;
+        if &actual != expected {
+            bail!(
+                "checkpoint file {} is corrupt or truncated (checksum {actual}, expected {expected})",
+                path.display()
+            );
+        }
+        Tensor::read_safetensors(&path).with_context(|| format!("cannot read {}", path.display()))
+    };
+    let model = read(MODEL_FILE)?;
+    let optimizer = read(OPTIMIZER_FILE)?;
+    Ok(Checkpoint {
+        dir: dir.to_owned(),
+        state,
+        model,
+        optimizer,
+    })
+}

@@ -1,0 +1,368 @@
+//! The run configuration: TOML sections `[model]`, `[data]`, `[train]`, with `--set` overrides.
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use spes_model::ModelConfig;
+use std::path::{Path, PathBuf};
+
+/// A whole run. `model` is fully resolved (a preset plus any overridden fields).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    #[serde(default)]
+    pub sync: SyncConfig,
+}
+
+/// How the run is distributed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// One process trains every parameter (`spes train`).
+    Centralized,
+    /// Nodes train the shared parameters and their own experts; the server averages the shared
+    /// ones and takes each expert from its owner (SPES.md §2–§5).
+    Spes,
+    /// FedAvg/DiLoCo baseline: nodes train everything; the server averages everything.
+    Diloco,
+}
+
+/// Element type of tensors on the wire. The server always accumulates in fp32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PayloadDtype {
+    Fp32,
+    Bf16,
+}
+
+/// `[sync]`: the decentralized run (ignored by `spes train`, which is centralized).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SyncConfig {
+    pub mode: Mode,
+    /// Number of nodes (peers `0..nodes`).
+    pub nodes: usize,
+    /// Local optimizer steps between synchronisations (H).
+    pub sync_steps: u64,
+    /// Explicit expert ownership: `ownership[p]` lists node p's expert indices (the same in every
+    /// layer). Empty: contiguous blocks, node p owns `p·E/N .. (p+1)·E/N`.
+    pub ownership: Vec<Vec<usize>>,
+    pub payload_dtype: PayloadDtype,
+    /// Once a round's first upload arrives, close it after this long with whoever uploaded.
+    pub round_timeout_s: f64,
+    /// Checkpoint the global model every this many rounds.
+    pub checkpoint_every_rounds: u64,
+    /// Expert-merging warm-up (SPES.md §5): merge at sync steps `s % merge_every == 0` while
+    /// `α_s = merge_alpha·(1 − min(s/merge_until, 1)) > 0`, each expert with its
+    /// `merge_top_k` most similar experts of the layer. `merge_every = 0` disables merging.
+    pub merge_every: u64,
+    pub merge_alpha: f64,
+    pub merge_until: u64,
+    pub merge_top_k: usize,
+    /// Decayed load balancing (SPES.md §6): a node scales its own experts' counts by γ rising
+    /// linearly from `decayed_lb_start` to 1 over the first `decayed_lb_fraction` of training.
+    pub decayed_lb: bool,
+    pub decayed_lb_start: f64,
+    pub decayed_lb_fraction: f64,
+}
+
+impl Default for SyncConfig {
+    fn default() -> Self {
+        SyncConfig {
+            mode: Mode::Centralized,
+            nodes: 4,
+            sync_steps: 100,
+            ownership: Vec::new(),
+            payload_dtype: PayloadDtype::Fp32,
+            round_timeout_s: 600.0,
+            checkpoint_every_rounds: 1,
+            merge_every: 500,
+            merge_alpha: 0.01,
+            merge_until: 10_000,
+            merge_top_k: 4,
+            decayed_lb: false,
+            decayed_lb_start: 0.7,
+            decayed_lb_fraction: 0.2,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// A `spes tokenize` output directory.
+    pub path: PathBuf,
+}
+
+/// Numeric precision of the forward/backward pass; master weights are always fp32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// bf16 on CUDA, fp32 on CPU.
+    Auto,
+    Fp32,
+    Bf16,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    pub max_steps: u64,
+    /// Sequences per micro-batch.
+    pub batch_size: usize,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: usize,
+    /// Tokens per training sequence; at most `model.context_length`.
+    pub seq_len: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    pub warmup_steps: u64,
+    /// Warm-up starts from, and cosine decay ends at, this fraction of the peak.
+    pub lr_floor: f64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub grad_clip: f64,
+    pub z_loss_weight: f64,
+    pub lb_loss_weight: f64,
+    pub router_z_loss_weight: f64,
+    pub precision: Precision,
+    pub seed: u64,
+    pub log_every: u64,
+    pub eval_every: u64,
+    /// Validation batches per evaluation (of `batch_size` windows each).
+    pub eval_batches: usize,
+    pub checkpoint_every: u64,
+    /// Newest checkpoints kept; older ones are deleted.
+    pub keep_checkpoints: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            max_steps: 1000,
+            batch_size: 8,
+            grad_accum: 1,
+            seq_len: 256,
+            lr: 5e-4,
+            warmup_steps: 100,
+            lr_floor: 0.1,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            z_loss_weight: 1e-4,
+            lb_loss_weight: 0.01,
+            router_z_loss_weight: 0.001,
+            precision: Precision::Auto,
+            seed: 0,
+            log_every: 10,
+            eval_every: 100,
+            eval_batches: 20,
+            checkpoint_every: 500,
+            keep_checkpoints: 2,
+        }
+    }
+}
+
+impl RunConfig {
+    /// Reads a TOML file and applies `section.key=value` overrides.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read config {}", path.display()))?;
+        Self::parse(&text, overrides).with_context(|| format!("config {}", path.display()))
+    }
+
+    /// Parses TOML text and applies overrides. `[model] preset = "tiny"` fills unset model keys.
+    pub fn parse(text: &str, overrides: &[String]) -> Result<Self> {
+        let mut doc: toml::Table = toml::from_str(text)?;
+        for o in overrides {
+            apply_override(&mut doc, o)?;
+        }
+        resolve_preset(&mut doc)?;
+        let cfg: RunConfig = serde_path_to_error::deserialize(toml::Value::Table(doc))
+            .map_err(|e| anyhow::anyhow!("key `{}`: {}", e.path(), e.inner()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<()> {
+        self.model.validate()?;
+        let t = &self.train;
+        if t.seq_len == 0 || t.seq_len > self.model.context_length {
+            bail!(
+                "train.seq_len ({}) must be in 1..=model.context_length ({})",
+                t.seq_len,
+                self.model.context_length
+            );
+        }
+        for (key, v) in [
+            ("train.batch_size", t.batch_size),
+            ("train.grad_accum", t.grad_accum),
+            ("train.eval_batches", t.eval_batches),
+        ] {
+            if v == 0 {
+                bail!("{key} must be > 0");
+            }
+        }
+        for (key, v) in [
+            ("train.max_steps", t.max_steps),
+            ("train.log_every", t.log_every),
+            ("train.eval_every", t.eval_every),
+            ("train.checkpoint_every", t.checkpoint_every),
+        ] {
+            if v == 0 {
+                bail!("{key} must be > 0");
+            }
+        }
+        if !(t.lr > 0.0 && t.lr.is_finite()) {
+            bail!("train.lr must be a positive number, got {}", t.lr);
+        }
+        if !(0.0..=1.0).contains(&t.lr_floor) {
+            bail!("train.lr_floor must be in [0, 1], got {}", t.lr_floor);
+        }
+        let s = &self.sync;
+        if s.mode != Mode::Centralized {
+            if s.nodes == 0 || s.sync_steps == 0 || s.checkpoint_every_rounds == 0 {
+                bail!("sync.nodes, sync.sync_steps and sync.checkpoint_every_rounds must be > 0");
+            }
+            if s.mode == Mode::Spes && s.nodes > self.model.n_experts {
+                bail!(
+                    "sync.nodes ({}) exceeds model.n_experts ({}): every SPES node must own an expert",
+                    s.nodes,
+                    self.model.n_experts
+                );
+            }
+            if s.round_timeout_s.is_nan() || s.round_timeout_s <= 0.0 {
+                bail!("sync.round_timeout_s must be > 0");
+            }
+        }
+        Ok(())
+    }
+
+    /// Tokens consumed by one optimizer step.
+    pub fn tokens_per_step(&self) -> u64 {
+        (self.train.batch_size * self.train.grad_accum * self.train.seq_len) as u64
+    }
+}
+
+/// Applies one `section.key=value`; the value is TOML (`40`, `1e-3`, `true`, `"x"`) or a bare string.
+fn apply_override(doc: &mut toml::Table, o: &str) -> Result<()> {
+    let (key, raw) = o
+        .split_once('=')
+        .with_context(|| format!("--set `{o}`: expected section.key=value"))?;
+    let parts: Vec<&str> = key.trim().split('.').collect();
+    if parts.len() < 2 || parts.iter().any(|p| p.is_empty()) {
+        bail!("--set `{o}`: expected section.key=value");
+    }
+    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_owned()));
+    let mut table = doc;
+    for part in &parts[..parts.len() - 1] {
+        let entry = table
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        table = entry
+            .as_table_mut()
+            .with_context(|| format!("--set `{o}`: `{part}` is not a section"))?;
+    }
+    table.insert(parts[parts.len() - 1].to_owned(), value);
+    Ok(())
+}
+
+/// Replaces `[model] preset = "..."` by the preset's fields, keeping explicitly given keys.
+fn resolve_preset(doc: &mut toml::Table) -> Result<()> {
+    let Some(model) = doc.get_mut("model").and_then(|m| m.as_table_mut()) else {
+        bail!("missing section [model]");
+    };
+    let Some(preset) = model.remove("preset") else {
+        return Ok(());
+    };
+    let name = preset
+        .as_str()
+        .context("key `model.preset`: expected a string")?;
+    let base = ModelConfig::preset(name).context("key `model.preset`")?;
+    let toml::Value::Table(mut full) = toml::Value::try_from(&base)? else {
+        unreachable!("a struct serialises to a table")
+    };
+    for (k, v) in std::mem::take(model) {
+        full.insert(k, v);
+    }
+    *model = full;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = "[model]\npreset = \"tiny\"\n[data]\npath = \"d\"\n[train]\nmax_steps = 5\n";
+
+    #[test]
+    fn preset_defaults_and_overrides() {
+        let c = RunConfig::parse(BASE, &[]).unwrap();
+        assert_eq!(c.model, ModelConfig::preset("tiny").unwrap());
+        assert_eq!(c.train.max_steps, 5);
+        assert_eq!(c.train.batch_size, TrainConfig::default().batch_size);
+        let c = RunConfig::parse(
+            BASE,
+            &[
+                "train.max_steps=40".into(),
+                "data.path=/x/y".into(),
+                "model.n_experts=8".into(),
+                "train.lr=1e-3".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.train.max_steps, 40);
+        assert_eq!(c.data.path, PathBuf::from("/x/y"));
+        assert_eq!(c.model.n_experts, 8);
+        assert_eq!(c.train.lr, 1e-3);
+        let c = RunConfig::parse(BASE, &["model.preset=1b".into()]).unwrap();
+        assert_eq!(c.model.d_model, 768);
+        let c = RunConfig::parse(
+            BASE,
+            &["sync.mode=spes".into(), "sync.ownership=[[0,1],[2]]".into()],
+        )
+        .unwrap();
+        assert_eq!(c.sync.mode, Mode::Spes);
+        assert_eq!(c.sync.ownership, vec![vec![0, 1], vec![2]]);
+    }
+
+    #[test]
+    fn errors_name_the_key_and_expected_type() {
+        let err = RunConfig::parse(BASE, &["train.max_steps=lots".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("train.max_steps") && err.contains("u64"),
+            "{err}"
+        );
+        let err = RunConfig::parse(BASE, &["train.max_stepz=3".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("max_stepz"), "{err}");
+        let err = RunConfig::parse(BASE, &["model.top_k=99".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("model.top_k"), "{err}");
+        let err = RunConfig::parse(BASE, &["sync.mode=ring".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sync.mode") && err.contains("spes"), "{err}");
+        let err = RunConfig::parse(BASE, &["oops".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("section.key=value"), "{err}");
+        let err = RunConfig::parse(BASE, &["train.seq_len=100000".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("train.seq_len"), "{err}");
+    }
+}

@@ -1,0 +1,11 @@
+//! spes training: the run configuration, AdamW over the trainable tensors only, the training
+//! step and loop (centralized mode), checkpoints, metrics and the step benchmark.
+
+pub mod bench;
+pub mod checkpoint;
+pub mod config;
+pub mod optim;
+pub mod trainer;
+
+pub use config::{Mode, PayloadDtype, Precision, RunConfig, SyncConfig, TrainConfig};
+pub use trainer::{run, RunSummary, StepStats, Trainer};

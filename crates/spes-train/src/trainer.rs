@@ -1,0 +1,399 @@
+//! The training loop: micro-batches, clipping, AdamW, evaluation, metrics, checkpoints, resume.
+
+use crate::checkpoint::{self, TrainState};
+use crate::config::{Precision, RunConfig};
+use crate::optim::{lr_at, AdamW};
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use spes_data::{Loader, ValWindows};
+use spes_model::{LossWeights, MoeModel, Role};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+/// What one optimizer step measured.
+#[derive(Clone, Debug)]
+pub struct StepStats {
+    pub loss: f64,
+    pub ce: f64,
+    pub z_loss: f64,
+    pub lb_loss: f64,
+    pub router_z_loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub tokens: u64,
+    pub seconds: f64,
+}
+
+/// A model, its optimizer over the trainable tensors, and the data stream.
+pub struct Trainer {
+    pub cfg: RunConfig,
+    pub model: MoeModel,
+    pub opt: AdamW,
+    pub device: Device,
+    loader: Loader,
+    val: ValWindows,
+    /// Optimizer steps done.
+    pub step: u64,
+    /// Training tokens consumed.
+    pub tokens: u64,
+    weights: LossWeights,
+}
+
+/// bf16 where it pays (CUDA) unless the config says otherwise.
+pub fn compute_kind(precision: Precision, device: Device) -> Kind {
+    match (precision, device) {
+        (Precision::Fp32, _) | (Precision::Auto, Device::Cpu) => Kind::Float,
+        _ => Kind::BFloat16,
+    }
+}
+
+impl Trainer {
+    /// A fresh model from `cfg.train.seed`, training the parameters for which `trainable` holds.
+    pub fn new(cfg: RunConfig, device: Device, trainable: impl Fn(Role) -> bool) -> Result<Self> {
+        tch::manual_seed(cfg.train.seed as i64);
+        let model = MoeModel::new(&cfg.model, device)?;
+        Self::with_model(cfg, device, model, trainable, 0)
+    }
+
+    /// Wraps an existing model; the data stream starts at `data_position` windows.
+    pub fn with_model(
+        cfg: RunConfig,
+        device: Device,
+        mut model: MoeModel,
+        trainable: impl Fn(Role) -> bool,
+        data_position: u64,
+    ) -> Result<Self> {
+        let manifest = spes_data::Manifest::load(&cfg.data.path)?;
+        if manifest.vocab_size > cfg.model.vocab_size {
+            bail!(
+                "data {} has a {}-token vocabulary but model.vocab_size is {}",
+                cfg.data.path.display(),
+                manifest.vocab_size,
+                cfg.model.vocab_size
+            );
+        }
+        model.set_compute_kind(compute_kind(cfg.train.precision, device));
+        model.set_trainable(trainable);
+        let opt = AdamW::new(model.trainable_params(), &cfg.train);
+        let seq = cfg.train.seq_len;
+        let loader = Loader::open(&cfg.data.path, seq, cfg.train.seed, data_position)?;
+        let val = ValWindows::open(&cfg.data.path, seq)?;
+        let t = &cfg.train;
+        let weights = LossWeights {
+            z_loss: t.z_loss_weight,
+            lb: t.lb_loss_weight,
+            router_z: t.router_z_loss_weight,
+        };
+        Ok(Trainer {
+            cfg,
+            model,
+            opt,
+            device,
+            loader,
+            val,
+            step: 0,
+            tokens: 0,
+            weights,
+        })
+    }
+
+    fn batch_tensor(&self, rows: usize, flat: Vec<i64>) -> Tensor {
+        Tensor::from_slice(&flat)
+            .view([rows as i64, (self.cfg.train.seq_len + 1) as i64])
+            .to_device(self.device)
+    }
+
+    /// One optimizer step over `grad_accum` micro-batches from the data stream.
+    pub fn train_step(&mut self) -> StepStats {
+        let t = self.cfg.train.clone();
+        let batches: Vec<Tensor> = (0..t.grad_accum)
+            .map(|_| {
+                let flat = self.loader.next_batch(t.batch_size);
+                self.batch_tensor(t.batch_size, flat)
+            })
+            .collect();
+        let lr = lr_at(self.step, &t);
+        let s = step_on_batches(
+            &self.model,
+            &mut self.opt,
+            &self.weights,
+            t.grad_clip,
+            lr,
+            &batches,
+        );
+        self.step += 1;
+        self.tokens += s.tokens;
+        s
+    }
+
+    /// Mean token cross-entropy on up to `eval_batches` validation batches.
+    pub fn evaluate(&self) -> f64 {
+        let t = &self.cfg.train;
+        let (mut total, mut n) = (0f64, 0usize);
+        tch::no_grad(|| {
+            for (rows, flat) in self.val.batches(t.batch_size, t.eval_batches) {
+                let batch = self.batch_tensor(rows, flat);
+                let l = self.model.losses(&batch, &self.weights);
+                total += l.ce.double_value(&[]) * rows as f64;
+                n += rows;
+            }
+        });
+        total / n as f64
+    }
+
+    /// Named model tensors, for saving.
+    pub fn model_tensors(&self) -> Vec<(String, Tensor)> {
+        self.model
+            .params()
+            .into_iter()
+            .map(|p| (p.name, p.tensor))
+            .collect()
+    }
+
+    /// Writes a checkpoint of the current state under `root`.
+    pub fn save_checkpoint(&self, root: &Path) -> Result<PathBuf> {
+        let state = TrainState {
+            format_version: 1,
+            step: self.step,
+            tokens: self.tokens,
+            data_position: self.loader.position(),
+            seed: self.cfg.train.seed,
+            optimizer_steps: self.opt.steps,
+            config: self.cfg.clone(),
+            files: Default::default(),
+        };
+        checkpoint::save(
+            root,
+            state,
+            &self.model_tensors(),
+            &self.opt.state(),
+            self.cfg.train.keep_checkpoints,
+        )
+    }
+
+    /// Restores model, optimizer, step, token count and data position from a checkpoint.
+    pub fn resume_from(
+        cfg: RunConfig,
+        device: Device,
+        dir: &Path,
+        trainable: impl Fn(Role) -> bool,
+    ) -> Result<Self> {
+        let ck = checkpoint::load(dir)?;
+        let model = MoeModel::new(&cfg.model, device)?;
+        let source = dir.join(checkpoint::MODEL_FILE);
+        model.load(&ck.model, &source.display().to_string())?;
+        let mut tr = Self::with_model(cfg, device, model, trainable, ck.state.data_position)?;
+        let source = dir.join(checkpoint::OPTIMIZER_FILE);
+        let optimizer = ck
+            .optimizer
+            .into_iter()
+            .map(|(n, t)| (n, t.to_device(device)))
+            .collect();
+        tr.opt.load_state(
+            optimizer,
+            ck.state.optimizer_steps,
+            &source.display().to_string(),
+        )?;
+        tr.step = ck.state.step;
+        tr.tokens = ck.state.tokens;
+        Ok(tr)
+    }
+}
+
+/// Forward/backward over each batch (gradients averaged), clipping, and one AdamW update.
+pub fn step_on_batches(
+    model: &MoeModel,
+    opt: &mut AdamW,
+    weights: &LossWeights,
+    grad_clip: f64,
+    lr: f64,
+    batches: &[Tensor],
+) -> StepStats {
+    let start = Instant::now();
+    let n = batches.len() as f64;
+    let mut sums = [0f64; 5];
+    let mut tokens = 0;
+    for batch in batches {
+        let (rows, cols) = batch.size2().expect("batch is [rows, seq+1]");
+        tokens += (rows * (cols - 1)) as u64;
+        let l = model.losses(batch, weights);
+        (&l.total / n).backward();
+        for (s, v) in sums
+            .iter_mut()
+            .zip([&l.total, &l.ce, &l.z_loss, &l.lb, &l.router_z])
+        {
+            *s += v.double_value(&[]) / n;
+        }
+    }
+    let grad_norm = opt.clip_grad_norm(grad_clip).double_value(&[]);
+    opt.step(lr);
+    opt.zero_grad();
+    StepStats {
+        loss: sums[0],
+        ce: sums[1],
+        z_loss: sums[2],
+        lb_loss: sums[3],
+        router_z_loss: sums[4],
+        grad_norm,
+        lr,
+        tokens,
+        seconds: start.elapsed().as_secs_f64(),
+    }
+}
+
+/// Outcome of [`run`].
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RunSummary {
+    pub initial_val_loss: Option<f64>,
+    pub final_val_loss: f64,
+    pub steps: u64,
+    pub tokens: u64,
+    pub wall_s: f64,
+    pub tokens_per_s: f64,
+}
+
+/// Appends JSON lines to `<out>/metrics.jsonl`.
+pub struct MetricsLog {
+    file: std::fs::File,
+}
+
+impl MetricsLog {
+    /// Opens the log, dropping entries after `keep_through_step` (left by a crashed run).
+    pub fn open(out: &Path, keep_through_step: Option<u64>) -> Result<Self> {
+        let path = out.join("metrics.jsonl");
+        let kept: String = match (keep_through_step, std::fs::read_to_string(&path)) {
+            (Some(step), Ok(text)) => text
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v["step"].as_u64())
+                        .is_some_and(|s| s <= step)
+                })
+                .map(|l| format!("{l}\n"))
+                .collect(),
+            _ => String::new(),
+        };
+        spes_data::shard::write_atomic(&path, kept.as_bytes())?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        Ok(MetricsLog { file })
+    }
+
+    pub fn write(&mut self, value: serde_json::Value) -> Result<()> {
+        writeln!(self.file, "{value}")?;
+        Ok(())
+    }
+}
+
+/// `spes train`: centralized training of every parameter, resumable from `<out>/checkpoints`.
+pub fn run(
+    cfg: RunConfig,
+    out: &Path,
+    device: Device,
+    resume: bool,
+    progress: bool,
+) -> Result<RunSummary> {
+    if cfg.sync.mode != crate::config::Mode::Centralized {
+        bail!(
+            "sync.mode = {:?} is decentralized: start `spes server` and one `spes node` per peer",
+            cfg.sync.mode
+        );
+    }
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let ck_root = out.join("checkpoints");
+    let latest = checkpoint::latest(&ck_root)?;
+    let mut tr = match (&latest, resume) {
+        (Some(dir), true) => {
+            tracing::info!("resuming from {}", dir.display());
+            Trainer::resume_from(cfg.clone(), device, dir, |_| true)?
+        }
+        (Some(dir), false) => bail!(
+            "{} already holds checkpoint {}; pass --resume to continue it, or choose another --out",
+            out.display(),
+            dir.display()
+        ),
+        (None, _) => Trainer::new(cfg.clone(), device, |_| true)?,
+    };
+    spes_data::shard::write_atomic(&out.join("config.toml"), toml::to_string(&cfg)?.as_bytes())?;
+    let mut log = MetricsLog::open(out, latest.as_ref().map(|_| tr.step))?;
+    let t = cfg.train.clone();
+    let start = Instant::now();
+    let initial_val_loss = if tr.step == 0 {
+        let v = tr.evaluate();
+        log.write(json!({"step": 0, "tokens": 0, "val_loss": v}))?;
+        Some(v)
+    } else {
+        None
+    };
+    let bar = progress_bar(progress, t.max_steps, tr.step);
+    let (mut window_tokens, mut window_s) = (0u64, 0f64);
+    let mut final_val_loss = initial_val_loss.unwrap_or(f64::NAN);
+    let first_step = tr.step;
+    while tr.step < t.max_steps {
+        let s = tr.train_step();
+        if !s.loss.is_finite() {
+            bail!(
+                "loss became {} at step {}; lower train.lr or check the data",
+                s.loss,
+                tr.step
+            );
+        }
+        window_tokens += s.tokens;
+        window_s += s.seconds;
+        let mut record = None;
+        if tr.step % t.log_every == 0 || tr.step == t.max_steps {
+            let tps = window_tokens as f64 / window_s.max(1e-9);
+            record = Some(json!({
+                "step": tr.step, "loss": s.loss, "ce": s.ce, "z_loss": s.z_loss,
+                "lb_loss": s.lb_loss, "router_z_loss": s.router_z_loss, "grad_norm": s.grad_norm,
+                "lr": s.lr, "tokens": tr.tokens, "tokens_per_s": tps,
+            }));
+            bar.set_message(format!("loss {:.3} | {:.0} tok/s", s.loss, tps));
+            (window_tokens, window_s) = (0, 0.0);
+        }
+        if tr.step % t.eval_every == 0 || tr.step == t.max_steps {
+            final_val_loss = tr.evaluate();
+            let r = record.get_or_insert_with(|| json!({"step": tr.step, "tokens": tr.tokens}));
+            r["val_loss"] = json!(final_val_loss);
+            bar.println(format!("step {:>6}  val_loss {final_val_loss:.4}", tr.step));
+        }
+        if let Some(r) = record {
+            log.write(r)?;
+        }
+        if tr.step % t.checkpoint_every == 0 || tr.step == t.max_steps {
+            tr.save_checkpoint(&ck_root)?;
+        }
+        bar.set_position(tr.step);
+    }
+    bar.finish_and_clear();
+    let wall_s = start.elapsed().as_secs_f64();
+    let trained = (tr.step - first_step) * cfg.tokens_per_step();
+    Ok(RunSummary {
+        initial_val_loss,
+        final_val_loss,
+        steps: tr.step,
+        tokens: tr.tokens,
+        wall_s,
+        tokens_per_s: trained as f64 / wall_s.max(1e-9),
+    })
+}
+
+fn progress_bar(show: bool, max_steps: u64, at: u64) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(max_steps);
+    bar.set_style(
+        ProgressStyle::with_template("step {pos}/{len} [{bar:30}] {msg} | eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_position(at);
+    bar
+}

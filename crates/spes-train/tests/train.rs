@@ -1,0 +1,215 @@
+use spes_data::{tokenize, TokenizeOptions, TokenizerSource};
+use spes_model::Role;
+use spes_train::{checkpoint, RunConfig, Trainer};
+use std::path::{Path, PathBuf};
+use tch::{Device, Tensor};
+
+/// A small tokenized slice of Shakespeare from ../shared.
+fn data(dir: &Path) -> PathBuf {
+    let src =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tinyshakespeare.txt");
+    let text = std::fs::read_to_string(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
+    let input = dir.join("corpus.txt");
+    std::fs::write(&input, &text[..150_000]).unwrap();
+    let mut opts = TokenizeOptions::new(
+        vec![input.display().to_string()],
+        dir.join("data"),
+        TokenizerSource::Train(512),
+    );
+    opts.progress = false;
+    opts.val_fraction = 0.05;
+    tokenize(&opts).unwrap();
+    dir.join("data")
+}
+
+fn config(data: &Path, extra: &[&str]) -> RunConfig {
+    let text = format!(
+        r#"
+[model]
+preset = "tiny"
+vocab_size = 512
+d_model = 32
+n_layers = 2
+n_heads = 2
+head_dim = 16
+n_kv_heads = 2
+n_experts = 4
+expert_hidden = 32
+context_length = 32
+
+[data]
+path = "{}"
+
+[train]
+max_steps = 6
+batch_size = 4
+seq_len = 32
+lr = 3e-3
+warmup_steps = 2
+log_every = 1
+eval_every = 3
+eval_batches = 2
+checkpoint_every = 3
+keep_checkpoints = 5
+"#,
+        data.display()
+    );
+    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    RunConfig::parse(&text, &extra).unwrap()
+}
+
+fn named(tr: &Trainer) -> Vec<(String, Tensor)> {
+    tr.model_tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.copy()))
+        .collect()
+}
+
+fn assert_bit_identical(a: &[(String, Tensor)], b: &[(String, Tensor)]) {
+    assert_eq!(a.len(), b.len());
+    let sorted = |v: &[(String, Tensor)]| {
+        let mut v: Vec<(String, Tensor)> = v
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        v.sort_by(|x, y| x.0.cmp(&y.0));
+        v
+    };
+    for ((na, ta), (nb, tb)) in sorted(a).iter().zip(&sorted(b)) {
+        assert_eq!(na, nb);
+        assert!(ta.equal(tb), "{na} differs");
+    }
+}
+
+fn losses(out: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["loss"].is_number())
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn resume_reproduces_the_uninterrupted_run_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let full = tmp.path().join("full");
+    spes_train::run(config(&data, &[]), &full, Device::Cpu, false, false).unwrap();
+
+    // A run that died after its step-3 checkpoint: that checkpoint and the metrics so far.
+    let crashed = tmp.path().join("crashed");
+    std::fs::create_dir_all(crashed.join("checkpoints")).unwrap();
+    let src = full.join("checkpoints/step-3");
+    let dst = crashed.join("checkpoints/step-3");
+    std::fs::create_dir(&dst).unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dst.join(f.file_name().unwrap())).unwrap();
+    }
+    std::fs::copy(full.join("metrics.jsonl"), crashed.join("metrics.jsonl")).unwrap();
+
+    let err = spes_train::run(config(&data, &[]), &crashed, Device::Cpu, false, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("--resume"),
+        "refuses to overwrite a run: {err}"
+    );
+    let s = spes_train::run(config(&data, &[]), &crashed, Device::Cpu, true, false).unwrap();
+    assert_eq!(s.steps, 6);
+    assert_eq!(
+        losses(&crashed),
+        losses(&full),
+        "per-step losses, bit for bit"
+    );
+    assert_eq!(losses(&full).len(), 6);
+
+    let a = checkpoint::load(&full.join("checkpoints/step-6")).unwrap();
+    let b = checkpoint::load(&crashed.join("checkpoints/step-6")).unwrap();
+    assert_bit_identical(&a.model, &b.model);
+    assert_bit_identical(&a.optimizer, &b.optimizer);
+    assert_eq!(a.state.data_position, b.state.data_position);
+}
+
+#[test]
+fn checkpoint_round_trip_is_exact_and_corruption_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(&data, &[]);
+    let mut tr = Trainer::new(cfg.clone(), Device::Cpu, |_| true).unwrap();
+    tr.train_step();
+    tr.train_step();
+    let root = tmp.path().join("ck");
+    let dir = tr.save_checkpoint(&root).unwrap();
+    let back = Trainer::resume_from(cfg.clone(), Device::Cpu, &dir, |_| true).unwrap();
+    assert_bit_identical(&named(&tr), &named(&back));
+    assert_bit_identical(&tr.opt.state(), &back.opt.state());
+    assert_eq!((back.step, back.tokens, back.opt.steps), (2, tr.tokens, 2));
+    // No temp directory is left behind.
+    let leftovers: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert_eq!(leftovers, vec!["step-2".to_string()]);
+
+    let model_file = dir.join(checkpoint::MODEL_FILE);
+    let bytes = std::fs::read(&model_file).unwrap();
+    std::fs::write(&model_file, &bytes[..bytes.len() - 100]).unwrap();
+    let err = format!("{:#}", checkpoint::load(&dir).err().unwrap());
+    assert!(
+        err.contains("model.safetensors") && err.contains("truncated"),
+        "{err}"
+    );
+    std::fs::write(&model_file, &bytes).unwrap();
+    checkpoint::load(&dir).unwrap();
+
+    std::fs::write(dir.join(checkpoint::STATE_FILE), "{\"step\": ").unwrap();
+    let err = format!("{:#}", checkpoint::load(&dir).err().unwrap());
+    assert!(
+        err.contains("state.json") && err.contains("corrupt"),
+        "{err}"
+    );
+}
+
+#[test]
+fn frozen_experts_stay_bit_identical_with_no_optimizer_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let own = |r: Role| match r {
+        Role::Shared => true,
+        Role::Expert { index, .. } => index == 1 || index == 2,
+    };
+    let mut tr = Trainer::new(config(&data, &[]), Device::Cpu, own).unwrap();
+    let before = named(&tr);
+    for _ in 0..4 {
+        tr.train_step();
+    }
+    let after = named(&tr);
+    let roles: Vec<Role> = tr.model.params().iter().map(|p| p.role).collect();
+    let mut trainable_bytes = 0;
+    for (((name, b), (_, a)), role) in before.iter().zip(&after).zip(&roles) {
+        if own(*role) {
+            assert!(!a.equal(b), "{name} is trained and must change");
+            trainable_bytes += (a.numel() * 4) as u64;
+        } else {
+            assert!(a.equal(b), "{name} is frozen and must not change");
+            assert!(
+                !tr.opt.param_names().any(|n| n == name),
+                "{name} has optimizer state"
+            );
+        }
+    }
+    assert_eq!(
+        tr.opt.state_bytes(),
+        2 * trainable_bytes,
+        "two fp32 moments per trainable value"
+    );
+    let frozen = roles.iter().filter(|r| !own(**r)).count();
+    assert_eq!(
+        frozen,
+        2 * 2 * 3,
+        "2 layers × 2 frozen experts × 3 matrices"
+    );
+}
