@@ -1,0 +1,288 @@
+//! The server's math for one round (SPES.md §4–§5): validate each node's upload, average the
+//! shared parameters over the nodes that uploaded (fp32), take each expert from its owner, then
+//! on merge rounds mix each expert with its most similar experts of the same layer.
+//!
+//! Uploads are folded into running sums as they arrive, so the server holds one model's worth of
+//! accumulators however many nodes there are.
+
+use crate::ownership::Ownership;
+use anyhow::{bail, Result};
+use serde::Serialize;
+use spes_model::{expert_tensor_name, MoeModel, Role, EXPERT_PARTS};
+use std::collections::{BTreeSet, HashMap};
+use tch::{Kind, Tensor};
+
+/// Named tensors, in the model's parameter order.
+pub type Named = Vec<(String, Tensor)>;
+
+/// The model's parameter names, roles and shapes: what uploads are checked against.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    pub entries: Vec<(String, Role, Vec<i64>)>,
+    pub n_layers: usize,
+    pub n_experts: usize,
+}
+
+impl Layout {
+    pub fn of(model: &MoeModel) -> Self {
+        Layout {
+            entries: model
+                .params()
+                .into_iter()
+                .map(|p| (p.name, p.role, p.tensor.size()))
+                .collect(),
+            n_layers: model.cfg.n_layers,
+            n_experts: model.cfg.n_experts,
+        }
+    }
+}
+
+/// What each node uploads and how the server combines it.
+#[derive(Clone, Debug)]
+pub enum Scope {
+    /// SPES: shared parameters (averaged) plus the node's own experts (taken as is).
+    Spes(Ownership),
+    /// DiLoCo/FedAvg: every parameter, all averaged.
+    Diloco { peers: usize },
+}
+
+impl Scope {
+    pub fn peers(&self) -> usize {
+        match self {
+            Scope::Spes(o) => o.peers(),
+            Scope::Diloco { peers } => *peers,
+        }
+    }
+
+    /// Whether `peer` uploads (and trains) a parameter of this role.
+    pub fn uploads(&self, peer: usize, role: Role) -> bool {
+        match self {
+            Scope::Spes(o) => o.trains(peer, role),
+            Scope::Diloco { .. } => true,
+        }
+    }
+
+    /// Whether the server averages this parameter over nodes (else: takes the owner's copy).
+    fn averaged(&self, role: Role) -> bool {
+        matches!((self, role), (Scope::Diloco { .. }, _) | (_, Role::Shared))
+    }
+}
+
+/// Accumulates the uploads of one round.
+pub struct Aggregator {
+    scope: Scope,
+    sums: HashMap<String, Tensor>,
+    owned: HashMap<String, Tensor>,
+    uploaded: BTreeSet<usize>,
+}
+
+impl Aggregator {
+    pub fn new(scope: Scope) -> Self {
+        Aggregator {
+            scope,
+            sums: HashMap::new(),
+            owned: HashMap::new(),
+            uploaded: BTreeSet::new(),
+        }
+    }
+
+    /// Peers whose upload was accepted this round.
+    pub fn uploaded(&self) -> &BTreeSet<usize> {
+        &self.uploaded
+    }
+
+    /// Checks an upload completely, then folds it in. A rejected upload changes nothing.
+    pub fn add(&mut self, layout: &Layout, peer: usize, upload: Named) -> Result<()> {
+        let peers = self.scope.peers();
+        if peer >= peers {
+            bail!("peer {peer} is out of range: this run has nodes 0..{peers}");
+        }
+        if self.uploaded.contains(&peer) {
+            bail!("peer {peer} already uploaded this round");
+        }
+        let mut given: HashMap<String, Tensor> = HashMap::with_capacity(upload.len());
+        for (name, t) in upload {
+            if given.insert(name.clone(), t).is_some() {
+                bail!("upload of peer {peer} holds tensor `{name}` twice");
+            }
+        }
+        let mut expected = 0;
+        for (name, role, shape) in &layout.entries {
+            if !self.scope.uploads(peer, *role) {
+                if given.contains_key(name) {
+                    bail!("upload of peer {peer} holds `{name}`, which peer {peer} does not own");
+                }
+                continue;
+            }
+            expected += 1;
+            let Some(t) = given.get(name) else {
+                bail!("upload of peer {peer} is missing tensor `{name}`");
+            };
+            if t.size() != *shape {
+                bail!(
+                    "upload of peer {peer}: tensor `{name}` has shape {:?}, expected {shape:?}",
+                    t.size()
+                );
+            }
+            if !matches!(t.kind(), Kind::Float | Kind::BFloat16) {
+                bail!(
+                    "upload of peer {peer}: tensor `{name}` is {:?}, expected f32 or bf16",
+                    t.kind()
+                );
+            }
+            if !bool::try_from(t.isfinite().all()).unwrap_or(false) {
+                bail!("upload of peer {peer}: tensor `{name}` holds non-finite values");
+            }
+        }
+        if given.len() != expected {
+            let unknown = given
+                .keys()
+                .find(|k| !layout.entries.iter().any(|(n, _, _)| n == *k))
+                .cloned()
+                .unwrap_or_default();
+            bail!("upload of peer {peer} holds unknown tensor `{unknown}`");
+        }
+        tch::no_grad(|| {
+            for (name, role, _) in &layout.entries {
+                let Some(t) = given.remove(name) else {
+                    continue;
+                };
+                let t = t.to_kind(Kind::Float);
+                if self.scope.averaged(*role) {
+                    match self.sums.get_mut(name) {
+                        Some(sum) => {
+                            let _ = sum.g_add_(&t);
+                        }
+                        None => {
+                            self.sums.insert(name.clone(), t.copy());
+                        }
+                    }
+                } else {
+                    self.owned.insert(name.clone(), t);
+                }
+            }
+        });
+        self.uploaded.insert(peer);
+        Ok(())
+    }
+
+    /// The new global model: averages and owners' experts where uploaded, `previous` elsewhere.
+    pub fn finish(self, layout: &Layout, previous: &Named) -> Named {
+        let n = self.uploaded.len() as f64;
+        let mut sums = self.sums;
+        let mut owned = self.owned;
+        layout
+            .entries
+            .iter()
+            .zip(previous)
+            .map(|((name, _, _), (_, prev))| {
+                let t = match (sums.remove(name), owned.remove(name)) {
+                    (Some(sum), _) => sum / n,
+                    (None, Some(t)) => t,
+                    (None, None) => prev.shallow_clone(),
+                };
+                (name.clone(), t)
+            })
+            .collect()
+    }
+}
+
+/// The expert-merging warm-up schedule (SPES.md §5).
+#[derive(Clone, Copy, Debug)]
+pub struct MergeSchedule {
+    /// Merge at sync steps that are multiples of this (M); 0 disables merging.
+    pub every: u64,
+    pub alpha0: f64,
+    /// α reaches 0 at this step (T).
+    pub until: u64,
+    /// Neighbours per expert (K).
+    pub top_k: usize,
+}
+
+impl MergeSchedule {
+    /// α at sync step `s` if `s` is a merge step with α > 0.
+    pub fn alpha(&self, s: u64) -> Option<f64> {
+        if self.every == 0 || !s.is_multiple_of(self.every) || self.until == 0 {
+            return None;
+        }
+        let a = self.alpha0 * (1.0 - (s as f64 / self.until as f64).min(1.0));
+        (a > 0.0).then_some(a)
+    }
+}
+
+/// One expert's merge: its layer, index, the neighbours it was mixed with, and α.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct MergeEvent {
+    pub layer: usize,
+    pub expert: usize,
+    pub neighbours: Vec<usize>,
+    pub alpha: f64,
+}
+
+/// `ψ_i ← ψ_i + α·mean_{j∈N(i)}(ψ_j − ψ_i)` for every expert of every layer, where N(i) are the
+/// `top_k` experts whose flattened gate matrices have the highest cosine similarity to i's.
+/// All experts of a layer are updated from the pre-merge values.
+pub fn merge_experts(
+    global: &mut Named,
+    layout: &Layout,
+    top_k: usize,
+    alpha: f64,
+) -> Vec<MergeEvent> {
+    let e = layout.n_experts;
+    let k = top_k.min(e.saturating_sub(1));
+    if k == 0 {
+        return Vec::new();
+    }
+    let index: HashMap<String, usize> = global
+        .iter()
+        .enumerate()
+        .map(|(i, (n, _))| (n.clone(), i))
+        .collect();
+    let mut events = Vec::new();
+    tch::no_grad(|| {
+        for layer in 0..layout.n_layers {
+            let stacked: Vec<Tensor> = EXPERT_PARTS
+                .iter()
+                .map(|part| {
+                    let ts: Vec<Tensor> = (0..e)
+                        .map(|i| {
+                            global[index[&expert_tensor_name(layer, i, part)]]
+                                .1
+                                .to_kind(Kind::Float)
+                        })
+                        .collect();
+                    Tensor::stack(&ts, 0)
+                })
+                .collect();
+            let gate = stacked[0].view([e as i64, -1]);
+            let unit = &gate / gate.norm_scalaropt_dim(2, [1], true).clamp_min(1e-12);
+            let mut sim = unit.matmul(&unit.tr());
+            let _ = sim.fill_diagonal_(f64::NEG_INFINITY, false);
+            let (_, nbr) = sim.topk(k as i64, 1, true, true);
+            let neighbours: Vec<Vec<i64>> = Vec::<Vec<i64>>::try_from(&nbr).expect("int64 matrix");
+            for (part, p) in EXPERT_PARTS.iter().zip(&stacked) {
+                let mut grouped = p.size();
+                grouped.insert(1, k as i64);
+                grouped[0] = e as i64;
+                let mean = p
+                    .index_select(0, &nbr.view([-1]))
+                    .view(grouped.as_slice())
+                    .mean_dim(1, false, Kind::Float);
+                let merged = p + (mean - p) * alpha;
+                for i in 0..e {
+                    let slot = index[&expert_tensor_name(layer, i, part)];
+                    global[slot].1 = merged.get(i as i64).contiguous();
+                }
+            }
+            for (i, n) in neighbours.into_iter().enumerate() {
+                events.push(MergeEvent {
+                    layer,
+                    expert: i,
+                    neighbours: n.into_iter().map(|j| j as usize).collect(),
+                    alpha,
+                });
+            }
+        }
+    });
+    events
+}
