@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# GPU check, self-contained: on a machine with an NVIDIA GPU and PyTorch 2.11 installed (no
+# network needed), runs a spes binary built elsewhere against that PyTorch's libtorch, confirms
+# CUDA is used, benchmarks bf16 training steps and trains the tiny preset in bf16.
+#   scripts/gpu-check.sh [path/to/spes]      (PYTHON=... picks the interpreter that has torch)
+set -euo pipefail
+bin=$(realpath "${1:-target/release/spes}")
+py=${PYTHON:-python3}
+torch_lib=$("$py" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))")
+echo "== torch $("$py" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)') at $torch_lib"
+export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+
+echo "== --device cuda must pick the GPU (fails loudly otherwise)"
+"$bin" bench --preset tiny --device cuda --precision bf16 --steps 10 --warmup 3
+"$bin" bench --preset tiny --device cuda --precision fp32 --steps 10 --warmup 3
+echo "== 1b preset, bf16, 4x2048 tokens per step (all experts trained, then a SPES node's 1/4)"
+"$bin" bench --preset 1b --device cuda --precision bf16 --batch-size 4 --seq-len 2048 --steps 5 --warmup 2
+"$bin" bench --preset 1b --device cuda --precision bf16 --batch-size 4 --seq-len 2048 --steps 5 --warmup 2 --own-experts 4
+
+echo "== tiny training run in bf16 on the embedded corpus"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$bin" demo --out "$work/demo" --device cuda --set train.precision=bf16 --set train.max_steps=300 \
+  --set train.batch_size=32 2>&1 | tail -n 4
+python3 - "$work/demo/train/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+val = [r["val_loss"] for r in rows if "val_loss" in r]
+tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+print(f"val_loss {val[0]:.3f} -> {val[-1]:.3f}; median tokens/s {sorted(tps)[len(tps)//2]:.0f}")
+assert val[-1] < val[0] - 1.0, "bf16 CUDA training must lower the validation loss"
+PY
+echo "== gpu-check passed"

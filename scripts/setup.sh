@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs what spes needs into the repository, idempotently (a no-op when already there):
+# a Python virtualenv .venv with PyTorch 2.11.0 from PyPI, whose bundled libtorch is what tch
+# 0.24 builds and links against (.venv/libtorch -> site-packages/torch). Needs python3 and cargo.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv="$root/.venv"
+torch_version=2.11.0
+
+for tool in python3 cargo; do
+  command -v "$tool" >/dev/null || { echo "setup: $tool is required but not on PATH" >&2; exit 1; }
+done
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+installed=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true)
+if [ "${installed%%+*}" != "$torch_version" ]; then
+  echo "setup: installing torch==$torch_version into $venv (about 2.7 GB download, 4.7 GB on disk)" >&2
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==$torch_version" numpy
+fi
+site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+ln -sfn "$site/torch" "$venv/libtorch"
