@@ -69,6 +69,11 @@ impl Coordinator {
         (&self.global, self.round - 1)
     }
 
+    /// Peers whose upload of the open round was accepted.
+    pub fn uploaded(&self) -> &std::collections::BTreeSet<usize> {
+        self.agg.uploaded()
+    }
+
     pub fn layout(&self) -> &Layout {
         &self.layout
     }

@@ -237,6 +237,13 @@ impl RunConfig {
                     self.model.n_experts
                 );
             }
+            if !t.max_steps.is_multiple_of(s.sync_steps) {
+                bail!(
+                    "train.max_steps ({}) must be a multiple of sync.sync_steps ({}) so every node ends on a round",
+                    t.max_steps,
+                    s.sync_steps
+                );
+            }
             if s.round_timeout_s.is_nan() || s.round_timeout_s <= 0.0 {
                 bail!("sync.round_timeout_s must be > 0");
             }

@@ -8,4 +8,4 @@ pub mod optim;
 pub mod trainer;
 
 pub use config::{Mode, PayloadDtype, Precision, RunConfig, SyncConfig, TrainConfig};
-pub use trainer::{run, RunSummary, StepStats, Trainer};
+pub use trainer::{run, validation_loss, RunSummary, StepStats, Trainer};

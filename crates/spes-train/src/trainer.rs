@@ -27,6 +27,17 @@ pub struct StepStats {
     pub seconds: f64,
 }
 
+impl StepStats {
+    /// The `metrics.jsonl` record of this step: `tokens` so far and the measured `tokens_per_s`.
+    pub fn record(&self, step: u64, tokens: u64, tokens_per_s: f64) -> serde_json::Value {
+        json!({
+            "step": step, "loss": self.loss, "ce": self.ce, "z_loss": self.z_loss,
+            "lb_loss": self.lb_loss, "router_z_loss": self.router_z_loss, "grad_norm": self.grad_norm,
+            "lr": self.lr, "tokens": tokens, "tokens_per_s": tokens_per_s,
+        })
+    }
+}
+
 /// A model, its optimizer over the trainable tensors, and the data stream.
 pub struct Trainer {
     pub cfg: RunConfig,
@@ -132,16 +143,13 @@ impl Trainer {
     /// Mean token cross-entropy on up to `eval_batches` validation batches.
     pub fn evaluate(&self) -> f64 {
         let t = &self.cfg.train;
-        let (mut total, mut n) = (0f64, 0usize);
-        tch::no_grad(|| {
-            for (rows, flat) in self.val.batches(t.batch_size, t.eval_batches) {
-                let batch = self.batch_tensor(rows, flat);
-                let l = self.model.losses(&batch, &self.weights);
-                total += l.ce.double_value(&[]) * rows as f64;
-                n += rows;
-            }
-        });
-        total / n as f64
+        validation_loss(
+            &self.model,
+            &self.val,
+            t.batch_size,
+            t.eval_batches,
+            self.device,
+        )
     }
 
     /// Named model tensors, for saving.
@@ -201,6 +209,30 @@ impl Trainer {
         tr.tokens = ck.state.tokens;
         Ok(tr)
     }
+}
+
+/// Mean token cross-entropy of `model` on up to `max_batches` validation batches of `batch`.
+pub fn validation_loss(
+    model: &MoeModel,
+    val: &ValWindows,
+    batch: usize,
+    max_batches: usize,
+    device: Device,
+) -> f64 {
+    let (mut total, mut n) = (0f64, 0usize);
+    tch::no_grad(|| {
+        for (rows, flat) in val.batches(batch, max_batches) {
+            let seq = flat.len() / rows;
+            let batch = Tensor::from_slice(&flat)
+                .view([rows as i64, seq as i64])
+                .to_device(device);
+            let (logits, _) = model.forward(&batch.narrow(1, 0, seq as i64 - 1));
+            let (ce, _) = spes_model::token_losses(&logits, &batch.narrow(1, 1, seq as i64 - 1));
+            total += ce.double_value(&[]) * rows as f64;
+            n += rows;
+        }
+    });
+    total / n as f64
 }
 
 /// Forward/backward over each batch (gradients averaged), clipping, and one AdamW update.
@@ -349,11 +381,7 @@ pub fn run(
         let mut record = None;
         if tr.step % t.log_every == 0 || tr.step == t.max_steps {
             let tps = window_tokens as f64 / window_s.max(1e-9);
-            record = Some(json!({
-                "step": tr.step, "loss": s.loss, "ce": s.ce, "z_loss": s.z_loss,
-                "lb_loss": s.lb_loss, "router_z_loss": s.router_z_loss, "grad_norm": s.grad_norm,
-                "lr": s.lr, "tokens": tr.tokens, "tokens_per_s": tps,
-            }));
+            record = Some(s.record(tr.step, tr.tokens, tps));
             bar.set_message(format!("loss {:.3} | {:.0} tok/s", s.loss, tps));
             (window_tokens, window_s) = (0, 0.0);
         }

@@ -1,0 +1,506 @@
+//! SPES and DiLoCo over real gRPC on 127.0.0.1: a server and N nodes in one process.
+
+use spes_data::{tokenize, TokenizeOptions, TokenizerSource};
+use spes_model::{MoeModel, Role};
+use spes_net::auth::AddToken;
+use spes_net::proto::spes_client::SpesClient;
+use spes_net::proto::{chunk::Part, Chunk, JoinRequest, PayloadHeader};
+use spes_net::server::{serve, ServerOptions, ServerSummary};
+use spes_net::{payload, Node, NodeOptions, Progress};
+use spes_sync::Named;
+use spes_train::{PayloadDtype, RunConfig};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use tch::{Device, Kind, Tensor};
+
+const TOKEN: &str = "test-token-123";
+
+fn data(dir: &Path) -> PathBuf {
+    let src =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tinyshakespeare.txt");
+    let text = std::fs::read_to_string(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
+    let input = dir.join("corpus.txt");
+    std::fs::write(&input, &text[..120_000]).unwrap();
+    let mut opts = TokenizeOptions::new(
+        vec![input.display().to_string()],
+        dir.join("data"),
+        TokenizerSource::Train(512),
+    );
+    opts.progress = false;
+    opts.val_fraction = 0.05;
+    tokenize(&opts).unwrap();
+    dir.join("data")
+}
+
+fn config(data: &Path, mode: &str, nodes: usize, extra: &[&str]) -> RunConfig {
+    let text = format!(
+        r#"
+[model]
+preset = "tiny"
+vocab_size = 512
+d_model = 32
+n_layers = 2
+n_heads = 2
+head_dim = 16
+n_kv_heads = 2
+n_experts = 8
+expert_hidden = 32
+context_length = 32
+
+[data]
+path = "{}"
+
+[train]
+max_steps = 6
+batch_size = 4
+seq_len = 32
+lr = 3e-3
+warmup_steps = 2
+log_every = 1
+eval_batches = 2
+
+[sync]
+mode = "{mode}"
+nodes = {nodes}
+sync_steps = 2
+merge_every = 0
+round_timeout_s = 120
+"#,
+        data.display()
+    );
+    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    RunConfig::parse(&text, &extra).unwrap()
+}
+
+struct Server {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    handle: Option<JoinHandle<anyhow::Result<ServerSummary>>>,
+}
+
+impl Server {
+    fn start(cfg: RunConfig, out: &Path, tls: Option<(Vec<u8>, Vec<u8>)>) -> Server {
+        let opts = ServerOptions {
+            cfg,
+            out: out.to_owned(),
+            token: Some(TOKEN.into()),
+            tls,
+            init: None,
+            device: Device::Cpu,
+            linger_s: 5.0,
+        };
+        let (addr_tx, addr_rx) = mpsc::channel();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let handle = std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                addr_tx.send(listener.local_addr().unwrap()).unwrap();
+                serve(opts, listener, async {
+                    let _ = stop_rx.await;
+                })
+                .await
+            })
+        });
+        Server {
+            addr: addr_rx.recv().unwrap(),
+            stop: Some(stop),
+            handle: Some(handle),
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn finish(mut self) -> ServerSummary {
+        self.handle.take().unwrap().join().unwrap().unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+fn node_options(cfg: &RunConfig, url: &str, peer: usize, out: &Path) -> NodeOptions {
+    NodeOptions {
+        cfg: cfg.clone(),
+        server: url.to_owned(),
+        peer,
+        out: out.join(format!("node-{peer}")),
+        token: Some(TOKEN.into()),
+        tls_ca: None,
+        device: Device::Cpu,
+        progress: Progress::Quiet,
+        patience_s: 60.0,
+    }
+}
+
+fn copy(named: &Named) -> Named {
+    named.iter().map(|(n, t)| (n.clone(), t.copy())).collect()
+}
+
+fn snapshot(node: &Node) -> Named {
+    node.trainer
+        .model
+        .params()
+        .into_iter()
+        .map(|p| (p.name, p.tensor.detach().copy()))
+        .collect()
+}
+
+/// What one node saw in one round.
+struct Seen {
+    peer: usize,
+    round: u64,
+    upload: Named,
+    after_sync: Named,
+}
+
+/// Runs `nodes` nodes for `rounds` rounds in threads, checking each node's own invariants,
+/// and returns what they uploaded and loaded.
+fn run_nodes(cfg: &RunConfig, url: &str, out: &Path, rounds: u64) -> Vec<Seen> {
+    tch::set_num_threads(1);
+    let (tx, rx) = mpsc::channel();
+    let threads: Vec<_> = (0..cfg.sync.nodes)
+        .map(|peer| {
+            let opts = node_options(cfg, url, peer, out);
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let mut node = Node::connect(opts).unwrap();
+                let trained: std::collections::HashSet<String> =
+                    node.upload_tensors().into_iter().map(|(n, _)| n).collect();
+                // Optimizer state exists for exactly the uploaded (trained) tensors.
+                let trained_bytes: u64 = node
+                    .upload_tensors()
+                    .iter()
+                    .map(|(_, t)| t.numel() as u64 * 4)
+                    .sum();
+                assert_eq!(
+                    node.trainer.opt.state_bytes(),
+                    2 * trained_bytes,
+                    "peer {peer}"
+                );
+                for name in node.trainer.opt.param_names() {
+                    assert!(
+                        trained.contains(name),
+                        "peer {peer}: optimizer state for untrained `{name}`"
+                    );
+                }
+                for round in 1..=rounds {
+                    let before = snapshot(&node);
+                    let upload = node.train_round().unwrap();
+                    let upload_copy = copy(&upload);
+                    let after_train = snapshot(&node);
+                    for ((name, b), (_, a)) in before.iter().zip(&after_train) {
+                        if trained.contains(name) {
+                            assert!(!a.equal(b), "peer {peer}: trained `{name}` did not change");
+                        } else {
+                            assert!(
+                                a.equal(b),
+                                "peer {peer}: frozen `{name}` changed between syncs"
+                            );
+                        }
+                    }
+                    assert_eq!(node.sync(&upload).unwrap(), round);
+                    tx.send(Seen {
+                        peer,
+                        round,
+                        upload: upload_copy,
+                        after_sync: snapshot(&node),
+                    })
+                    .unwrap();
+                }
+                node.run().unwrap()
+            })
+        })
+        .collect();
+    drop(tx);
+    let seen: Vec<Seen> = rx.iter().collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    seen
+}
+
+fn check_rounds(cfg: &RunConfig, seen: &[Seen], rounds: u64, experts_averaged: bool) {
+    let model = MoeModel::new(&cfg.model, Device::Cpu).unwrap();
+    let roles: Vec<(String, Role)> = model
+        .params()
+        .into_iter()
+        .map(|p| (p.name, p.role))
+        .collect();
+    for round in 1..=rounds {
+        let this: Vec<&Seen> = seen.iter().filter(|s| s.round == round).collect();
+        assert_eq!(
+            this.len(),
+            cfg.sync.nodes,
+            "round {round}: every node synced"
+        );
+        // Every node holds bit-identical parameters after the round.
+        for s in &this[1..] {
+            for ((n, a), (_, b)) in this[0].after_sync.iter().zip(&s.after_sync) {
+                assert!(
+                    a.equal(b),
+                    "round {round}: `{n}` differs between node {} and {}",
+                    this[0].peer,
+                    s.peer
+                );
+            }
+        }
+        let global = &this[0].after_sync;
+        for ((name, role), (_, value)) in roles.iter().zip(global) {
+            let uploads: Vec<&Tensor> = this
+                .iter()
+                .filter_map(|s| s.upload.iter().find(|(n, _)| n == name).map(|(_, t)| t))
+                .collect();
+            let averaged = *role == Role::Shared || experts_averaged;
+            if averaged {
+                assert_eq!(
+                    uploads.len(),
+                    cfg.sync.nodes,
+                    "`{name}` is uploaded by every node"
+                );
+                let mean = Tensor::stack(&uploads, 0).mean_dim(0, false, Kind::Float);
+                let diff = (value - &mean).abs().max().double_value(&[]);
+                assert!(
+                    diff < 1e-6,
+                    "round {round}: `{name}` is not the mean of the uploads ({diff})"
+                );
+            } else {
+                assert_eq!(uploads.len(), 1, "`{name}` is uploaded by its owner only");
+                assert!(
+                    value.equal(uploads[0]),
+                    "round {round}: expert `{name}` is not its owner's upload"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn spes_rounds_with_two_and_four_nodes() {
+    for nodes in [2, 4] {
+        let tmp = tempfile::tempdir().unwrap();
+        let data = data(tmp.path());
+        let cfg = config(&data, "spes", nodes, &[]);
+        let server = Server::start(cfg.clone(), &tmp.path().join("server"), None);
+        let seen = run_nodes(&cfg, &server.url(), tmp.path(), 3);
+        check_rounds(&cfg, &seen, 3, false);
+        let summary = server.finish();
+        assert_eq!(summary.rounds, 3);
+        assert_eq!(summary.tokens, 3 * nodes as u64 * 2 * 4 * 32);
+        let metrics = std::fs::read_to_string(tmp.path().join("server/metrics.jsonl")).unwrap();
+        let rounds: Vec<serde_json::Value> = metrics
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rounds.len(), 4, "round 0 (θ⁰) and three rounds");
+        assert!(rounds[3]["val_loss"].as_f64().unwrap() < rounds[0]["val_loss"].as_f64().unwrap());
+        assert!(rounds[1]["bytes_in"].as_u64().unwrap() > 0);
+        let node0: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(tmp.path().join("node-0/summary.json")).unwrap(),
+        )
+        .unwrap();
+        assert!(
+            node0["bytes_up"].as_u64().unwrap() > 0 && node0["peak_rss_mb"].as_f64().unwrap() > 0.0
+        );
+        assert!(std::fs::read_dir(tmp.path().join("server/incoming"))
+            .unwrap()
+            .next()
+            .is_none());
+    }
+}
+
+#[test]
+fn diloco_runs_through_the_same_harness_and_averages_experts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(&data, "diloco", 2, &["train.max_steps=4"]);
+    let server = Server::start(cfg.clone(), &tmp.path().join("server"), None);
+    let seen = run_nodes(&cfg, &server.url(), tmp.path(), 2);
+    check_rounds(&cfg, &seen, 2, true);
+    server.finish();
+}
+
+async fn raw_client(
+    url: &str,
+    token: &str,
+) -> SpesClient<tonic::codegen::InterceptedService<tonic::transport::Channel, AddToken>> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    SpesClient::with_interceptor(channel, AddToken::new(Some(token)).unwrap())
+}
+
+async fn upload_raw(
+    client: &mut SpesClient<
+        tonic::codegen::InterceptedService<tonic::transport::Channel, AddToken>,
+    >,
+    dir: &Path,
+    peer: usize,
+    named: &Named,
+) -> tonic::Status {
+    let path = dir.join("bad.safetensors");
+    payload::write(&path, named, PayloadDtype::Fp32).unwrap();
+    let stream =
+        tokio_stream::StreamExt::filter_map(payload::send(&path, peer, 1).unwrap(), |r| r.ok());
+    client.upload(stream).await.unwrap_err()
+}
+
+#[test]
+fn bad_input_is_rejected_and_the_round_still_completes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(&data, "spes", 2, &["train.max_steps=2"]);
+    let server = Server::start(cfg.clone(), &tmp.path().join("server"), None);
+    let url = server.url();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+
+    // A good upload of peer 0, to corrupt in various ways.
+    let model = MoeModel::new(&cfg.model, Device::Cpu).unwrap();
+    let scope = spes_net::scope_of(&cfg).unwrap();
+    let good: Named = model
+        .params()
+        .into_iter()
+        .filter(|p| scope.uploads(0, p.role))
+        .map(|p| (p.name, p.tensor.detach().copy()))
+        .collect();
+    let dir = tmp.path();
+    rt.block_on(async {
+        let mut wrong = raw_client(&url, "not-the-token").await;
+        let e = wrong.join(JoinRequest { peer: 0 }).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+
+        let mut c = raw_client(&url, TOKEN).await;
+        let e = c.join(JoinRequest { peer: 7 }).await.unwrap_err();
+        assert!(
+            e.message().contains("peer 7 is out of range"),
+            "{}",
+            e.message()
+        );
+
+        let mut shape = copy(&good);
+        shape[2].1 = Tensor::zeros([3, 3], (Kind::Float, Device::Cpu));
+        let e = upload_raw(&mut c, dir, 0, &shape).await;
+        assert!(
+            e.message().contains("expected") && e.message().contains(&shape[2].0),
+            "{}",
+            e.message()
+        );
+
+        let mut missing = copy(&good);
+        let _ = missing.remove(1);
+        let e = upload_raw(&mut c, dir, 0, &missing).await;
+        assert!(e.message().contains("missing tensor"), "{}", e.message());
+
+        let mut nan = copy(&good);
+        nan[0].1 = nan[0].1.fill(f64::INFINITY);
+        let e = upload_raw(&mut c, dir, 0, &nan).await;
+        assert!(e.message().contains("non-finite"), "{}", e.message());
+
+        let e = upload_raw(&mut c, dir, 9, &good).await;
+        assert!(
+            e.message().contains("peer 9 is out of range"),
+            "{}",
+            e.message()
+        );
+
+        // A payload whose bytes do not match the announced checksum.
+        let chunks = vec![
+            Chunk {
+                part: Some(Part::Header(PayloadHeader {
+                    peer: 0,
+                    round: 1,
+                    total_bytes: 4,
+                    xxh3: 1,
+                })),
+            },
+            Chunk {
+                part: Some(Part::Data(vec![1, 2, 3, 4])),
+            },
+        ];
+        let e = c.upload(tokio_stream::iter(chunks)).await.unwrap_err();
+        assert!(e.message().contains("checksum"), "{}", e.message());
+    });
+    let err = Node::connect(NodeOptions {
+        token: Some("wrong".into()),
+        ..node_options(&cfg, &url, 0, dir)
+    })
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("rejected this node's token"), "{err}");
+    let err = Node::connect(node_options(
+        &config(
+            &data,
+            "spes",
+            2,
+            &["model.n_experts=4", "train.max_steps=2"],
+        ),
+        &url,
+        0,
+        dir,
+    ))
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("model.n_experts") && err.contains("differs"),
+        "{err}"
+    );
+
+    // The real nodes still complete the round correctly, and nothing half-written is left.
+    let seen = run_nodes(&cfg, &url, dir, 1);
+    check_rounds(&cfg, &seen, 1, false);
+    server.finish();
+    let metrics = std::fs::read_to_string(dir.join("server/metrics.jsonl")).unwrap();
+    let round1: serde_json::Value = serde_json::from_str(metrics.lines().nth(1).unwrap()).unwrap();
+    assert_eq!(round1["rejected"].as_array().unwrap().len(), 5, "{round1}");
+    assert_eq!(round1["peers"], serde_json::json!([0, 1]));
+    assert!(std::fs::read_dir(dir.join("server/incoming"))
+        .unwrap()
+        .next()
+        .is_none());
+}
+
+#[test]
+fn tls_with_a_private_ca() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(&data, "spes", 1, &["train.max_steps=2"]);
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let (cert_pem, key_pem) = (cert.cert.pem(), cert.signing_key.serialize_pem());
+    let server = Server::start(
+        cfg.clone(),
+        &tmp.path().join("server"),
+        Some((cert_pem.clone().into(), key_pem.into())),
+    );
+    let url = format!("https://localhost:{}", server.addr.port());
+    let err = Node::connect(NodeOptions {
+        patience_s: 1.0,
+        ..node_options(&cfg, &url, 0, tmp.path())
+    })
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("cannot reach"),
+        "an untrusted certificate is refused: {err}"
+    );
+    let opts = NodeOptions {
+        tls_ca: Some(cert_pem.into()),
+        ..node_options(&cfg, &url, 0, tmp.path())
+    };
+    let summary = Node::connect(opts).unwrap().run().unwrap();
+    assert_eq!(summary.steps, 2);
+    server.finish();
+}
