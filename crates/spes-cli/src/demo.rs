@@ -1,18 +1,27 @@
-//! `spes demo`: a real training run that needs nothing but the binary. It tokenizes the embedded
-//! default corpus (Debian's BSD-licensed fortunes, 2.9 MB of English) with a freshly trained 8k
-//! BPE, then trains the `tiny` preset on it.
+//! `spes demo`: real decentralized training that needs nothing but the binary. It tokenizes the
+//! embedded corpus (Debian's BSD-licensed fortunes, 2.9 MB of English) with a fresh 8k BPE, then
+//! starts one `spes server` and N `spes node` processes on loopback (configs/spes-tiny.toml),
+//! shows every node's progress, and writes `summary.json`, `report.md` and plots.
+//! Interrupted, it stops every process; run again with the same `--out` to resume.
 
-use anyhow::{Context, Result};
+use crate::report;
+use anyhow::{bail, Context, Result};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
 use spes_data::{TokenizeOptions, TokenizerSource};
 use spes_train::RunConfig;
-use std::path::Path;
-use tch::Device;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 const CORPUS: &[u8] = include_bytes!("../assets/default-corpus.jsonl.gz");
-const TINY_CONFIG: &str = include_str!("../../../configs/tiny.toml");
+const SPES_TINY: &str = include_str!("../../../configs/spes-tiny.toml");
 
-pub fn run(out: &Path, overrides: &[String], device: Device) -> Result<()> {
-    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+/// Tokenizes the embedded corpus into `<out>/data` unless already there.
+fn prepare_data(out: &Path) -> Result<PathBuf> {
     let data = out.join("data");
     if !data.join(spes_data::shard::MANIFEST).exists() {
         let corpus = out.join("default-corpus.jsonl.gz");
@@ -28,23 +37,212 @@ pub fn run(out: &Path, overrides: &[String], device: Device) -> Result<()> {
             m.train_tokens, m.val_tokens, m.vocab_size
         );
     }
+    Ok(data)
+}
+
+/// A random hex token from the OS, kept in `<out>/token` (owner-only) across resumes.
+fn token_file(out: &Path) -> Result<PathBuf> {
+    let path = out.join("token");
+    if !path.exists() {
+        let mut bytes = [0u8; 16];
+        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut bytes)?;
+        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        spes_data::shard::write_atomic(&path, hex.as_bytes())?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    }
+    Ok(path)
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn log_file(out: &Path, name: &str) -> Result<std::fs::File> {
+    let path = out.join("logs").join(format!("{name}.log"));
+    std::fs::File::create(&path).with_context(|| format!("cannot create {}", path.display()))
+}
+
+fn tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(5)..].join("\n")
+}
+
+pub fn run(out: &Path, overrides: &[String], device: &str) -> Result<()> {
+    let started = Instant::now();
+    std::fs::create_dir_all(out.join("logs"))
+        .with_context(|| format!("cannot create {}", out.display()))?;
+    let data = prepare_data(out)?;
     let mut all = vec![format!("data.path={}", data.display())];
     all.extend(overrides.iter().cloned());
-    let cfg = RunConfig::parse(TINY_CONFIG, &all).context("embedded configs/tiny.toml")?;
-    let run_dir = out.join("train");
-    let resume = spes_train::checkpoint::latest(&run_dir.join("checkpoints"))?.is_some();
-    let summary = spes_train::run(cfg, &run_dir, device, resume, true)?;
-    let text = serde_json::to_string_pretty(&summary)?;
-    spes_data::shard::write_atomic(&out.join("summary.json"), text.as_bytes())?;
-    println!("{text}");
-    if let Some(initial) = summary.initial_val_loss {
-        println!(
-            "validation loss {initial:.3} -> {:.3} nats/token over {} tokens in {:.0} s; metrics in {}",
-            summary.final_val_loss,
-            summary.tokens,
-            summary.wall_s,
-            run_dir.join("metrics.jsonl").display()
-        );
+    let cfg = RunConfig::parse(SPES_TINY, &all).context("embedded configs/spes-tiny.toml")?;
+    let config_toml = toml::to_string(&cfg)?;
+    let config = out.join("config.toml");
+    spes_data::shard::write_atomic(&config, config_toml.as_bytes())?;
+    let token = token_file(out)?;
+    let port = free_port()?;
+    let nodes = cfg.sync.nodes;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (cores / nodes).max(1).to_string();
+    let exe = std::env::current_exe()?;
+    let common = |cmd: &mut Command| {
+        cmd.arg("--config")
+            .arg(&config)
+            .arg("--token-file")
+            .arg(&token);
+        cmd.args(["--device", device, "--threads", &threads]);
+    };
+
+    let mut server = Command::new(&exe);
+    server
+        .arg("server")
+        .args(["--listen", &format!("127.0.0.1:{port}")]);
+    server
+        .arg("--out")
+        .arg(out.join("server"))
+        .args(["--linger-s", "30"]);
+    common(&mut server);
+    let mut children: Vec<(String, Child)> = vec![(
+        "server".into(),
+        server
+            .stdout(log_file(out, "server")?)
+            .stderr(log_file(out, "server")?)
+            .spawn()
+            .context("cannot start the server")?,
+    )];
+    let bars = MultiProgress::new();
+    let style = ProgressStyle::with_template("{prefix:>7} [{bar:30}] {pos}/{len} {msg}")
+        .expect("valid template")
+        .progress_chars("=> ");
+    let server_bar = bars.add(ProgressBar::new(cfg.train.max_steps / cfg.sync.sync_steps));
+    server_bar.set_style(style.clone());
+    server_bar.set_prefix("server");
+    let mut readers = Vec::new();
+    for peer in 0..nodes {
+        let mut node = Command::new(&exe);
+        node.arg("node")
+            .args(["--server", &format!("http://127.0.0.1:{port}")]);
+        node.args(["--peer", &peer.to_string(), "--progress", "json"]);
+        node.arg("--out").arg(out.join(format!("node-{peer}")));
+        common(&mut node);
+        let mut child = node
+            .stdout(Stdio::piped())
+            .stderr(log_file(out, &format!("node-{peer}"))?)
+            .spawn()
+            .with_context(|| format!("cannot start node {peer}"))?;
+        let bar = bars.add(ProgressBar::new(cfg.train.max_steps));
+        bar.set_style(style.clone());
+        bar.set_prefix(format!("node {peer}"));
+        let stdout = child.stdout.take().expect("piped");
+        readers.push(std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                    continue;
+                };
+                if let Some(step) = v["step"].as_u64() {
+                    bar.set_position(step);
+                }
+                if let (Some(loss), Some(tps)) = (v["loss"].as_f64(), v["tokens_per_s"].as_f64()) {
+                    bar.set_message(format!("loss {loss:.3} | {tps:.0} tok/s"));
+                }
+            }
+            bar.finish();
+        }));
+        children.push((format!("node-{peer}"), child));
     }
+
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let flag = interrupted.clone();
+    ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
+        .context("cannot install the Ctrl-C handler")?;
+    let stop_all = |children: &mut Vec<(String, Child)>| {
+        for (_, c) in children.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    };
+    let mut done = vec![false; children.len()];
+    loop {
+        if interrupted.load(Ordering::SeqCst) {
+            stop_all(&mut children);
+            bars.clear().ok();
+            bail!(
+                "interrupted; every process is stopped. Run `spes demo --out {}` again to resume",
+                out.display()
+            );
+        }
+        let rounds = report::read_jsonl(&out.join("server/metrics.jsonl"));
+        if let Some(last) = rounds.last() {
+            server_bar.set_position(last["round"].as_u64().unwrap_or(0));
+            if let Some(v) = last["val_loss"].as_f64() {
+                server_bar.set_message(format!("global validation loss {v:.3}"));
+            }
+        }
+        let mut failed = None;
+        for (i, (name, child)) in children.iter_mut().enumerate() {
+            if done[i] {
+                continue;
+            }
+            if let Some(status) = child.try_wait()? {
+                done[i] = true;
+                if !status.success() {
+                    failed = Some((name.clone(), status));
+                }
+            }
+        }
+        if let Some((name, status)) = failed {
+            let log = out.join("logs").join(format!("{name}.log"));
+            stop_all(&mut children);
+            bars.clear().ok();
+            bail!(
+                "{name} failed ({status}); its log {} ends with:\n{}",
+                log.display(),
+                tail(&log)
+            );
+        }
+        if done.iter().all(|d| *d) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    for r in readers {
+        let _ = r.join();
+    }
+    server_bar.finish();
+
+    let rounds = report::read_jsonl(&out.join("server/metrics.jsonl"));
+    let val = |r: Option<&Value>| r.and_then(|r| r["val_loss"].as_f64());
+    let node_summaries: Vec<Value> = (0..nodes)
+        .map(|p| {
+            let path = out.join(format!("node-{p}/summary.json"));
+            std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+                .with_context(|| format!("node {p} left no {}", path.display()))
+        })
+        .collect::<Result<_>>()?;
+    let summary = json!({
+        "initial_val_loss": val(rounds.first()),
+        "final_val_loss": val(rounds.last()),
+        "tokens": rounds.last().and_then(|r| r["tokens"].as_u64()),
+        "rounds": rounds.last().and_then(|r| r["round"].as_u64()),
+        "wall_s": started.elapsed().as_secs_f64(),
+        "nodes": node_summaries,
+    });
+    spes_data::shard::write_atomic(
+        &out.join("summary.json"),
+        serde_json::to_string_pretty(&summary)?.as_bytes(),
+    )?;
+    report::write(out, &summary, &config_toml)?;
+    println!(
+        "global validation loss {} -> {} nats/token in {:.0} s; report: {}",
+        summary["initial_val_loss"],
+        summary["final_val_loss"],
+        summary["wall_s"].as_f64().unwrap_or(0.0),
+        out.join("report.md").display()
+    );
     Ok(())
 }

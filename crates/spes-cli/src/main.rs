@@ -2,15 +2,18 @@
 
 mod demo;
 mod device;
+mod report;
+mod sync_bench;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use device::DeviceChoice;
 use spes_data::{TokenizeOptions, TokenizerSource};
 use spes_model::{ModelConfig, PRESETS};
 use spes_train::bench::{bench, BenchOptions};
 use spes_train::{Precision, RunConfig};
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
 #[command(
@@ -21,6 +24,50 @@ use std::path::PathBuf;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+/// Where and how wide tensors compute.
+#[derive(clap::Args)]
+struct RuntimeArgs {
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    device: DeviceChoice,
+    /// CPU threads for tensor math (default: libtorch's choice, all cores).
+    #[arg(long)]
+    threads: Option<i32>,
+}
+
+impl RuntimeArgs {
+    fn device(&self) -> Result<tch::Device> {
+        if let Some(n) = self.threads {
+            tch::set_num_threads(n.max(1));
+        }
+        device::select(self.device)
+    }
+}
+
+/// How a node or server proves and protects its connection.
+#[derive(clap::Args)]
+struct AuthArgs {
+    /// File whose first line is the shared secret (else the SPES_TOKEN environment variable).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+}
+
+impl AuthArgs {
+    fn token(&self) -> Result<Option<String>> {
+        match (&self.token_file, std::env::var("SPES_TOKEN")) {
+            (Some(path), _) => Ok(Some(spes_net::auth::read_token(path)?)),
+            (None, Ok(t)) if !t.trim().is_empty() => Ok(Some(t.trim().to_owned())),
+            _ => Ok(None),
+        }
+    }
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
+enum ProgressArg {
+    Bar,
+    Json,
+    Quiet,
 }
 
 #[derive(Subcommand)]
@@ -70,8 +117,78 @@ enum Command {
         /// Continue from the newest checkpoint in <out>/checkpoints.
         #[arg(long)]
         resume: bool,
-        #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
-        device: DeviceChoice,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
+    /// Run the SPES (or DiLoCo) parameter server of a decentralized run.
+    Server {
+        /// Run configuration with a [sync] section (mode = "spes" or "diloco").
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long, default_value = "0.0.0.0:50051")]
+        listen: SocketAddr,
+        /// Output directory: metrics.jsonl, global/, checkpoints/, server.json (restart point).
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        overrides: Vec<String>,
+        #[command(flatten)]
+        auth: AuthArgs,
+        /// Accept calls without a token (only on a network you trust).
+        #[arg(long)]
+        no_auth: bool,
+        /// PEM certificate chain, to serve TLS.
+        #[arg(long, requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// PEM private key of --tls-cert.
+        #[arg(long, requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
+        /// Initial weights (model.safetensors with this model's tensor names) instead of a fresh init.
+        #[arg(long)]
+        init: Option<PathBuf>,
+        /// After the last round, wait this long for every node to fetch it.
+        #[arg(long, default_value_t = 120.0)]
+        linger_s: f64,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
+    /// Run one node of a decentralized run: trains the shared parameters and its own experts.
+    Node {
+        /// This node's configuration: its data.path is used; model, sync and training keys must
+        /// match the server's.
+        #[arg(long)]
+        config: PathBuf,
+        /// http://HOST:PORT, or https://HOST:PORT for a TLS server.
+        #[arg(long)]
+        server: String,
+        /// This node's index, 0..sync.nodes.
+        #[arg(long)]
+        peer: usize,
+        /// Output directory: metrics.jsonl, checkpoints/, summary.json.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        overrides: Vec<String>,
+        #[command(flatten)]
+        auth: AuthArgs,
+        /// PEM CA certificate to trust for https (default: the web PKI roots).
+        #[arg(long)]
+        tls_ca: Option<PathBuf>,
+        #[arg(long, value_enum, default_value_t = ProgressArg::Bar)]
+        progress: ProgressArg,
+        /// Keep retrying an unreachable server this many seconds before giving up.
+        #[arg(long, default_value_t = 3600.0)]
+        patience_s: f64,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
+    /// Write a self-signed TLS certificate and key (cert.pem, key.pem) for `spes server`.
+    GenCert {
+        #[arg(long)]
+        out: PathBuf,
+        /// Host names or IP addresses the certificate is valid for.
+        #[arg(long, num_args = 1.., default_value = "localhost")]
+        host: Vec<String>,
     },
     /// Measure tokens/s and peak memory of training steps of a preset (random tokens).
     Bench {
@@ -90,24 +207,59 @@ enum Command {
         /// Train only this many experts per layer (as a SPES node does); default all.
         #[arg(long)]
         own_experts: Option<usize>,
-        #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
-        device: DeviceChoice,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
         /// Print the result as JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
+    /// Per-node memory and traffic of SPES vs DiLoCo for presets, and measured peak RSS of a
+    /// SPES node vs a DiLoCo node training `tiny` (each in its own process).
+    BenchSync {
+        #[arg(long, value_delimiter = ',', default_value = "tiny,1b")]
+        presets: Vec<String>,
+        #[arg(long, default_value_t = 4)]
+        nodes: usize,
+        /// Bytes per value on the wire: 4 (fp32) or 2 (bf16).
+        #[arg(long, default_value_t = 4)]
+        wire_bytes: u64,
+        /// Micro-batch of the measured steps.
+        #[arg(long, default_value_t = 8)]
+        batch_size: usize,
+        #[arg(long, default_value_t = 256)]
+        seq_len: usize,
+    },
     /// Print the parameter counts of the built-in model presets.
     Presets,
-    /// Tokenize the embedded default corpus and train the tiny preset on it.
+    /// Decentralized training on loopback: one server and 4 nodes (separate processes) train
+    /// the tiny preset with SPES on the embedded corpus; writes report.md with plots.
     Demo {
         #[arg(long, default_value = "runs/demo")]
         out: PathBuf,
-        /// Override a key of the embedded tiny config (repeatable).
+        /// Override a key of the embedded configs/spes-tiny.toml (repeatable).
         #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
         overrides: Vec<String>,
         #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
         device: DeviceChoice,
     },
+}
+
+fn gen_cert(out: &Path, hosts: Vec<String>) -> Result<()> {
+    let cert =
+        rcgen::generate_simple_self_signed(hosts).context("cannot generate a certificate")?;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    spes_data::shard::write_atomic(&out.join("cert.pem"), cert.cert.pem().as_bytes())?;
+    spes_data::shard::write_atomic(
+        &out.join("key.pem"),
+        cert.signing_key.serialize_pem().as_bytes(),
+    )?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(out.join("key.pem"), std::fs::Permissions::from_mode(0o600))?;
+    println!(
+        "wrote {0}/cert.pem and {0}/key.pem: serve with --tls-cert/--tls-key, give nodes --tls-ca {0}/cert.pem",
+        out.display()
+    );
+    Ok(())
 }
 
 fn parse_precision(s: &str) -> Result<Precision, String> {
@@ -172,10 +324,10 @@ fn run(cli: Cli) -> Result<()> {
             out,
             overrides,
             resume,
-            device,
+            runtime,
         } => {
             let cfg = RunConfig::load(&config, &overrides)?;
-            let device = device::select(device)?;
+            let device = runtime.device()?;
             tracing::info!(?device, "training {}", out.display());
             let summary = spes_train::run(cfg, &out, device, resume, true)?;
             println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -188,11 +340,11 @@ fn run(cli: Cli) -> Result<()> {
             warmup,
             precision,
             own_experts,
-            device,
+            runtime,
             json,
         } => {
             let model = ModelConfig::preset(&preset)?;
-            let device = device::select(device)?;
+            let device = runtime.device()?;
             let o = BenchOptions {
                 model,
                 device,
@@ -207,18 +359,29 @@ fn run(cli: Cli) -> Result<()> {
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
-                println!("| preset | device | precision | batch×seq | trainable params | optimizer state | step ms | tokens/s | peak RSS |");
-                println!("|---|---|---|---|---|---|---|---|---|");
+                println!("| preset | device | precision | batch×seq | trainable params | optimizer state | step ms | tokens/s | peak RSS | GPU memory |");
+                println!("|---|---|---|---|---|---|---|---|---|---|");
                 println!(
-                    "| {preset} | {device:?} | {precision:?} | {batch_size}×{seq_len} | {:.1} M of {:.1} M | {:.1} MiB | {:.0} | {:.0} | {:.0} MiB |",
+                    "| {preset} | {device:?} | {precision:?} | {batch_size}×{seq_len} | {:.1} M of {:.1} M | {:.1} MiB | {:.0} | {:.0} | {:.0} MiB | {} |",
                     r.trainable_params as f64 / 1e6,
                     r.total_params as f64 / 1e6,
                     r.optimizer_state_bytes as f64 / (1 << 20) as f64,
                     r.step_ms,
                     r.tokens_per_s,
-                    r.peak_rss_mb
+                    r.peak_rss_mb,
+                    r.gpu_memory_mb.map_or("n/a".into(), |m| format!("{m:.0} MiB"))
                 );
             }
+        }
+        Command::BenchSync {
+            presets,
+            nodes,
+            wire_bytes,
+            batch_size,
+            seq_len,
+        } => {
+            sync_bench::traffic_table(&presets, nodes, wire_bytes)?;
+            sync_bench::measured_rss("tiny", nodes, batch_size, seq_len)?;
         }
         Command::Presets => {
             println!("| preset | total | active | shared | per expert |");
@@ -235,13 +398,93 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
         }
+        Command::Server {
+            config,
+            listen,
+            out,
+            overrides,
+            auth,
+            no_auth,
+            tls_cert,
+            tls_key,
+            init,
+            linger_s,
+            runtime,
+        } => {
+            let cfg = RunConfig::load(&config, &overrides)?;
+            let token = auth.token()?;
+            if token.is_none() && !no_auth {
+                anyhow::bail!(
+                    "the server needs a shared-secret token: --token-file FILE or SPES_TOKEN \
+                     (or --no-auth to accept anyone)"
+                );
+            }
+            let tls = match (tls_cert, tls_key) {
+                (Some(c), Some(k)) => Some((
+                    spes_net::auth::read_pem(&c, "TLS certificate")?,
+                    spes_net::auth::read_pem(&k, "TLS key")?,
+                )),
+                _ => None,
+            };
+            let opts = spes_net::ServerOptions {
+                cfg,
+                out,
+                token,
+                tls,
+                init,
+                device: runtime.device()?,
+                linger_s,
+            };
+            let summary = spes_net::server::run(opts, listen)?;
+            println!("{}", serde_json::to_string_pretty(&summary)?);
+        }
+        Command::Node {
+            config,
+            server,
+            peer,
+            out,
+            overrides,
+            auth,
+            tls_ca,
+            progress,
+            patience_s,
+            runtime,
+        } => {
+            let cfg = RunConfig::load(&config, &overrides)?;
+            let opts = spes_net::NodeOptions {
+                cfg,
+                server,
+                peer,
+                out,
+                token: auth.token()?,
+                tls_ca: tls_ca
+                    .map(|p| spes_net::auth::read_pem(&p, "TLS CA certificate"))
+                    .transpose()?,
+                device: runtime.device()?,
+                progress: match progress {
+                    ProgressArg::Bar => spes_net::Progress::Bar,
+                    ProgressArg::Json => spes_net::Progress::Json,
+                    ProgressArg::Quiet => spes_net::Progress::Quiet,
+                },
+                patience_s,
+            };
+            let summary = spes_net::Node::connect(opts)?.run()?;
+            if progress != ProgressArg::Json {
+                println!("{}", serde_json::to_string_pretty(&summary)?);
+            }
+        }
+        Command::GenCert { out, host } => gen_cert(&out, host)?,
         Command::Demo {
             out,
             overrides,
             device,
         } => {
-            let device = device::select(device)?;
-            demo::run(&out, &overrides, device).context("demo failed")?;
+            let device = device
+                .to_possible_value()
+                .expect("named")
+                .get_name()
+                .to_owned();
+            demo::run(&out, &overrides, &device).context("demo failed")?;
         }
     }
     Ok(())

@@ -373,7 +373,7 @@ impl Node {
         let dest = self.out.join("global.safetensors.part");
         let (peer, client, max) = (self.peer, self.client.clone(), self.max_payload);
         let d = dest.clone();
-        let header = retry(&self.rt, self.patience, "fetch", || {
+        let fetched = retry(&self.rt, self.patience, "fetch", || {
             let mut c = client.clone();
             let d = d.clone();
             async move {
@@ -386,8 +386,20 @@ impl Node {
                 let stream = c.fetch(req).await?.into_inner();
                 payload::receive(stream, &d, max).await
             }
-        })
-        .map_err(|e| explain(e, "the server"))?;
+        });
+        let header = match fetched {
+            Ok(h) => h,
+            // The server keeps only recent rounds; a node that fell behind takes the newest.
+            Err(s) if s.code() == Code::NotFound && round.is_some() => {
+                tracing::warn!(
+                    "node {}: {}; taking the newest model",
+                    self.peer,
+                    s.message()
+                );
+                return self.fetch_and_load(None);
+            }
+            Err(s) => return Err(explain(s, "the server")),
+        };
         let named = payload::read(&dest)?;
         let _ = std::fs::remove_file(&dest);
         let source = format!("global model of round {}", header.round);

@@ -6,7 +6,8 @@
 //! On disk under `--out`: `global/round-NNNNNN.safetensors` (the newest two rounds),
 //! `server.json` (the newest published round, written after its file: the restart point),
 //! `checkpoints/round-NNNNNN.safetensors` every `sync.checkpoint_every_rounds`, `incoming/`
-//! (uploads being received) and `metrics.jsonl`.
+//! (uploads being received), `pending/` (accepted uploads of the open round, re-applied after a
+//! restart) and `metrics.jsonl`.
 
 use crate::auth::CheckToken;
 use crate::payload;
@@ -80,9 +81,10 @@ struct Evaluator {
 }
 
 impl Evaluator {
-    fn score(&self, global: &Named) -> Result<f64> {
+    /// Validation loss and per-layer expert load of a published model.
+    fn score(&self, global: &Named) -> Result<(f64, Vec<Vec<f64>>)> {
         self.model.load(global, "published model")?;
-        Ok(spes_train::validation_loss(
+        Ok(spes_train::validation_stats(
             &self.model,
             &self.val,
             self.batch,
@@ -143,11 +145,11 @@ impl State {
         drop(coord);
         let aggregation_s = t0.elapsed().as_secs_f64();
         self.publish(&global, round)?;
-        let val_loss = match &self.eval {
+        let scored = match &self.eval {
             Some(e) => Some(e.lock().unwrap().score(&global)?),
             None => None,
         };
-        self.log_round(&report, aggregation_s, val_loss)?;
+        self.log_round(&report, aggregation_s, scored)?;
         Ok(())
     }
 
@@ -177,11 +179,20 @@ impl State {
         if round >= 2 {
             let _ = std::fs::remove_file(self.round_path(round - 2));
         }
+        for peer in 0..self.cfg.sync.nodes {
+            let _ = std::fs::remove_file(self.pending_path(round, peer));
+        }
         self.published.send_replace(round);
         Ok(())
     }
 
-    fn log_round(&self, r: &RoundReport, aggregation_s: f64, val_loss: Option<f64>) -> Result<()> {
+    fn log_round(
+        &self,
+        r: &RoundReport,
+        aggregation_s: f64,
+        scored: Option<(f64, Vec<Vec<f64>>)>,
+    ) -> Result<()> {
+        let (val_loss, expert_load) = scored.unzip();
         let tokens = {
             let mut st = self.progress.lock().unwrap();
             st.tokens +=
@@ -205,8 +216,8 @@ impl State {
             "round": r.round, "step": r.step, "tokens": tokens, "peers": r.peers,
             "missing": r.missing, "bytes_in": io.bytes_in, "bytes_out": io.bytes_out,
             "aggregation_s": aggregation_s, "round_s": now - io.round_started,
-            "val_loss": val_loss, "merge_alpha": r.merge_alpha, "merges": merges,
-            "rejected": io.rejected,
+            "val_loss": val_loss, "expert_load": expert_load, "merge_alpha": r.merge_alpha,
+            "merges": merges, "rejected": io.rejected,
         }))?;
         tracing::info!(
             "round {} published: peers {:?}{}{}",
@@ -337,35 +348,18 @@ impl Spes for Service {
         let state = s.clone();
         let result = tokio::task::spawn_blocking(move || -> Result<UploadReply, Status> {
             let s = state;
-            let named = payload::read(&part);
+            // The part file is removed unless accepted, when it becomes the pending copy.
+            let accepted = (|| {
+                let peer = peer_in_range(header.peer, s.cfg.sync.nodes)?;
+                let named =
+                    payload::read(&part).map_err(|e| Status::invalid_argument(format!("{e:#}")))?;
+                s.accept(peer, header.round, named, &part)
+            })();
             let _ = std::fs::remove_file(&part);
-            let peer = peer_in_range(header.peer, s.cfg.sync.nodes)?;
-            let named = named.map_err(|e| Status::invalid_argument(format!("{e:#}")))?;
-            let round = header.round;
-            {
-                let mut coord = s.coord.lock().unwrap();
-                if round != coord.round() {
-                    let (_, published) = coord.global();
-                    return Err(Status::failed_precondition(if round < coord.round() {
-                        format!("round {round} is closed: fetch round {published} and continue")
-                    } else {
-                        format!(
-                            "round {round} is not open yet: collecting round {}",
-                            coord.round()
-                        )
-                    }));
-                }
-                if coord.uploaded().contains(&peer) {
-                    return Err(Status::already_exists(format!(
-                        "peer {peer} already uploaded round {round}"
-                    )));
-                }
-                coord
-                    .upload(peer, round, named, s.now())
-                    .map_err(|e| Status::invalid_argument(format!("{e:#}")))?;
-            }
+            accepted?;
             s.close_if_ready()
                 .map_err(|e| Status::internal(format!("{e:#}")))?;
+            let round = header.round;
             let closed = *s.published.borrow() >= round;
             Ok(UploadReply {
                 round,
@@ -377,6 +371,76 @@ impl Spes for Service {
         result
             .map(Response::new)
             .map_err(|e| s.reject(header.peer, header.round, e))
+    }
+}
+
+impl State {
+    /// After a restart: folds in the open round's uploads that were acknowledged before.
+    fn reapply_pending(&self) -> Result<()> {
+        let open = self.coord.lock().unwrap().round();
+        for peer in 0..self.cfg.sync.nodes {
+            let path = self.pending_path(open, peer);
+            if path.exists() {
+                let named = payload::read(&path)?;
+                self.coord
+                    .lock()
+                    .unwrap()
+                    .upload(peer, open, named, self.now())?;
+                tracing::info!(
+                    "re-applied the acknowledged upload of peer {peer} for round {open}"
+                );
+            }
+        }
+        for stale in std::fs::read_dir(self.out.join("pending"))? {
+            let path = stale?.path();
+            let keep = (0..self.cfg.sync.nodes).any(|p| path == self.pending_path(open, p));
+            if !keep {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        Ok(())
+    }
+
+    fn pending_path(&self, round: u64, peer: usize) -> PathBuf {
+        self.out
+            .join("pending")
+            .join(format!("round-{round:06}-peer-{peer}.safetensors"))
+    }
+
+    /// Folds an upload into the open round and keeps its file in `pending/` until the round is
+    /// published, so an acknowledged upload survives a server crash.
+    fn accept(
+        &self,
+        peer: usize,
+        round: u64,
+        named: Named,
+        file: &std::path::Path,
+    ) -> Result<(), Status> {
+        {
+            let mut coord = self.coord.lock().unwrap();
+            if round != coord.round() {
+                let (_, published) = coord.global();
+                return Err(Status::failed_precondition(if round < coord.round() {
+                    format!("round {round} is closed: fetch round {published} and continue")
+                } else {
+                    format!(
+                        "round {round} is not open yet: collecting round {}",
+                        coord.round()
+                    )
+                }));
+            }
+            if coord.uploaded().contains(&peer) {
+                return Err(Status::already_exists(format!(
+                    "peer {peer} already uploaded round {round}"
+                )));
+            }
+            coord
+                .upload(peer, round, named, self.now())
+                .map_err(|e| Status::invalid_argument(format!("{e:#}")))?;
+            std::fs::rename(file, self.pending_path(round, peer))
+                .map_err(|e| Status::internal(format!("cannot keep the upload: {e}")))?;
+        }
+        Ok(())
     }
 }
 
@@ -433,7 +497,7 @@ pub async fn serve(
 ) -> Result<ServerSummary> {
     let cfg = opts.cfg.clone();
     let scope: Scope = crate::scope_of(&cfg)?;
-    for dir in ["global", "checkpoints", "incoming"] {
+    for dir in ["global", "checkpoints", "incoming", "pending"] {
         let d = opts.out.join(dir);
         std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
     }
@@ -476,13 +540,15 @@ pub async fn serve(
     };
     let published_round = progress.round;
     let fresh = progress.file.is_empty();
-    if fresh {
-        progress.initial_val_loss = match &eval {
-            Some(e) => Some(e.lock().unwrap().score(&global)?),
-            None => None,
-        };
-    }
-    let metrics = MetricsLog::open(&opts.out, (!fresh).then_some(published_round))?;
+    let initial = match (&eval, fresh) {
+        (Some(e), true) => Some(e.lock().unwrap().score(&global)?),
+        _ => None,
+    };
+    progress.initial_val_loss = progress.initial_val_loss.or(initial.as_ref().map(|s| s.0));
+    let metrics = MetricsLog::open(
+        &opts.out,
+        (!fresh).then_some(published_round * s.sync_steps),
+    )?;
     let (published, _) = watch::channel(published_round);
     let state = Arc::new(State {
         final_round: cfg.train.max_steps / s.sync_steps,
@@ -503,6 +569,7 @@ pub async fn serve(
         eval,
         progress: Mutex::new(progress),
     });
+    state.reapply_pending()?;
     if fresh {
         let (g, _) = {
             let c = state.coord.lock().unwrap();
@@ -515,12 +582,10 @@ pub async fn serve(
             )
         };
         state.publish(&g, 0)?;
-        let initial = state.progress.lock().unwrap().initial_val_loss;
-        state
-            .metrics
-            .lock()
-            .unwrap()
-            .write(json!({"round": 0, "step": 0, "tokens": 0, "val_loss": initial}))?;
+        let (val_loss, expert_load) = initial.unzip();
+        state.metrics.lock().unwrap().write(
+            json!({"round": 0, "step": 0, "tokens": 0, "val_loss": val_loss, "expert_load": expert_load}),
+        )?;
     }
 
     // Closes rounds whose timeout passed; ends the server once the last round is out.

@@ -82,6 +82,11 @@ struct Server {
 
 impl Server {
     fn start(cfg: RunConfig, out: &Path, tls: Option<(Vec<u8>, Vec<u8>)>) -> Server {
+        Self::start_on("127.0.0.1:0", cfg, out, tls)
+    }
+
+    fn start_on(bind: &str, cfg: RunConfig, out: &Path, tls: Option<(Vec<u8>, Vec<u8>)>) -> Server {
+        let bind = bind.to_owned();
         let opts = ServerOptions {
             cfg,
             out: out.to_owned(),
@@ -96,7 +101,7 @@ impl Server {
         let handle = std::thread::spawn(move || {
             let rt = tokio::runtime::Runtime::new().unwrap();
             rt.block_on(async move {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let listener = tokio::net::TcpListener::bind(bind.as_str()).await.unwrap();
                 addr_tx.send(listener.local_addr().unwrap()).unwrap();
                 serve(opts, listener, async {
                     let _ = stop_rx.await;
@@ -117,6 +122,12 @@ impl Server {
 
     fn finish(mut self) -> ServerSummary {
         self.handle.take().unwrap().join().unwrap().unwrap()
+    }
+
+    /// Stops the server now and waits until it has let go of its port.
+    fn stop(mut self) -> ServerSummary {
+        let _ = self.stop.take().unwrap().send(());
+        self.finish()
     }
 }
 
@@ -503,4 +514,177 @@ fn tls_with_a_private_ca() {
     let summary = Node::connect(opts).unwrap().run().unwrap();
     assert_eq!(summary.steps, 2);
     server.finish();
+}
+
+#[test]
+fn a_restarted_server_resumes_and_nodes_ride_out_the_outage() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(
+        &data,
+        "spes",
+        2,
+        &["train.max_steps=12", "sync.sync_steps=4"],
+    );
+    let out = tmp.path().join("server");
+    let first = Server::start(cfg.clone(), &out, None);
+    let (addr, url) = (first.addr, first.url());
+    tch::set_num_threads(1);
+    let nodes: Vec<_> = (0..2)
+        .map(|peer| {
+            let opts = node_options(&cfg, &url, peer, tmp.path());
+            std::thread::spawn(move || Node::connect(opts).unwrap().run().unwrap())
+        })
+        .collect();
+    // Stop the server once round 1 is published, then start a new one on the same port.
+    let metrics = out.join("metrics.jsonl");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::fs::read_to_string(&metrics)
+        .unwrap_or_default()
+        .lines()
+        .count()
+        < 2
+    {
+        assert!(std::time::Instant::now() < deadline, "round 1 never closed");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let stopped_after = first.stop().rounds;
+    assert!(
+        (1..3).contains(&stopped_after),
+        "stopped mid-run, after round {stopped_after}"
+    );
+    let second = Server::start_on(&addr.to_string(), cfg.clone(), &out, None);
+    for n in nodes {
+        assert_eq!(n.join().unwrap().steps, 12);
+    }
+    let summary = second.finish();
+    assert_eq!(summary.rounds, 3);
+    let rounds: Vec<u64> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["round"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        rounds,
+        vec![0, 1, 2, 3],
+        "each round logged once across the restart"
+    );
+    let a = spes_train::checkpoint::load(&tmp.path().join("node-0/checkpoints/step-12")).unwrap();
+    let b = spes_train::checkpoint::load(&tmp.path().join("node-1/checkpoints/step-12")).unwrap();
+    let sorted = |v: Named| {
+        let mut v = v;
+        v.sort_by(|x, y| x.0.cmp(&y.0));
+        v
+    };
+    for ((n, x), (_, y)) in sorted(a.model).iter().zip(&sorted(b.model)) {
+        assert!(
+            x.equal(y),
+            "`{n}` differs between the nodes after the restart"
+        );
+    }
+}
+
+#[test]
+fn bf16_payloads_halve_the_traffic_and_keep_nodes_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(
+        &data,
+        "spes",
+        2,
+        &["train.max_steps=2", "sync.payload_dtype=bf16"],
+    );
+    let server = Server::start(cfg.clone(), &tmp.path().join("server"), None);
+    let seen = run_nodes(&cfg, &server.url(), tmp.path(), 1);
+    server.finish();
+    for ((n, a), (_, b)) in seen[0].after_sync.iter().zip(&seen[1].after_sync) {
+        assert!(a.equal(b), "`{n}` differs between the nodes");
+    }
+    let shared = seen[0]
+        .after_sync
+        .iter()
+        .find(|(n, _)| n == "lm_head.weight")
+        .unwrap()
+        .1
+        .shallow_clone();
+    assert!(
+        shared.equal(&shared.to_kind(Kind::BFloat16).to_kind(Kind::Float)),
+        "bf16 on the wire"
+    );
+    for s in &seen {
+        let summary: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(tmp.path().join(format!("node-{}/summary.json", s.peer)))
+                .unwrap(),
+        )
+        .unwrap();
+        let values: u64 = s.upload.iter().map(|(_, t)| t.numel() as u64).sum();
+        let up = summary["bytes_up"].as_u64().unwrap();
+        assert!(
+            up >= 2 * values && up < 2 * values + 64 * 1024,
+            "{up} bytes for {values} bf16 values"
+        );
+    }
+}
+
+#[test]
+fn an_acknowledged_upload_survives_a_server_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(&data, "spes", 2, &["train.max_steps=2"]);
+    let out = tmp.path().join("server");
+    let first = Server::start(cfg.clone(), &out, None);
+    let (addr, url) = (first.addr, first.url());
+    // Peer 0 uploads all-ones and is acknowledged; then the server goes down.
+    let model = MoeModel::new(&cfg.model, Device::Cpu).unwrap();
+    let scope = spes_net::scope_of(&cfg).unwrap();
+    let ones: Named = model
+        .params()
+        .into_iter()
+        .filter(|p| scope.uploads(0, p.role))
+        .map(|p| (p.name, p.tensor.detach().ones_like()))
+        .collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = raw_client(&url, TOKEN).await;
+        let path = tmp.path().join("ones.safetensors");
+        payload::write(&path, &ones, PayloadDtype::Fp32).unwrap();
+        let stream =
+            tokio_stream::StreamExt::filter_map(payload::send(&path, 0, 1).unwrap(), |r| r.ok());
+        let reply = c.upload(stream).await.unwrap().into_inner();
+        assert!(!reply.round_closed);
+    });
+    assert_eq!(first.stop().rounds, 0);
+    assert!(out.join("pending/round-000001-peer-0.safetensors").exists());
+    // After the restart only node 1 shows up; the round closes with peer 0's upload averaged in.
+    let second = Server::start_on(&addr.to_string(), cfg.clone(), &out, None);
+    let mut node = Node::connect(node_options(&cfg, &url, 1, tmp.path())).unwrap();
+    let upload = copy(&node.train_round().unwrap());
+    assert_eq!(node.sync(&upload).unwrap(), 1);
+    let head = |named: &Named| {
+        named
+            .iter()
+            .find(|(n, _)| n == "lm_head.weight")
+            .unwrap()
+            .1
+            .shallow_clone()
+    };
+    let expect = (head(&upload) + 1.0) / 2.0;
+    let got = head(&snapshot(&node));
+    assert!((got - expect).abs().max().double_value(&[]) < 1e-6);
+    node.run().unwrap();
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let round1: serde_json::Value = serde_json::from_str(metrics.lines().nth(1).unwrap()).unwrap();
+    assert_eq!(round1["peers"], serde_json::json!([0, 1]));
+    drop(second);
+    assert!(
+        std::fs::read_dir(out.join("pending"))
+            .unwrap()
+            .next()
+            .is_none(),
+        "pending uploads cleared after publishing"
+    );
 }

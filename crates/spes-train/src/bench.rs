@@ -34,6 +34,9 @@ pub struct BenchResult {
     pub tokens_per_s: f64,
     /// Peak resident set size of this process (VmHWM).
     pub peak_rss_mb: f64,
+    /// GPU memory this process holds after the steps (the caching allocator keeps its peak), if
+    /// on CUDA and `nvidia-smi` is there.
+    pub gpu_memory_mb: Option<f64>,
 }
 
 /// Runs the benchmark in this process; peak RSS covers everything the process did before too.
@@ -76,6 +79,23 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
         step_ms: median * 1e3,
         tokens_per_s: tokens as f64 / median,
         peak_rss_mb: peak_rss_mb(),
+        gpu_memory_mb: o.device.is_cuda().then(gpu_memory_mb).flatten(),
+    })
+}
+
+/// This process's GPU memory in MiB as `nvidia-smi` reports it.
+fn gpu_memory_mb() -> Option<f64> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-compute-apps=pid,used_memory",
+            "--format=csv,noheader,nounits",
+        ])
+        .output()
+        .ok()?;
+    let me = std::process::id().to_string();
+    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
+        let (pid, mb) = l.split_once(',')?;
+        (pid.trim() == me).then(|| mb.trim().parse().ok()).flatten()
     })
 }
 

@@ -8,4 +8,4 @@ pub mod optim;
 pub mod trainer;
 
 pub use config::{Mode, PayloadDtype, Precision, RunConfig, SyncConfig, TrainConfig};
-pub use trainer::{run, validation_loss, RunSummary, StepStats, Trainer};
+pub use trainer::{run, validation_loss, validation_stats, RunSummary, StepStats, Trainer};

@@ -219,20 +219,43 @@ pub fn validation_loss(
     max_batches: usize,
     device: Device,
 ) -> f64 {
+    validation_stats(model, val, batch, max_batches, device).0
+}
+
+/// Validation loss and each layer's share of top-k assignments per expert (`[layers][E]`).
+pub fn validation_stats(
+    model: &MoeModel,
+    val: &ValWindows,
+    batch: usize,
+    max_batches: usize,
+    device: Device,
+) -> (f64, Vec<Vec<f64>>) {
     let (mut total, mut n) = (0f64, 0usize);
+    let mut counts: Option<Tensor> = None;
     tch::no_grad(|| {
         for (rows, flat) in val.batches(batch, max_batches) {
             let seq = flat.len() / rows;
             let batch = Tensor::from_slice(&flat)
                 .view([rows as i64, seq as i64])
                 .to_device(device);
-            let (logits, _) = model.forward(&batch.narrow(1, 0, seq as i64 - 1));
+            let (logits, aux) = model.forward(&batch.narrow(1, 0, seq as i64 - 1));
             let (ce, _) = spes_model::token_losses(&logits, &batch.narrow(1, 1, seq as i64 - 1));
             total += ce.double_value(&[]) * rows as f64;
             n += rows;
+            let c = aux.expert_counts.to_kind(Kind::Double);
+            counts = Some(match counts.take() {
+                Some(acc) => acc + c,
+                None => c,
+            });
         }
     });
-    total / n as f64
+    let load = counts
+        .map(|c| {
+            let share = &c / c.sum_dim_intlist(1, true, Kind::Double);
+            Vec::<Vec<f64>>::try_from(&share.to_device(Device::Cpu)).unwrap_or_default()
+        })
+        .unwrap_or_default();
+    (total / n as f64, load)
 }
 
 /// Forward/backward over each batch (gradients averaged), clipping, and one AdamW update.

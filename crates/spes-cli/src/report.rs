@@ -1,0 +1,262 @@
+//! The demo's report: `report.md` with PNG plots of per-node training loss, global validation
+//! loss and expert load per layer, drawn from the server's and the nodes' `metrics.jsonl`.
+
+use anyhow::{Context, Result};
+use plotters::prelude::*;
+use serde_json::Value;
+use std::path::Path;
+
+/// DejaVu Sans (see assets/DEJAVU-LICENSE), so plots have text without system fonts.
+const FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+
+/// Reads a `metrics.jsonl` into JSON objects (missing file: none).
+pub fn read_jsonl(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+fn plot_err<E: std::fmt::Display>(e: E) -> anyhow::Error {
+    anyhow::anyhow!("plotting failed: {e}")
+}
+
+/// `(x, y)` bounds with a little headroom.
+fn bounds(series: &[Vec<(f64, f64)>]) -> ((f64, f64), (f64, f64)) {
+    let pts = series.iter().flatten();
+    let (mut x1, mut y0, mut y1) = (1.0f64, f64::MAX, f64::MIN);
+    for &(x, y) in pts {
+        x1 = x1.max(x);
+        y0 = y0.min(y);
+        y1 = y1.max(y);
+    }
+    if y0 > y1 {
+        (y0, y1) = (0.0, 1.0);
+    }
+    let pad = ((y1 - y0) * 0.05).max(1e-3);
+    ((0.0, x1 * 1.02), (y0 - pad, y1 + pad))
+}
+
+fn line_chart(
+    area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> Result<()> {
+    let data: Vec<Vec<(f64, f64)>> = series.iter().map(|(_, s)| s.clone()).collect();
+    let ((x0, x1), (y0, y1)) = bounds(&data);
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(55)
+        .build_cartesian_2d(x0..x1, y0..y1)
+        .map_err(plot_err)?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .x_label_formatter(&|x| format!("{:.0}k", x / 1e3))
+        .draw()
+        .map_err(plot_err)?;
+    for (i, (label, points)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+            .map_err(plot_err)?
+            .label(label.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_err)?;
+    Ok(())
+}
+
+/// Writes `loss.png`, `expert_load.png` and `report.md` under `out`.
+pub fn write(out: &Path, summary: &Value, config_toml: &str) -> Result<()> {
+    // Registering twice (a second report in one process) fails harmlessly.
+    let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
+    let server = read_jsonl(&out.join("server/metrics.jsonl"));
+    let nodes = summary["nodes"].as_array().cloned().unwrap_or_default();
+
+    let per_node: Vec<(String, Vec<(f64, f64)>)> = nodes
+        .iter()
+        .filter_map(|n| n["peer"].as_u64())
+        .map(|p| {
+            let rows = read_jsonl(&out.join(format!("node-{p}/metrics.jsonl")));
+            let pts = rows
+                .iter()
+                .filter_map(|r| Some((r["tokens"].as_f64()?, r["loss"].as_f64()?)))
+                .collect();
+            (format!("node {p}"), pts)
+        })
+        .collect();
+    let val: Vec<(f64, f64)> = server
+        .iter()
+        .filter_map(|r| Some((r["tokens"].as_f64()?, r["val_loss"].as_f64()?)))
+        .collect();
+    let loss_png = out.join("loss.png");
+    {
+        let root = BitMapBackend::new(&loss_png, (1300, 520)).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_err)?;
+        let (left, right) = root.split_horizontally(650);
+        line_chart(
+            &left,
+            "Training loss per node",
+            "tokens seen by the node",
+            "loss (nats/token)",
+            &per_node,
+        )?;
+        let global = vec![("global model, validation".to_string(), val.clone())];
+        line_chart(
+            &right,
+            "Global validation loss",
+            "tokens, all nodes",
+            "loss (nats/token)",
+            &global,
+        )?;
+        root.present().map_err(plot_err)?;
+    }
+
+    let load: Vec<Vec<f64>> = server
+        .iter()
+        .rev()
+        .find_map(|r| serde_json::from_value(r["expert_load"].clone()).ok())
+        .unwrap_or_default();
+    let load_png = out.join("expert_load.png");
+    {
+        let root = BitMapBackend::new(&load_png, (900, 520)).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_err)?;
+        let series: Vec<(String, Vec<(f64, f64)>)> = load
+            .iter()
+            .enumerate()
+            .map(|(l, shares)| {
+                let pts = shares
+                    .iter()
+                    .enumerate()
+                    .map(|(e, s)| (e as f64, *s))
+                    .collect();
+                (format!("layer {l}"), pts)
+            })
+            .collect();
+        let e = load.first().map_or(1, |l| l.len()) as f64;
+        let ((_, _), (y0, y1)) = bounds(&series.iter().map(|s| s.1.clone()).collect::<Vec<_>>());
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                "Expert load per layer (final model, validation tokens)",
+                ("sans-serif", 22),
+            )
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..(e - 1.0).max(1.0), y0.min(0.0)..y1)
+            .map_err(plot_err)?;
+        chart
+            .configure_mesh()
+            .x_desc("expert")
+            .y_desc("share of top-k assignments")
+            .x_labels(load.first().map_or(2, |l| l.len()))
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .draw()
+            .map_err(plot_err)?;
+        for (i, (label, pts)) in series.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            chart
+                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+                .map_err(plot_err)?
+                .label(label.clone())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+                });
+        }
+        let uniform = 1.0 / e;
+        chart
+            .draw_series(LineSeries::new(
+                vec![(0.0, uniform), (e - 1.0, uniform)],
+                BLACK.stroke_width(1),
+            ))
+            .map_err(plot_err)?
+            .label("uniform")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(plot_err)?;
+        root.present().map_err(plot_err)?;
+    }
+
+    let merges: Vec<String> = server
+        .iter()
+        .filter(|r| r["merge_alpha"].is_number())
+        .map(|r| {
+            format!(
+                "round {} (step {}): α = {:.4}, {} experts merged",
+                r["round"],
+                r["step"],
+                r["merge_alpha"].as_f64().unwrap_or(0.0),
+                r["merges"].as_array().map_or(0, |m| m.len())
+            )
+        })
+        .collect();
+    let f = |v: &Value| v.as_f64().map_or("n/a".into(), |x| format!("{x:.3}"));
+    let mut md = String::new();
+    md.push_str("# spes demo: SPES on loopback\n\n");
+    md.push_str(&format!(
+        "One parameter server and {} nodes, each a separate process, trained the `tiny` preset \
+         on the embedded corpus. Every node trained the shared parameters and its own experts only.\n\n",
+        nodes.len()
+    ));
+    md.push_str("| | |\n|---|---|\n");
+    md.push_str(&format!(
+        "| initial validation loss | {} |\n",
+        f(&summary["initial_val_loss"])
+    ));
+    md.push_str(&format!(
+        "| final validation loss | {} |\n",
+        f(&summary["final_val_loss"])
+    ));
+    md.push_str(&format!("| tokens (all nodes) | {} |\n", summary["tokens"]));
+    md.push_str(&format!("| rounds | {} |\n", summary["rounds"]));
+    md.push_str(&format!(
+        "| wall time | {:.0} s |\n\n",
+        summary["wall_s"].as_f64().unwrap_or(0.0)
+    ));
+    md.push_str(
+        "| node | trainable params | optimizer state | bytes up | bytes down | peak RSS |\n",
+    );
+    md.push_str("|---|---|---|---|---|---|\n");
+    let mib = |v: &Value| v.as_f64().unwrap_or(0.0) / (1u64 << 20) as f64;
+    for n in &nodes {
+        md.push_str(&format!(
+            "| {} | {:.2} M | {:.1} MiB | {:.1} MiB | {:.1} MiB | {:.0} MiB |\n",
+            n["peer"],
+            n["trainable_params"].as_f64().unwrap_or(0.0) / 1e6,
+            mib(&n["optimizer_state_bytes"]),
+            mib(&n["bytes_up"]),
+            mib(&n["bytes_down"]),
+            n["peak_rss_mb"].as_f64().unwrap_or(0.0)
+        ));
+    }
+    md.push_str("\n![loss](loss.png)\n\n![expert load](expert_load.png)\n\n## Expert merging\n\n");
+    if merges.is_empty() {
+        md.push_str("No merge rounds.\n");
+    } else {
+        for m in merges {
+            md.push_str(&format!("- {m}\n"));
+        }
+    }
+    md.push_str("\nNeighbours chosen per expert are in `server/metrics.jsonl` (`merges`).\n\n## Configuration\n\n```toml\n");
+    md.push_str(config_toml);
+    md.push_str("```\n");
+    spes_data::shard::write_atomic(&out.join("report.md"), md.as_bytes()).context("report.md")
+}

@@ -1,0 +1,98 @@
+//! `spes bench-sync`: what a SPES node saves against a DiLoCo node. Per-node trainable bytes,
+//! optimizer state and traffic per round are derived from the presets' shapes; peak RSS is
+//! measured by running a SPES-node and a DiLoCo-node training step each in its own process.
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use spes_model::ModelConfig;
+use std::process::Command;
+
+fn mib(bytes: u64) -> String {
+    let m = bytes as f64 / (1u64 << 20) as f64;
+    if m >= 10_240.0 {
+        format!("{:.1} GiB", m / 1024.0)
+    } else {
+        format!("{m:.1} MiB")
+    }
+}
+
+/// Prints the analytic table for `presets` with `nodes` nodes and `wire_bytes` per value.
+pub fn traffic_table(presets: &[String], nodes: usize, wire_bytes: u64) -> Result<()> {
+    println!("| preset | mode | trainable params / node | trainable bytes | optimizer state | upload / round | download / round |");
+    println!("|---|---|---|---|---|---|---|");
+    for name in presets {
+        let cfg = ModelConfig::preset(name)?;
+        if nodes == 0 || nodes > cfg.n_experts {
+            bail!("--nodes must be in 1..={} for preset {name}", cfg.n_experts);
+        }
+        let n = cfg.param_counts();
+        // The busiest node of a contiguous split owns ⌈E/N⌉ experts per layer.
+        let own = cfg.n_experts.div_ceil(nodes) as u64;
+        let spes = n.shared + cfg.n_layers as u64 * own * n.per_expert;
+        for (mode, trainable) in [("spes", spes), ("diloco", n.total)] {
+            println!(
+                "| {name} | {mode} | {:.1} M | {} | {} | {} | {} |",
+                trainable as f64 / 1e6,
+                mib(4 * trainable),
+                mib(8 * trainable),
+                mib(wire_bytes * trainable),
+                mib(wire_bytes * n.total),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Runs `spes bench --json` in a child process and returns its result.
+fn bench_child(preset: &str, own_experts: usize, batch: usize, seq: usize) -> Result<Value> {
+    let out = Command::new(std::env::current_exe()?)
+        .args(["bench", "--json", "--device", "cpu", "--preset", preset])
+        .args(["--own-experts", &own_experts.to_string()])
+        .args([
+            "--batch-size",
+            &batch.to_string(),
+            "--seq-len",
+            &seq.to_string(),
+        ])
+        .output()
+        .context("cannot run `spes bench`")?;
+    if !out.status.success() {
+        bail!(
+            "`spes bench` failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    serde_json::from_slice(&out.stdout).context("`spes bench --json` printed no JSON")
+}
+
+/// Measures a SPES node (owning E/N experts) against a DiLoCo node (all experts) on `preset`.
+pub fn measured_rss(preset: &str, nodes: usize, batch: usize, seq: usize) -> Result<()> {
+    let cfg = ModelConfig::preset(preset)?;
+    let own = cfg.n_experts.div_ceil(nodes);
+    println!();
+    println!("| {preset}, one training step of {batch}×{seq} tokens on CPU | trainable params | optimizer state | tokens/s | peak RSS |");
+    println!("|---|---|---|---|---|");
+    let mut rss = Vec::new();
+    for (label, n) in [
+        (
+            format!("spes node ({own} of {} experts)", cfg.n_experts),
+            own,
+        ),
+        ("diloco node (all experts)".into(), cfg.n_experts),
+    ] {
+        let r = bench_child(preset, n, batch, seq)?;
+        let peak = r["peak_rss_mb"].as_f64().unwrap_or(0.0);
+        rss.push(peak);
+        println!(
+            "| {label} | {:.2} M | {} | {:.0} | {peak:.0} MiB |",
+            r["trainable_params"].as_f64().unwrap_or(0.0) / 1e6,
+            mib(r["optimizer_state_bytes"].as_u64().unwrap_or(0)),
+            r["tokens_per_s"].as_f64().unwrap_or(0.0),
+        );
+    }
+    println!(
+        "\nSPES node peak RSS is {:.0} MiB lower than the DiLoCo node's.",
+        rss[1] - rss[0]
+    );
+    Ok(())
+}

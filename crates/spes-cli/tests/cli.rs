@@ -1,0 +1,254 @@
+//! The `spes` binary as a user runs it.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn spes(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_spes"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn shared(rel: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared")
+        .join(rel)
+        .display()
+        .to_string()
+}
+
+const SMALL: &[&str] = &[
+    "--set",
+    "model.vocab_size=512",
+    "--set",
+    "model.d_model=32",
+    "--set",
+    "model.n_layers=2",
+    "--set",
+    "model.n_heads=2",
+    "--set",
+    "model.n_kv_heads=2",
+    "--set",
+    "model.head_dim=16",
+    "--set",
+    "model.n_experts=4",
+    "--set",
+    "model.expert_hidden=32",
+    "--set",
+    "model.context_length=32",
+    "--set",
+    "train.seq_len=32",
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "train.warmup_steps=2",
+];
+
+#[test]
+fn tokenize_and_train_through_the_cli() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let o = spes(&[
+        "tokenize",
+        "--input",
+        &shared("data/tinyshakespeare.txt"),
+        "--out",
+        data.to_str().unwrap(),
+        "--train-tokenizer",
+        "512",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/tiny.toml");
+    let out = tmp.path().join("run");
+    let mut args = vec![
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--device",
+        "cpu",
+    ];
+    let data_set = format!("data.path={}", data.display());
+    args.extend([
+        "--set",
+        &data_set,
+        "--set",
+        "train.max_steps=30",
+        "--set",
+        "train.eval_every=30",
+    ]);
+    args.extend(SMALL);
+    let o = spes(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for key in [
+        "step",
+        "loss",
+        "ce",
+        "lb_loss",
+        "lr",
+        "tokens",
+        "tokens_per_s",
+    ] {
+        assert!(
+            rows[1].get(key).is_some(),
+            "metrics lack `{key}`: {}",
+            rows[1]
+        );
+    }
+    let first = rows[0]["val_loss"].as_f64().unwrap();
+    let last = rows.last().unwrap()["val_loss"].as_f64().unwrap();
+    assert!(last < first - 0.5, "validation loss {first} -> {last}");
+    assert!(out.join("checkpoints/step-30/model.safetensors").exists());
+
+    args.extend(["--set", "train.max_steps=lots"]);
+    let o = spes(&args);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("train.max_steps") && text(&o).contains("u64"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn the_server_refuses_to_run_without_a_token() {
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/spes-tiny.toml");
+    let tmp = tempfile::tempdir().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_spes"))
+        .args([
+            "server",
+            "--config",
+            config.to_str().unwrap(),
+            "--out",
+            tmp.path().to_str().unwrap(),
+        ])
+        .env_remove("SPES_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--token-file"), "{}", text(&o));
+}
+
+/// The demo on a shrunken schedule: every artefact a user reads must be there.
+#[test]
+fn demo_writes_report_plots_and_summary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("demo");
+    let mut args = vec!["demo", "--out", out.to_str().unwrap(), "--device", "cpu"];
+    args.extend([
+        "--set",
+        "train.max_steps=20",
+        "--set",
+        "sync.sync_steps=10",
+        "--set",
+        "train.batch_size=2",
+        "--set",
+        "train.seq_len=64",
+        "--set",
+        "train.eval_batches=2",
+        "--set",
+        "train.log_every=5",
+        "--set",
+        "sync.merge_every=10",
+        "--set",
+        "sync.merge_until=20",
+    ]);
+    let o = spes(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    for key in ["initial_val_loss", "final_val_loss", "tokens", "wall_s"] {
+        assert!(summary[key].is_number(), "summary lacks {key}: {summary}");
+    }
+    let nodes = summary["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 4);
+    for n in nodes {
+        for key in ["bytes_up", "bytes_down", "peak_rss_mb"] {
+            assert!(n[key].as_f64().unwrap() > 0.0, "node lacks {key}: {n}");
+        }
+    }
+    for png in ["loss.png", "expert_load.png"] {
+        let bytes = std::fs::read(out.join(png)).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG", "{png}");
+        assert!(bytes.len() > 10_000, "{png} is nearly empty");
+    }
+    let report = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(
+        // One merge round: step 10, α = 0.05·(1 − 10/20).
+        report.contains("loss.png") && report.contains("(step 10): α = 0.0250"),
+        "{report}"
+    );
+}
+
+fn processes_mentioning(needle: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(cmd) = std::fs::read(entry.path().join("cmdline")) {
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if cmd.contains(needle) && (cmd.contains(" node ") || cmd.contains(" server ")) {
+                found.push(cmd);
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn ctrl_c_stops_every_demo_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("demo-interrupted");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_spes"))
+        .args([
+            "demo",
+            "--out",
+            out.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--set",
+            "train.batch_size=1",
+            "--set",
+            "train.seq_len=32",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while !out.join("node-3/metrics.jsonl").exists() {
+        assert!(Instant::now() < deadline, "the demo's nodes never started");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(
+        processes_mentioning(out.to_str().unwrap()).len(),
+        5,
+        "server and 4 nodes run"
+    );
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let code = child.wait().unwrap();
+    assert!(!code.success());
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(err.contains("interrupted"), "{err}");
+    let left = processes_mentioning(out.to_str().unwrap());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
