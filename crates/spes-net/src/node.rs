@@ -6,7 +6,7 @@
 use crate::auth::AddToken;
 use crate::payload;
 use crate::proto::spes_client::SpesClient;
-use crate::proto::{FetchRequest, JoinRequest};
+use crate::proto::{DoneRequest, FetchRequest, JoinRequest};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -408,13 +408,25 @@ impl Node {
         Ok((header.round, header.total_bytes))
     }
 
-    /// Trains and syncs until `max_steps`, then writes `<out>/summary.json`.
+    /// Trains and syncs until `max_steps`, tells the server, then writes `<out>/summary.json`.
     pub fn run(mut self) -> Result<NodeSummary> {
         while self.trainer.step < self.trainer.cfg.train.max_steps {
             let upload = self.train_round()?;
             self.sync(&upload)?;
         }
         self.bar.finish_and_clear();
+        let (peer, client) = (self.peer, self.client.clone());
+        // Best effort: a server already gone has nothing left to wait for.
+        let said = retry(&self.rt, Duration::from_secs(10), "done", || {
+            let mut c = client.clone();
+            async move { c.done(DoneRequest { peer: peer as u32 }).await }
+        });
+        if let Err(s) = said {
+            tracing::warn!(
+                "node {peer}: could not tell the server it is done: {}",
+                s.message()
+            );
+        }
         let summary = self.summary();
         spes_data::shard::write_atomic(
             &self.out.join("summary.json"),

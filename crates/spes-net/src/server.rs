@@ -12,7 +12,9 @@
 use crate::auth::CheckToken;
 use crate::payload;
 use crate::proto::spes_server::{Spes, SpesServer};
-use crate::proto::{Chunk, FetchRequest, JoinReply, JoinRequest, UploadReply};
+use crate::proto::{
+    Chunk, DoneReply, DoneRequest, FetchRequest, JoinReply, JoinRequest, UploadReply,
+};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -44,7 +46,7 @@ pub struct ServerOptions {
     pub init: Option<PathBuf>,
     /// Device for scoring the published model.
     pub device: Device,
-    /// After the last round, keep serving until every node fetched it or this many seconds passed.
+    /// After the last round, keep serving until every node said it is done or this long passed.
     pub linger_s: f64,
 }
 
@@ -100,7 +102,8 @@ struct RoundIo {
     bytes_in: u64,
     bytes_out: u64,
     rejected: Vec<String>,
-    final_fetched: BTreeSet<usize>,
+    /// Nodes that said they finished (kept across rounds).
+    done: BTreeSet<usize>,
     round_started: f64,
 }
 
@@ -204,7 +207,7 @@ impl State {
             let mut io = self.io.lock().unwrap();
             let taken = std::mem::take(&mut *io);
             io.round_started = now;
-            io.final_fetched = taken.final_fetched.clone();
+            io.done = taken.done.clone();
             taken
         };
         let merges: Vec<_> = r
@@ -317,12 +320,16 @@ impl Spes for Service {
         })?;
         let stream =
             payload::send(&path, peer, round).map_err(|e| Status::internal(format!("{e:#}")))?;
-        let mut io = s.io.lock().unwrap();
-        io.bytes_out += size;
-        if round == s.final_round {
-            io.final_fetched.insert(peer);
-        }
+        s.io.lock().unwrap().bytes_out += size;
         Ok(Response::new(stream))
+    }
+
+    async fn done(&self, req: Request<DoneRequest>) -> Result<Response<DoneReply>, Status> {
+        let s = &self.state;
+        let peer = peer_in_range(req.get_ref().peer, s.cfg.sync.nodes)?;
+        s.io.lock().unwrap().done.insert(peer);
+        tracing::info!("node {peer} finished");
+        Ok(Response::new(DoneReply {}))
     }
 
     async fn upload(
@@ -606,7 +613,7 @@ pub async fn serve(
             if *s.published.borrow() >= s.final_round {
                 let now = s.now();
                 let at = *final_at.get_or_insert(now);
-                let all = s.io.lock().unwrap().final_fetched.len() >= s.cfg.sync.nodes;
+                let all = s.io.lock().unwrap().done.len() >= s.cfg.sync.nodes;
                 if all || now - at >= linger {
                     if let Some(tx) = done_tx.take() {
                         let _ = tx.send(());

@@ -333,9 +333,12 @@ mod tests {
         assert_eq!(c.train.lr, 1e-3);
         let c = RunConfig::parse(BASE, &["model.preset=1b".into()]).unwrap();
         assert_eq!(c.model.d_model, 768);
+        let spes: [String; 2] = ["sync.mode=spes".into(), "sync.ownership=[[0,1],[2]]".into()];
+        let err = RunConfig::parse(BASE, &spes).unwrap_err().to_string();
+        assert!(err.contains("multiple of sync.sync_steps"), "{err}");
         let c = RunConfig::parse(
             BASE,
-            &["sync.mode=spes".into(), "sync.ownership=[[0,1],[2]]".into()],
+            &[spes[0].clone(), spes[1].clone(), "sync.sync_steps=5".into()],
         )
         .unwrap();
         assert_eq!(c.sync.mode, Mode::Spes);
