@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Installs what spes needs into the repository, idempotently (a no-op when already there):
 # a Python virtualenv .venv with PyTorch 2.11.0 from PyPI, whose bundled libtorch is what tch
-# 0.24 builds and links against (.venv/libtorch -> site-packages/torch). Needs python3 and cargo.
+# 0.24 builds and links against (.venv/libtorch -> site-packages/torch), and transformers for
+# the Hugging Face parity tests and interop. Needs python3 and cargo.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.venv"
 torch_version=2.11.0
+transformers_version=5.24.0
 
 for tool in python3 cargo; do
   command -v "$tool" >/dev/null || { echo "setup: $tool is required but not on PATH" >&2; exit 1; }
@@ -15,6 +17,11 @@ installed=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.versi
 if [ "${installed%%+*}" != "$torch_version" ]; then
   echo "setup: installing torch==$torch_version into $venv (about 2.7 GB download, 4.7 GB on disk)" >&2
   "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==$torch_version" numpy
+fi
+have=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('transformers'))" 2>/dev/null || true)
+if [ "$have" != "$transformers_version" ]; then
+  echo "setup: installing transformers==$transformers_version into $venv" >&2
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "transformers==$transformers_version"
 fi
 site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 ln -sfn "$site/torch" "$venv/libtorch"

@@ -117,6 +117,87 @@ enum Command {
         /// Continue from the newest checkpoint in <out>/checkpoints.
         #[arg(long)]
         resume: bool,
+        /// Start a fresh run from these weights (a checkpoint directory, e.g. from `spes
+        /// upcycle`, or a model.safetensors); the optimizer starts empty.
+        #[arg(long, conflicts_with = "resume")]
+        init: Option<PathBuf>,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
+    /// Write a freshly initialised checkpoint of a config to <out>/step-0 (e.g. to try export-hf).
+    Init {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        overrides: Vec<String>,
+        /// The checkpoint directory to create.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Export a checkpoint as a Hugging Face model folder (OLMoE or Qwen3-MoE).
+    ExportHf {
+        /// A spes checkpoint directory (model.safetensors + state.json).
+        #[arg(long)]
+        checkpoint: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, value_parser = ["fp32", "bf16"], default_value = "fp32")]
+        dtype: String,
+        /// Largest shard in GB (10^9 bytes).
+        #[arg(long, default_value_t = 5.0)]
+        max_shard_gb: f64,
+        /// tokenizer.json to ship (default: the one of the checkpoint's training data).
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+    },
+    /// Build a MoE checkpoint from a dense Hugging Face model (Llama, Mistral or Qwen3 layout).
+    Upcycle {
+        /// The dense model folder (config.json + safetensors).
+        #[arg(long)]
+        from: PathBuf,
+        #[arg(long)]
+        experts: usize,
+        #[arg(long)]
+        top_k: usize,
+        /// Combine with the raw top-k probabilities instead of renormalising them.
+        #[arg(long)]
+        raw_topk: bool,
+        #[arg(long, default_value_t = 0.0)]
+        noise_std: f64,
+        #[arg(long, default_value_t = 0.0)]
+        noise_fraction: f64,
+        #[arg(long, value_parser = ["zeros", "normal"], default_value = "zeros")]
+        router: String,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Tokenized data (a `spes tokenize` directory made with the dense model's tokenizer).
+        #[arg(long)]
+        data: PathBuf,
+        /// The checkpoint directory to create.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Score a checkpoint: perplexity and bits per byte of a text, or downstream tasks.
+    Eval {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// A text file, tokenized whole and scored in windows of the training context.
+        #[arg(long, conflicts_with = "tasks", required_unless_present = "tasks")]
+        text: Option<PathBuf>,
+        /// Task directories with requests.jsonl.gz, comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        tasks: Vec<PathBuf>,
+        /// Score only the first N documents of each task.
+        #[arg(long)]
+        limit: Option<usize>,
+        #[arg(long, default_value_t = 16)]
+        batch_size: usize,
+        /// tokenizer.json to use (default: the one of the checkpoint's training data).
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+        /// Write the JSON here instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
@@ -244,6 +325,80 @@ enum Command {
     },
 }
 
+/// A freshly initialised checkpoint (`<out>/step-0`) of a config; needs no data.
+fn init_checkpoint(cfg: &RunConfig, out: &Path) -> Result<PathBuf> {
+    tch::manual_seed(cfg.train.seed as i64);
+    let model = spes_model::MoeModel::new(&cfg.model, tch::Device::Cpu)?;
+    let tensors: Vec<(String, tch::Tensor)> = model
+        .params()
+        .into_iter()
+        .map(|p| (p.name, p.tensor))
+        .collect();
+    let state = spes_train::checkpoint::TrainState {
+        format_version: 1,
+        step: 0,
+        tokens: 0,
+        data_position: 0,
+        seed: cfg.train.seed,
+        optimizer_steps: 0,
+        config: cfg.clone(),
+        files: Default::default(),
+    };
+    spes_train::checkpoint::save(out, state, &tensors, &[], 1)
+}
+
+/// `spes eval`: a text's perplexity and bits per byte, or task accuracies, as JSON.
+fn eval(
+    checkpoint: &Path,
+    text: Option<&Path>,
+    tasks: &[PathBuf],
+    limit: Option<usize>,
+    batch: usize,
+    tokenizer: Option<&Path>,
+    device: tch::Device,
+) -> Result<serde_json::Value> {
+    let ck = spes_train::checkpoint::load(checkpoint)?;
+    let cfg = &ck.state.config;
+    let model = spes_model::MoeModel::new(&cfg.model, device)?;
+    let named: Vec<(String, tch::Tensor)> = ck
+        .model
+        .into_iter()
+        .map(|(n, t)| (n, t.to_device(device)))
+        .collect();
+    model.load(&named, &checkpoint.display().to_string())?;
+    let manifest = spes_data::Manifest::load(&cfg.data.path).ok();
+    let tok_path = match (tokenizer, &manifest) {
+        (Some(t), _) => t.to_owned(),
+        (None, Some(m)) => cfg.data.path.join(&m.tokenizer),
+        (None, None) => anyhow::bail!(
+            "the checkpoint's data directory {} is gone; pass --tokenizer",
+            cfg.data.path.display()
+        ),
+    };
+    let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
+        .map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", tok_path.display()))?;
+    let sc = spes_eval::Scoring {
+        tokenizer,
+        eos: manifest.map_or(0, |m| m.eos_id),
+        ctx: cfg.train.seq_len,
+        batch,
+        device,
+    };
+    if let Some(path) = text {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        return Ok(serde_json::to_value(spes_eval::score_text(
+            &model, &sc, &text,
+        )?)?);
+    }
+    let mut results = Vec::new();
+    for dir in tasks {
+        let task = spes_eval::load_task(dir)?;
+        results.push(spes_eval::score_task(&model, &sc, &task, limit, true)?);
+    }
+    Ok(serde_json::json!({ "tasks": results }))
+}
+
 fn gen_cert(out: &Path, hosts: Vec<String>) -> Result<()> {
     let cert =
         rcgen::generate_simple_self_signed(hosts).context("cannot generate a certificate")?;
@@ -324,12 +479,13 @@ fn run(cli: Cli) -> Result<()> {
             out,
             overrides,
             resume,
+            init,
             runtime,
         } => {
             let cfg = RunConfig::load(&config, &overrides)?;
             let device = runtime.device()?;
             tracing::info!(?device, "training {}", out.display());
-            let summary = spes_train::run(cfg, &out, device, resume, true)?;
+            let summary = spes_train::run(cfg, &out, device, resume, init.as_deref(), true)?;
             println!("{}", serde_json::to_string_pretty(&summary)?);
         }
         Command::Bench {
@@ -474,6 +630,90 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::GenCert { out, host } => gen_cert(&out, host)?,
+        Command::Init {
+            config,
+            overrides,
+            out,
+        } => {
+            let dir = init_checkpoint(&RunConfig::load(&config, &overrides)?, &out)?;
+            println!("{}", dir.display());
+        }
+        Command::ExportHf {
+            checkpoint,
+            out,
+            dtype,
+            max_shard_gb,
+            tokenizer,
+        } => {
+            let summary = spes_hf::export(&spes_hf::ExportOptions {
+                checkpoint,
+                out,
+                dtype: if dtype == "bf16" {
+                    spes_hf::ExportDtype::Bf16
+                } else {
+                    spes_hf::ExportDtype::Fp32
+                },
+                max_shard_bytes: (max_shard_gb * 1e9) as u64,
+                tokenizer,
+            })?;
+            println!("{}", serde_json::to_string_pretty(&summary)?);
+        }
+        Command::Upcycle {
+            from,
+            experts,
+            top_k,
+            raw_topk,
+            noise_std,
+            noise_fraction,
+            router,
+            seed,
+            data,
+            out,
+        } => {
+            let dir = spes_hf::upcycle(&spes_hf::UpcycleOptions {
+                from,
+                experts,
+                top_k,
+                normalize_topk: !raw_topk,
+                noise_std,
+                noise_fraction,
+                router: if router == "normal" {
+                    spes_hf::RouterInit::Normal(0.02)
+                } else {
+                    spes_hf::RouterInit::Zeros
+                },
+                seed,
+                out,
+                data,
+            })?;
+            println!("wrote {}", dir.display());
+        }
+        Command::Eval {
+            checkpoint,
+            text,
+            tasks,
+            limit,
+            batch_size,
+            tokenizer,
+            out,
+            runtime,
+        } => {
+            let device = runtime.device()?;
+            let result = eval(
+                &checkpoint,
+                text.as_deref(),
+                &tasks,
+                limit,
+                batch_size,
+                tokenizer.as_deref(),
+                device,
+            )?;
+            let json = serde_json::to_string_pretty(&result)?;
+            match out {
+                Some(path) => spes_data::shard::write_atomic(&path, json.as_bytes())?,
+                None => println!("{json}"),
+            }
+        }
         Command::Demo {
             out,
             overrides,

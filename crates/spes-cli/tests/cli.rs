@@ -80,6 +80,7 @@ fn tokenize_and_train_through_the_cli() {
         "cpu",
     ];
     let data_set = format!("data.path={}", data.display());
+    let tasks_set = format!("train.eval_tasks=[\"{}\"]", shared("eval/arc_easy"));
     args.extend([
         "--set",
         &data_set,
@@ -87,6 +88,14 @@ fn tokenize_and_train_through_the_cli() {
         "train.max_steps=30",
         "--set",
         "train.eval_every=30",
+    ]);
+    args.extend([
+        "--set",
+        &tasks_set,
+        "--set",
+        "train.eval_tasks_every=15",
+        "--set",
+        "train.eval_task_docs=10",
     ]);
     args.extend(SMALL);
     let o = spes(&args);
@@ -115,6 +124,64 @@ fn tokenize_and_train_through_the_cli() {
     let last = rows.last().unwrap()["val_loss"].as_f64().unwrap();
     assert!(last < first - 0.5, "validation loss {first} -> {last}");
     assert!(out.join("checkpoints/step-30/model.safetensors").exists());
+    let scored = rows
+        .iter()
+        .filter(|r| r["tasks"]["arc_easy"]["acc_raw"].is_number())
+        .count();
+    assert_eq!(scored, 2, "the task hook ran at steps 15 and 30");
+
+    // Evaluation and export of the trained checkpoint, as a user runs them.
+    let ck = out.join("checkpoints/step-30");
+    let sample = tmp.path().join("sample.txt");
+    let wiki = std::fs::read_to_string(shared("data/wikitext-2/valid.txt")).unwrap();
+    std::fs::write(&sample, &wiki[..5000]).unwrap();
+    let o = spes(&[
+        "eval",
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--text",
+        sample.to_str().unwrap(),
+        "--device",
+        "cpu",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["perplexity"].as_f64().unwrap() > 1.0 && v["bits_per_byte"].as_f64().unwrap() > 0.0);
+    assert!(v["tokens"].as_u64().unwrap() > 100);
+    let o = spes(&[
+        "eval",
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--tasks",
+        &shared("eval/piqa"),
+        "--limit",
+        "8",
+        "--device",
+        "cpu",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["tasks"][0]["docs"], 8);
+    let hf = tmp.path().join("hf");
+    let o = spes(&[
+        "export-hf",
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--out",
+        hf.to_str().unwrap(),
+        "--dtype",
+        "bf16",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        assert!(hf.join(f).exists(), "export lacks {f}");
+    }
 
     args.extend(["--set", "train.max_steps=lots"]);
     let o = spes(&args);

@@ -73,26 +73,42 @@ struct ServerState {
 
 const STATE_FILE: &str = "server.json";
 
-/// Scores published models on the validation split.
+/// Scores published models: validation loss, expert load, and tasks when due.
 struct Evaluator {
     model: MoeModel,
     val: ValWindows,
     batch: usize,
     max_batches: usize,
     device: Device,
+    tasks: Option<spes_train::task_hook::TaskHook>,
+}
+
+/// What scoring a published model found.
+struct Scored {
+    val_loss: f64,
+    expert_load: Vec<Vec<f64>>,
+    tasks: Option<serde_json::Value>,
 }
 
 impl Evaluator {
-    /// Validation loss and per-layer expert load of a published model.
-    fn score(&self, global: &Named) -> Result<(f64, Vec<Vec<f64>>)> {
+    fn score(&self, global: &Named, step: u64) -> Result<Scored> {
         self.model.load(global, "published model")?;
-        Ok(spes_train::validation_stats(
+        let (val_loss, expert_load) = spes_train::validation_stats(
             &self.model,
             &self.val,
             self.batch,
             self.max_batches,
             self.device,
-        ))
+        );
+        let tasks = match self.tasks.as_ref().filter(|t| t.due(step)) {
+            Some(t) => Some(t.score(&self.model)?),
+            None => None,
+        };
+        Ok(Scored {
+            val_loss,
+            expert_load,
+            tasks,
+        })
     }
 }
 
@@ -149,7 +165,7 @@ impl State {
         let aggregation_s = t0.elapsed().as_secs_f64();
         self.publish(&global, round)?;
         let scored = match &self.eval {
-            Some(e) => Some(e.lock().unwrap().score(&global)?),
+            Some(e) => Some(e.lock().unwrap().score(&global, report.step)?),
             None => None,
         };
         self.log_round(&report, aggregation_s, scored)?;
@@ -189,13 +205,11 @@ impl State {
         Ok(())
     }
 
-    fn log_round(
-        &self,
-        r: &RoundReport,
-        aggregation_s: f64,
-        scored: Option<(f64, Vec<Vec<f64>>)>,
-    ) -> Result<()> {
-        let (val_loss, expert_load) = scored.unzip();
+    fn log_round(&self, r: &RoundReport, aggregation_s: f64, scored: Option<Scored>) -> Result<()> {
+        let (val_loss, expert_load, tasks) = match scored {
+            Some(s) => (Some(s.val_loss), Some(s.expert_load), s.tasks),
+            None => (None, None, None),
+        };
         let tokens = {
             let mut st = self.progress.lock().unwrap();
             st.tokens +=
@@ -220,7 +234,7 @@ impl State {
             "missing": r.missing, "bytes_in": io.bytes_in, "bytes_out": io.bytes_out,
             "aggregation_s": aggregation_s, "round_s": now - io.round_started,
             "val_loss": val_loss, "expert_load": expert_load, "merge_alpha": r.merge_alpha,
-            "merges": merges, "rejected": io.rejected,
+            "merges": merges, "rejected": io.rejected, "tasks": tasks,
         }))?;
         tracing::info!(
             "round {} published: peers {:?}{}{}",
@@ -528,6 +542,7 @@ pub async fn serve(
             batch: cfg.train.batch_size,
             max_batches: cfg.train.eval_batches,
             device: opts.device,
+            tasks: spes_train::task_hook::TaskHook::load(&cfg, opts.device)?,
         })),
         Err(e) => {
             tracing::warn!("no validation loss on the server: {e:#}");
@@ -548,10 +563,12 @@ pub async fn serve(
     let published_round = progress.round;
     let fresh = progress.file.is_empty();
     let initial = match (&eval, fresh) {
-        (Some(e), true) => Some(e.lock().unwrap().score(&global)?),
+        (Some(e), true) => Some(e.lock().unwrap().score(&global, 0)?),
         _ => None,
     };
-    progress.initial_val_loss = progress.initial_val_loss.or(initial.as_ref().map(|s| s.0));
+    progress.initial_val_loss = progress
+        .initial_val_loss
+        .or(initial.as_ref().map(|s| s.val_loss));
     let metrics = MetricsLog::open(
         &opts.out,
         (!fresh).then_some(published_round * s.sync_steps),
@@ -589,10 +606,14 @@ pub async fn serve(
             )
         };
         state.publish(&g, 0)?;
-        let (val_loss, expert_load) = initial.unzip();
-        state.metrics.lock().unwrap().write(
-            json!({"round": 0, "step": 0, "tokens": 0, "val_loss": val_loss, "expert_load": expert_load}),
-        )?;
+        let (val_loss, expert_load, tasks) = match initial {
+            Some(s) => (Some(s.val_loss), Some(s.expert_load), s.tasks),
+            None => (None, None, None),
+        };
+        state.metrics.lock().unwrap().write(json!({
+            "round": 0, "step": 0, "tokens": 0, "val_loss": val_loss,
+            "expert_load": expert_load, "tasks": tasks,
+        }))?;
     }
 
     // Closes rounds whose timeout passed; ends the server once the last round is out.

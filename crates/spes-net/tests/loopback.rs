@@ -333,11 +333,28 @@ fn spes_rounds_with_two_and_four_nodes() {
 fn diloco_runs_through_the_same_harness_and_averages_experts() {
     let tmp = tempfile::tempdir().unwrap();
     let data = data(tmp.path());
-    let cfg = config(&data, "diloco", 2, &["train.max_steps=4"]);
+    let arc = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/eval/arc_easy");
+    let tasks = format!("train.eval_tasks=[\"{}\"]", arc.display());
+    let extra = [
+        "train.max_steps=4",
+        &tasks,
+        "train.eval_tasks_every=4",
+        "train.eval_task_docs=5",
+    ];
+    let cfg = config(&data, "diloco", 2, &extra);
     let server = Server::start(cfg.clone(), &tmp.path().join("server"), None);
     let seen = run_nodes(&cfg, &server.url(), tmp.path(), 2);
     check_rounds(&cfg, &seen, 2, true);
     server.finish();
+    // The server scored the task on θ⁰ and on the round ending at step 4, not at step 2.
+    let metrics = std::fs::read_to_string(tmp.path().join("server/metrics.jsonl")).unwrap();
+    let scored: Vec<u64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["tasks"]["arc_easy"]["docs"] == 5)
+        .map(|v| v["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(scored, vec![0, 4]);
 }
 
 async fn raw_client(

@@ -29,6 +29,15 @@ pub struct TrainState {
     pub files: BTreeMap<String, String>,
 }
 
+/// The model file of `path`: a checkpoint directory's model.safetensors, or `path` itself.
+pub fn model_file(path: &Path) -> PathBuf {
+    if path.is_dir() {
+        path.join(MODEL_FILE)
+    } else {
+        path.to_owned()
+    }
+}
+
 /// A loaded checkpoint.
 pub struct Checkpoint {
     pub dir: PathBuf,

@@ -138,6 +138,12 @@ pub struct TrainConfig {
     pub checkpoint_every: u64,
     /// Newest checkpoints kept; older ones are deleted.
     pub keep_checkpoints: usize,
+    /// Ranked-classification task directories (`requests.jsonl.gz`) scored during training.
+    pub eval_tasks: Vec<PathBuf>,
+    /// Score `eval_tasks` every this many steps (server: at rounds ending on such steps); 0: never.
+    pub eval_tasks_every: u64,
+    /// Documents per task scored by that hook.
+    pub eval_task_docs: usize,
 }
 
 impl Default for TrainConfig {
@@ -165,6 +171,9 @@ impl Default for TrainConfig {
             eval_batches: 20,
             checkpoint_every: 500,
             keep_checkpoints: 2,
+            eval_tasks: Vec::new(),
+            eval_tasks_every: 0,
+            eval_task_docs: 200,
         }
     }
 }

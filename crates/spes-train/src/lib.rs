@@ -1,10 +1,12 @@
 //! spes training: the run configuration, AdamW over the trainable tensors only, the training
-//! step and loop (centralized mode), checkpoints, metrics and the step benchmark.
+//! step and loop (centralized mode), checkpoints, metrics, in-training task scoring and the
+//! step benchmark.
 
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod optim;
+pub mod task_hook;
 pub mod trainer;
 
 pub use config::{Mode, PayloadDtype, Precision, RunConfig, SyncConfig, TrainConfig};

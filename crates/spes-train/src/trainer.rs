@@ -347,11 +347,13 @@ impl MetricsLog {
 }
 
 /// `spes train`: centralized training of every parameter, resumable from `<out>/checkpoints`.
+/// A fresh run starts from `init` (a checkpoint directory or model.safetensors) when given.
 pub fn run(
     cfg: RunConfig,
     out: &Path,
     device: Device,
     resume: bool,
+    init: Option<&Path>,
     progress: bool,
 ) -> Result<RunSummary> {
     if cfg.sync.mode != crate::config::Mode::Centralized {
@@ -373,8 +375,18 @@ pub fn run(
             out.display(),
             dir.display()
         ),
-        (None, _) => Trainer::new(cfg.clone(), device, |_| true)?,
+        (None, _) => {
+            let tr = Trainer::new(cfg.clone(), device, |_| true)?;
+            if let Some(init) = init {
+                let file = checkpoint::model_file(init);
+                let named = Tensor::read_safetensors(&file)
+                    .with_context(|| format!("cannot read initial weights {}", file.display()))?;
+                tr.model.load(&named, &file.display().to_string())?;
+            }
+            tr
+        }
     };
+    let tasks = crate::task_hook::TaskHook::load(&cfg, device)?;
     spes_data::shard::write_atomic(&out.join("config.toml"), toml::to_string(&cfg)?.as_bytes())?;
     let mut log = MetricsLog::open(out, latest.as_ref().map(|_| tr.step))?;
     let t = cfg.train.clone();
@@ -413,6 +425,11 @@ pub fn run(
             let r = record.get_or_insert_with(|| json!({"step": tr.step, "tokens": tr.tokens}));
             r["val_loss"] = json!(final_val_loss);
             bar.println(format!("step {:>6}  val_loss {final_val_loss:.4}", tr.step));
+        }
+        if let Some(hook) = tasks.as_ref().filter(|h| h.due(tr.step)) {
+            let scores = hook.score(&tr.model)?;
+            let r = record.get_or_insert_with(|| json!({"step": tr.step, "tokens": tr.tokens}));
+            r["tasks"] = scores;
         }
         if let Some(r) = record {
             log.write(r)?;

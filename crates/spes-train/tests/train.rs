@@ -96,7 +96,7 @@ fn resume_reproduces_the_uninterrupted_run_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let data = data(tmp.path());
     let full = tmp.path().join("full");
-    spes_train::run(config(&data, &[]), &full, Device::Cpu, false, false).unwrap();
+    spes_train::run(config(&data, &[]), &full, Device::Cpu, false, None, false).unwrap();
 
     // A run that died after its step-3 checkpoint: that checkpoint and the metrics so far.
     let crashed = tmp.path().join("crashed");
@@ -110,14 +110,21 @@ fn resume_reproduces_the_uninterrupted_run_exactly() {
     }
     std::fs::copy(full.join("metrics.jsonl"), crashed.join("metrics.jsonl")).unwrap();
 
-    let err = spes_train::run(config(&data, &[]), &crashed, Device::Cpu, false, false)
-        .unwrap_err()
-        .to_string();
+    let err = spes_train::run(
+        config(&data, &[]),
+        &crashed,
+        Device::Cpu,
+        false,
+        None,
+        false,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(
         err.contains("--resume"),
         "refuses to overwrite a run: {err}"
     );
-    let s = spes_train::run(config(&data, &[]), &crashed, Device::Cpu, true, false).unwrap();
+    let s = spes_train::run(config(&data, &[]), &crashed, Device::Cpu, true, None, false).unwrap();
     assert_eq!(s.steps, 6);
     assert_eq!(
         losses(&crashed),
