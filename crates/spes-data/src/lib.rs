@@ -4,6 +4,8 @@
 pub mod input;
 pub mod loader;
 pub mod shard;
+#[cfg(feature = "test-support")]
+pub mod testing;
 pub mod tokenize;
 
 pub use loader::{Loader, ValWindows};

@@ -1,7 +1,6 @@
 //! spes against Hugging Face transformers (the project's .venv): exported models, upcycled
 //! models, and evaluation log-likelihoods must agree within 1e-4.
 
-use spes_data::{tokenize, TokenizeOptions, TokenizerSource};
 use spes_hf::{export, upcycle, ExportDtype, ExportOptions, RouterInit, UpcycleOptions};
 use spes_model::MoeModel;
 use spes_train::{checkpoint, RunConfig, Trainer};
@@ -28,19 +27,7 @@ fn reference(args: &[&str]) {
 }
 
 fn data(dir: &Path) -> PathBuf {
-    let src = root().join("../shared/data/tinyshakespeare.txt");
-    let text = std::fs::read_to_string(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
-    let input = dir.join("corpus.txt");
-    std::fs::write(&input, &text[..100_000]).unwrap();
-    let mut opts = TokenizeOptions::new(
-        vec![input.display().to_string()],
-        dir.join("data"),
-        TokenizerSource::Train(512),
-    );
-    opts.progress = false;
-    opts.val_fraction = 0.05;
-    tokenize(&opts).unwrap();
-    dir.join("data")
+    spes_data::testing::shakespeare(dir, 100000)
 }
 
 /// A briefly trained small model's checkpoint (weights away from their init).
@@ -154,6 +141,7 @@ fn exported_models_match_transformers_logits() {
         let (ours, _) = tch::no_grad(|| model.forward(&t));
         let theirs = hf_logits(&out, &json, tmp.path());
         let d = max_diff(&ours, &theirs);
+        eprintln!("export {arch}: max |Δlogit| = {d:.2e}");
         assert!(d < 1e-4, "{arch}: max |Δlogit| = {d}");
         assert!(
             ours.abs().max().double_value(&[]) > 0.5,
@@ -187,6 +175,7 @@ fn upcycled_moe_equals_its_dense_source() {
         let (ours, _) = tch::no_grad(|| model.forward(&t));
         let theirs = hf_logits(&dense, &json, tmp.path());
         let d = max_diff(&ours, &theirs);
+        eprintln!("upcycle {arch}: max |Δlogit| = {d:.2e}");
         assert!(d < 1e-4, "{arch}: max |Δlogit| = {d}");
 
         // Noise makes the experts differ from the dense MLP (and from each other).
@@ -284,6 +273,12 @@ fn task_and_text_loglikelihoods_match_transformers() {
     let theirs: Vec<f64> =
         serde_json::from_str(&std::fs::read_to_string(&scores_file).unwrap()).unwrap();
     assert_eq!(ours.len(), theirs.len());
+    let worst = ours
+        .iter()
+        .zip(&theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    eprintln!("{} log-likelihoods: max |Δ| = {worst:.2e}", ours.len());
     for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
         assert!(
             (a - b).abs() < 1e-4,

@@ -1,6 +1,5 @@
 //! SPES and DiLoCo over real gRPC on 127.0.0.1: a server and N nodes in one process.
 
-use spes_data::{tokenize, TokenizeOptions, TokenizerSource};
 use spes_model::{MoeModel, Role};
 use spes_net::auth::AddToken;
 use spes_net::proto::spes_client::SpesClient;
@@ -18,20 +17,7 @@ use tch::{Device, Kind, Tensor};
 const TOKEN: &str = "test-token-123";
 
 fn data(dir: &Path) -> PathBuf {
-    let src =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tinyshakespeare.txt");
-    let text = std::fs::read_to_string(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
-    let input = dir.join("corpus.txt");
-    std::fs::write(&input, &text[..120_000]).unwrap();
-    let mut opts = TokenizeOptions::new(
-        vec![input.display().to_string()],
-        dir.join("data"),
-        TokenizerSource::Train(512),
-    );
-    opts.progress = false;
-    opts.val_fraction = 0.05;
-    tokenize(&opts).unwrap();
-    dir.join("data")
+    spes_data::testing::shakespeare(dir, 120000)
 }
 
 fn config(data: &Path, mode: &str, nodes: usize, extra: &[&str]) -> RunConfig {

@@ -1,4 +1,3 @@
-use spes_data::{tokenize, TokenizeOptions, TokenizerSource};
 use spes_model::Role;
 use spes_train::{checkpoint, RunConfig, Trainer};
 use std::path::{Path, PathBuf};
@@ -6,20 +5,7 @@ use tch::{Device, Tensor};
 
 /// A small tokenized slice of Shakespeare from ../shared.
 fn data(dir: &Path) -> PathBuf {
-    let src =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tinyshakespeare.txt");
-    let text = std::fs::read_to_string(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
-    let input = dir.join("corpus.txt");
-    std::fs::write(&input, &text[..150_000]).unwrap();
-    let mut opts = TokenizeOptions::new(
-        vec![input.display().to_string()],
-        dir.join("data"),
-        TokenizerSource::Train(512),
-    );
-    opts.progress = false;
-    opts.val_fraction = 0.05;
-    tokenize(&opts).unwrap();
-    dir.join("data")
+    spes_data::testing::shakespeare(dir, 150000)
 }
 
 fn config(data: &Path, extra: &[&str]) -> RunConfig {
