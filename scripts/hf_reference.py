@@ -12,7 +12,7 @@ Run with the project's virtualenv: .venv/bin/python scripts/hf_reference.py ...
 import argparse, json
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Olmo2Config, Qwen2Config, Qwen3Config
 
 
 def load(path):
@@ -51,13 +51,19 @@ def cmd_dense(a):
                   rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2)
     if a.arch == "qwen3":
         config = Qwen3Config(head_dim=16, rope_theta=1000000.0, **common)
+    elif a.arch == "qwen2":
+        config = Qwen2Config(rope_theta=10000.0, **common)
+    elif a.arch == "olmo2":
+        config = Olmo2Config(rope_theta=500000.0, **common)
     else:
         config = LlamaConfig(rope_theta=10000.0, **common)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # norms away from 1 so they matter
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so they matter
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
     model.save_pretrained(a.out, safe_serialization=True)
 
 
@@ -78,7 +84,7 @@ sub = p.add_subparsers(dest="cmd", required=True)
 s = sub.add_parser("logits"); s.add_argument("--model"); s.add_argument("--tokens"); s.add_argument("--out")
 s = sub.add_parser("loglik"); s.add_argument("--model"); s.add_argument("--pairs"); s.add_argument("--out")
 s.add_argument("--ctx", type=int); s.add_argument("--eos", type=int)
-s = sub.add_parser("dense"); s.add_argument("--arch", choices=["qwen3", "llama"]); s.add_argument("--out")
+s = sub.add_parser("dense"); s.add_argument("--arch", choices=["qwen3", "qwen2", "olmo2", "llama"]); s.add_argument("--out")
 s.add_argument("--seed", type=int, default=0)
 s = sub.add_parser("lazy"); s.add_argument("--model")
 a = p.parse_args()

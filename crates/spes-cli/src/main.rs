@@ -134,7 +134,7 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Export a checkpoint as a Hugging Face model folder (OLMoE or Qwen3-MoE).
+    /// Export a checkpoint as a Hugging Face model folder (OLMoE, Qwen3-MoE or FlexOlmo).
     ExportHf {
         /// A spes checkpoint directory (model.safetensors + state.json).
         #[arg(long)]
@@ -150,7 +150,7 @@ enum Command {
         #[arg(long)]
         tokenizer: Option<PathBuf>,
     },
-    /// Build a MoE checkpoint from a dense Hugging Face model (Llama, Mistral or Qwen3 layout).
+    /// Build a MoE checkpoint from a dense Hugging Face model (Llama, Mistral, Qwen2, Qwen3, OLMo2).
     Upcycle {
         /// The dense model folder (config.json + safetensors).
         #[arg(long)]

@@ -5,6 +5,7 @@
 //! |---|---|
 //! | `qk_norm = "full"`, `n_heads·head_dim = d_model` (the OLMoE presets) | `OlmoeForCausalLM` |
 //! | `qk_norm = "per_head"` (the 9B / Qwen3 layout) | `Qwen3MoeForCausalLM` |
+//! | `qk_norm = "full"`, `norm_placement = "post"` (upcycled OLMo2) | `FlexOlmoForCausalLM` |
 //!
 //! spes already names tensors as these classes' checkpoints do, so tensors are copied as they
 //! are (or rounded to bf16), shard by shard: memory stays around twice the shard size.
@@ -15,7 +16,7 @@ use safetensors::tensor::{Dtype, View};
 use serde::Serialize;
 use serde_json::{json, Value};
 use spes_data::shard::write_atomic;
-use spes_model::{ModelConfig, QkNorm};
+use spes_model::{ModelConfig, NormPlacement, QkNorm};
 use spes_train::checkpoint;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -86,7 +87,19 @@ pub fn hf_config(
         "torch_dtype": torch_dtype,
         "dtype": torch_dtype,
     });
+    if m.qkv_bias {
+        bail!("no standard transformers MoE class has q/k/v biases without a shared expert (Qwen2 layout); such models train and evaluate in spes but cannot be exported");
+    }
+    let post = m.norm_placement == NormPlacement::Post;
     let specific = match m.qk_norm {
+        QkNorm::Full if post && m.n_heads * m.head_dim == m.d_model => json!({
+            "architectures": ["FlexOlmoForCausalLM"],
+            "model_type": "flex_olmo",
+            "intermediate_size": m.expert_hidden,
+        }),
+        QkNorm::PerHead | QkNorm::None if post => {
+            bail!("post-norm models export only with qk_norm = \"full\" (FlexOlmo)")
+        }
         QkNorm::Full if m.n_heads * m.head_dim == m.d_model => json!({
             "architectures": ["OlmoeForCausalLM"],
             "model_type": "olmoe",

@@ -1,5 +1,6 @@
 //! Hugging Face interop: export spes checkpoints as standard transformers MoE folders
-//! (`export`), and build spes MoE checkpoints from dense Llama/Qwen3 checkpoints (`upcycle`).
+//! (`export`), and build spes MoE checkpoints from dense Llama, Qwen2, Qwen3 and OLMo2
+//! checkpoints (`upcycle`).
 
 pub mod export;
 pub mod upcycle;

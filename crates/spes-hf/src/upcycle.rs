@@ -3,13 +3,13 @@
 //! (gate → W1, up → V1, down → W2), optionally with noise on a random fraction of entries;
 //! the router starts at zero or small normal values; optimizer state starts empty.
 //!
-//! Layouts: Llama (and Mistral) and Qwen3 have exactly the spes block (pre-norm, no biases;
-//! Qwen3 adds per-head QK-norm). Qwen2 (q/k/v biases) and OLMo2 (norms after each sublayer)
-//! would change the function, so they are refused rather than converted approximately.
+//! Layouts: Llama and Mistral (pre-norm), Qwen2 (pre-norm, q/k/v biases), Qwen3 (pre-norm,
+//! per-head QK-norm) and OLMo2 (norms on each sublayer's output, full QK-norm); each maps onto
+//! a spes model variant with exactly the same function.
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
-use spes_model::{ModelConfig, MoeModel, QkNorm};
+use spes_model::{ModelConfig, MoeModel, NormPlacement, QkNorm};
 use spes_train::checkpoint::{self, TrainState};
 use spes_train::{RunConfig, SyncConfig, TrainConfig};
 use std::collections::HashMap;
@@ -54,15 +54,17 @@ pub fn model_config(
     normalize_topk: bool,
 ) -> Result<ModelConfig> {
     let kind = hf["model_type"].as_str().unwrap_or("");
-    let qk_norm = match kind {
-        "llama" | "mistral" => QkNorm::None,
-        "qwen3" => QkNorm::PerHead,
-        "qwen2" => bail!("Qwen2 has q/k/v biases, which spes models do not; upcycle a Qwen3 or Llama checkpoint"),
-        "olmo2" => bail!("OLMo2 normalises after each sublayer, unlike spes's pre-norm blocks; upcycling it is not supported"),
-        other => bail!("config.json model_type `{other}` is not supported; expected llama, mistral or qwen3"),
+    let (qk_norm, norm_placement, qkv_bias) = match kind {
+        "llama" | "mistral" => (QkNorm::None, NormPlacement::Pre, false),
+        "qwen2" => (QkNorm::None, NormPlacement::Pre, true),
+        "qwen3" => (QkNorm::PerHead, NormPlacement::Pre, false),
+        "olmo2" => (QkNorm::Full, NormPlacement::Post, false),
+        other => bail!(
+            "config.json model_type `{other}` is not supported; expected llama, mistral, qwen2, qwen3 or olmo2"
+        ),
     };
     if hf["attention_bias"].as_bool() == Some(true) || hf["mlp_bias"].as_bool() == Some(true) {
-        bail!("this checkpoint has biases (attention_bias/mlp_bias), which spes models do not");
+        bail!("this checkpoint has attention_bias/mlp_bias on every projection, which spes models do not");
     }
     let scaling = &hf["rope_scaling"];
     let scaled =
@@ -99,6 +101,8 @@ pub fn model_config(
         normalize_topk,
         norm_eps: hf["rms_norm_eps"].as_f64().unwrap_or(1e-6),
         init_std: hf["initializer_range"].as_f64().unwrap_or(0.02),
+        norm_placement,
+        qkv_bias,
     };
     cfg.validate()?;
     Ok(cfg)

@@ -31,7 +31,13 @@ fn data(dir: &Path) -> PathBuf {
 }
 
 /// A briefly trained small model's checkpoint (weights away from their init).
-fn trained_checkpoint(dir: &Path, qk_norm: &str, heads: usize, kv_heads: usize) -> PathBuf {
+fn trained_checkpoint(
+    dir: &Path,
+    qk_norm: &str,
+    heads: usize,
+    kv_heads: usize,
+    placement: &str,
+) -> PathBuf {
     let text = format!(
         r#"
 [model]
@@ -49,6 +55,7 @@ context_length = 64
 qk_norm = "{qk_norm}"
 normalize_topk = {}
 init_std = 0.1
+norm_placement = "{placement}"
 
 [data]
 path = "{}"
@@ -109,12 +116,14 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 
 #[test]
 fn exported_models_match_transformers_logits() {
-    for (qk, heads, kv, arch) in [
-        ("full", 4, 4, "OlmoeForCausalLM"),
-        ("per_head", 4, 2, "Qwen3MoeForCausalLM"),
-    ] {
+    let cases = [
+        ("full", 4, 4, "pre", "OlmoeForCausalLM"),
+        ("per_head", 4, 2, "pre", "Qwen3MoeForCausalLM"),
+        ("full", 4, 2, "post", "FlexOlmoForCausalLM"),
+    ];
+    for (qk, heads, kv, placement, arch) in cases {
         let tmp = tempfile::tempdir().unwrap();
-        let ck = trained_checkpoint(tmp.path(), qk, heads, kv);
+        let ck = trained_checkpoint(tmp.path(), qk, heads, kv, placement);
         let out = tmp.path().join("hf");
         let summary = export(&ExportOptions {
             checkpoint: ck.clone(),
@@ -152,7 +161,7 @@ fn exported_models_match_transformers_logits() {
 
 #[test]
 fn upcycled_moe_equals_its_dense_source() {
-    for arch in ["qwen3", "llama"] {
+    for arch in ["qwen3", "llama", "qwen2", "olmo2"] {
         let tmp = tempfile::tempdir().unwrap();
         let dense = tmp.path().join("dense");
         reference(&["dense", "--arch", arch, "--out", dense.to_str().unwrap()]);
@@ -210,16 +219,16 @@ fn upcycled_moe_equals_its_dense_source() {
         );
     }
     let err =
-        spes_hf::upcycle::model_config(&serde_json::json!({"model_type": "qwen2"}), 4, 2, true)
+        spes_hf::upcycle::model_config(&serde_json::json!({"model_type": "gpt2"}), 4, 2, true)
             .unwrap_err()
             .to_string();
-    assert!(err.contains("biases"), "{err}");
+    assert!(err.contains("`gpt2` is not supported"), "{err}");
 }
 
 #[test]
 fn task_and_text_loglikelihoods_match_transformers() {
     let tmp = tempfile::tempdir().unwrap();
-    let ck = trained_checkpoint(tmp.path(), "full", 4, 4);
+    let ck = trained_checkpoint(tmp.path(), "full", 4, 4, "pre");
     let out = tmp.path().join("hf");
     export(&ExportOptions {
         checkpoint: ck.clone(),

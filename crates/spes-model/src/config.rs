@@ -12,6 +12,16 @@ pub enum QkNorm {
     PerHead,
 }
 
+/// Where a block normalises: before each sublayer (Llama, OLMoE, Qwen3) or on each sublayer's
+/// output before the residual add (OLMo2, FlexOlmo).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormPlacement {
+    #[default]
+    Pre,
+    Post,
+}
+
 /// Every shape of the decoder. A TOML `[model]` section may give a `preset` and override any field.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -33,6 +43,11 @@ pub struct ModelConfig {
     pub normalize_topk: bool,
     pub norm_eps: f64,
     pub init_std: f64,
+    #[serde(default)]
+    pub norm_placement: NormPlacement,
+    /// Biases on the q, k and v projections (Qwen2).
+    #[serde(default)]
+    pub qkv_bias: bool,
 }
 
 /// Names accepted by [`ModelConfig::preset`].
@@ -60,6 +75,8 @@ impl ModelConfig {
             normalize_topk: false,
             norm_eps: 1e-6,
             init_std: 0.02,
+            norm_placement: NormPlacement::Pre,
+            qkv_bias: false,
         };
         Ok(match name {
             "tiny" => ModelConfig {
@@ -71,6 +88,8 @@ impl ModelConfig {
             "1b" => olmoe(12, 768, 12, 16, 2, 2048),
             "7b" => olmoe(16, 2048, 16, 32, 4, 2048),
             "9b" => ModelConfig {
+                // Qwen3-1.7B's embedding rows, so its upcycled checkpoint loads as is.
+                vocab_size: 151_936,
                 n_kv_heads: 8,
                 head_dim: 128,
                 context_length: 4096,
@@ -132,7 +151,8 @@ impl ModelConfig {
             QkNorm::Full => q + kv,
             QkNorm::PerHead => 2 * self.head_dim as u64,
         };
-        let attention = d * q + 2 * d * kv + q * d + qk_norm;
+        let bias = if self.qkv_bias { q + 2 * kv } else { 0 };
+        let attention = d * q + 2 * d * kv + q * d + qk_norm + bias;
         let per_layer_shared = attention + 2 * d + d * self.n_experts as u64;
         let embeddings = 2 * self.vocab_size as u64 * d;
         let shared = l * per_layer_shared + embeddings + d;

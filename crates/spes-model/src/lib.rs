@@ -4,7 +4,7 @@
 pub mod config;
 pub mod model;
 
-pub use config::{ModelConfig, ParamCounts, QkNorm, PRESETS};
+pub use config::{ModelConfig, NormPlacement, ParamCounts, QkNorm, PRESETS};
 pub use model::{
     expert_tensor_name, load_balancing_loss, token_losses, LossWeights, Losses, MoeModel, Param,
     Role, EXPERT_PARTS,

@@ -1,14 +1,15 @@
 //! The OLMoE-style mixture-of-experts decoder (SPES.md §1), top to bottom.
 //!
-//! Block: `x + Attn(RMSNorm(x))`, then `x + MoE(RMSNorm(x))`. Attention has QK-norm, RoPE
-//! and optional grouped-query heads. The MoE layer routes each token to its top-k of E SwiGLU
+//! Block: `x + Attn(RMSNorm(x))`, then `x + MoE(RMSNorm(x))` (or, post-norm as in OLMo2,
+//! `x + RMSNorm(Attn(x))`, then `x + RMSNorm(MoE(x))`). Attention has QK-norm, RoPE, optional
+//! q/k/v biases (Qwen2) and optional grouped-query heads. The MoE layer routes each token to its top-k of E SwiGLU
 //! experts and runs each expert only on the tokens routed to it (dropless).
 //!
 //! Every expert is its own set of leaf tensors, so a node can freeze exactly the experts it does
 //! not own: frozen tensors never get `requires_grad`, hence no gradient and no optimizer state,
 //! while activations still flow through them. Tensor names follow Hugging Face's OLMoE layout.
 
-use crate::config::{ModelConfig, QkNorm};
+use crate::config::{ModelConfig, NormPlacement, QkNorm};
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
@@ -41,13 +42,16 @@ struct Expert {
 }
 
 struct Layer {
+    /// Pre-norm: normalises the attention input. Post-norm: the attention output.
     attn_norm: Tensor,
     q_proj: Tensor,
     k_proj: Tensor,
     v_proj: Tensor,
     o_proj: Tensor,
+    qkv_bias: Option<[Tensor; 3]>,
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
+    /// Pre-norm: normalises the MoE input. Post-norm: the MoE output.
     ffn_norm: Tensor,
     router: Tensor, // [E, d]
     experts: Vec<Expert>,
@@ -157,6 +161,10 @@ impl MoeModel {
                 k_proj: w(&[kv, d]),
                 v_proj: w(&[kv, d]),
                 o_proj: w(&[d, q]),
+                qkv_bias: cfg.qkv_bias.then(|| {
+                    let zeros = |n: i64| Tensor::zeros([n], (Kind::Float, device));
+                    [zeros(q), zeros(kv), zeros(kv)]
+                }),
                 q_norm: qn.as_ref().map(|t| t.copy()),
                 k_norm: kn.as_ref().map(|t| t.copy()),
                 ffn_norm: ones(d),
@@ -213,23 +221,30 @@ impl MoeModel {
             Role::Shared,
             &self.embed,
         );
+        // Hugging Face names the norms by position: Llama/OLMoE's "post_attention_layernorm" is
+        // the MoE input norm, OLMo2/FlexOlmo's normalises the attention output.
+        let (attn_norm, ffn_norm) = match self.cfg.norm_placement {
+            NormPlacement::Pre => ("input_layernorm", "post_attention_layernorm"),
+            NormPlacement::Post => ("post_attention_layernorm", "post_feedforward_layernorm"),
+        };
         for (l, layer) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{l}");
             let s = Role::Shared;
-            push(format!("{p}.input_layernorm.weight"), s, &layer.attn_norm);
+            push(format!("{p}.{attn_norm}.weight"), s, &layer.attn_norm);
             push(format!("{p}.self_attn.q_proj.weight"), s, &layer.q_proj);
             push(format!("{p}.self_attn.k_proj.weight"), s, &layer.k_proj);
             push(format!("{p}.self_attn.v_proj.weight"), s, &layer.v_proj);
             push(format!("{p}.self_attn.o_proj.weight"), s, &layer.o_proj);
+            if let Some(b) = &layer.qkv_bias {
+                for (name, t) in ["q_proj", "k_proj", "v_proj"].iter().zip(b) {
+                    push(format!("{p}.self_attn.{name}.bias"), s, t);
+                }
+            }
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 push(format!("{p}.self_attn.q_norm.weight"), s, qn);
                 push(format!("{p}.self_attn.k_norm.weight"), s, kn);
             }
-            push(
-                format!("{p}.post_attention_layernorm.weight"),
-                s,
-                &layer.ffn_norm,
-            );
+            push(format!("{p}.{ffn_norm}.weight"), s, &layer.ffn_norm);
             push(format!("{p}.mlp.gate.weight"), s, &layer.router);
             for (i, ex) in layer.experts.iter().enumerate() {
                 let role = Role::Expert { layer: l, index: i };
@@ -301,12 +316,27 @@ impl MoeModel {
         let (cos, sin) = rope_tables(t, cfg.head_dim as i64, cfg.rope_theta, tokens.device());
         let mut x = Tensor::embedding(&self.embed, tokens, -1, false, false);
         let (mut lb, mut rz, mut counts) = (Vec::new(), Vec::new(), Vec::new());
+        let d = cfg.d_model as i64;
         for layer in &self.layers {
-            let h = rms_norm(&x, &layer.attn_norm, cfg.norm_eps);
-            x = x + self.attention(layer, &h, &cos, &sin);
-            let h = rms_norm(&x, &layer.ffn_norm, cfg.norm_eps);
-            let (y, aux) = self.moe(layer, &h.view([b * t, cfg.d_model as i64]));
-            x = x + y.view([b, t, cfg.d_model as i64]);
+            let (y, aux) = match cfg.norm_placement {
+                NormPlacement::Pre => {
+                    let h = rms_norm(&x, &layer.attn_norm, cfg.norm_eps);
+                    x = x + self.attention(layer, &h, &cos, &sin);
+                    let h = rms_norm(&x, &layer.ffn_norm, cfg.norm_eps);
+                    let (y, aux) = self.moe(layer, &h.view([b * t, d]));
+                    (y.view([b, t, d]), aux)
+                }
+                NormPlacement::Post => {
+                    let a = self.attention(layer, &x, &cos, &sin);
+                    x = x + rms_norm(&a, &layer.attn_norm, cfg.norm_eps);
+                    let (y, aux) = self.moe(layer, &x.view([b * t, d]));
+                    (
+                        rms_norm(&y.view([b, t, d]), &layer.ffn_norm, cfg.norm_eps),
+                        aux,
+                    )
+                }
+            };
+            x = x + y;
             lb.push(aux.0);
             rz.push(aux.1);
             counts.push(aux.2);
@@ -331,7 +361,14 @@ impl MoeModel {
         );
         let mut q = self.linear(x, &layer.q_proj);
         let mut k = self.linear(x, &layer.k_proj);
-        let v = self.linear(x, &layer.v_proj);
+        let mut v = self.linear(x, &layer.v_proj);
+        if let Some([qb, kb, vb]) = &layer.qkv_bias {
+            // In place is safe: the matmul backward does not need its own output.
+            let kind = q.kind();
+            q += qb.to_kind(kind);
+            k += kb.to_kind(kind);
+            v += vb.to_kind(kind);
+        }
         if let (QkNorm::Full, Some(qn), Some(kn)) = (cfg.qk_norm, &layer.q_norm, &layer.k_norm) {
             q = rms_norm(&q, qn, cfg.norm_eps);
             k = rms_norm(&k, kn, cfg.norm_eps);

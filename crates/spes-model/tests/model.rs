@@ -1,4 +1,6 @@
-use spes_model::{load_balancing_loss, LossWeights, ModelConfig, MoeModel, QkNorm, Role};
+use spes_model::{
+    load_balancing_loss, LossWeights, ModelConfig, MoeModel, NormPlacement, QkNorm, Role,
+};
 use tch::{Device, Kind, Tensor};
 
 fn small(qk_norm: QkNorm, n_kv_heads: usize, normalize_topk: bool) -> ModelConfig {
@@ -18,6 +20,8 @@ fn small(qk_norm: QkNorm, n_kv_heads: usize, normalize_topk: bool) -> ModelConfi
         normalize_topk,
         norm_eps: 1e-6,
         init_std: 0.02,
+        norm_placement: NormPlacement::Pre,
+        qkv_bias: false,
     }
 }
 
@@ -33,6 +37,11 @@ fn actual_tensors_match_analytic_counts() {
         ModelConfig::preset("tiny").unwrap(),
         small(QkNorm::PerHead, 2, true),
         small(QkNorm::None, 4, false),
+        ModelConfig {
+            qkv_bias: true,
+            norm_placement: NormPlacement::Post,
+            ..small(QkNorm::Full, 2, false)
+        },
     ] {
         tch::manual_seed(0);
         let m = MoeModel::new(&cfg, Device::Cpu).unwrap();
@@ -282,4 +291,33 @@ fn load_rejects_missing_and_misshapen_tensors() {
     let _ = named.remove(3);
     let err = m.load(&named, "x.safetensors").unwrap_err().to_string();
     assert!(err.contains("missing tensor"), "{err}");
+}
+
+#[test]
+fn biases_and_post_norm_blocks_train() {
+    tch::manual_seed(5);
+    let cfg = ModelConfig {
+        qkv_bias: true,
+        norm_placement: NormPlacement::Post,
+        ..small(QkNorm::Full, 2, false)
+    };
+    let m = MoeModel::new(&cfg, Device::Cpu).unwrap();
+    let names: Vec<String> = m.params().into_iter().map(|p| p.name).collect();
+    for n in [
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.1.post_attention_layernorm.weight",
+        "model.layers.1.post_feedforward_layernorm.weight",
+    ] {
+        assert!(names.iter().any(|x| x == n), "missing {n}");
+    }
+    assert!(!names.iter().any(|x| x.ends_with("input_layernorm.weight")));
+    m.set_trainable(|_| true);
+    let batch = Tensor::randint(97, [2, 9], (Kind::Int64, Device::Cpu));
+    m.losses(&batch, &W).total.backward();
+    for p in m.params() {
+        if p.name.ends_with(".bias") || p.name.contains("feedforward_layernorm") {
+            let g = p.tensor.grad().abs().sum(Kind::Float).double_value(&[]);
+            assert!(g > 0.0, "{} gets no gradient", p.name);
+        }
+    }
 }

@@ -1,4 +1,4 @@
-use spes_model::{expert_tensor_name, ModelConfig, MoeModel, QkNorm, Role};
+use spes_model::{expert_tensor_name, ModelConfig, MoeModel, NormPlacement, QkNorm, Role};
 use spes_sync::{
     merge_experts, Aggregator, Coordinator, Layout, MergeSchedule, Named, Ownership, RoundRules,
     Scope,
@@ -22,6 +22,8 @@ fn model(n_layers: usize, n_experts: usize) -> MoeModel {
         normalize_topk: false,
         norm_eps: 1e-6,
         init_std: 0.02,
+        norm_placement: NormPlacement::Pre,
+        qkv_bias: false,
     };
     tch::manual_seed(0);
     MoeModel::new(&cfg, Device::Cpu).unwrap()
