@@ -18,17 +18,18 @@ echo "== 1b preset, bf16, 4x2048 tokens per step (all experts trained, then a SP
 "$bin" bench --preset 1b --device cuda --precision bf16 --batch-size 4 --seq-len 2048 --steps 5 --warmup 2
 "$bin" bench --preset 1b --device cuda --precision bf16 --batch-size 4 --seq-len 2048 --steps 5 --warmup 2 --own-experts 4
 
-echo "== tiny training run in bf16 on the embedded corpus"
+echo "== SPES demo (server + 4 nodes) in bf16 on CUDA, embedded corpus"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$bin" demo --out "$work/demo" --device cuda --set train.precision=bf16 --set train.max_steps=300 \
-  --set train.batch_size=32 2>&1 | tail -n 4
-python3 - "$work/demo/train/metrics.jsonl" <<'PY'
+  --set train.batch_size=32 2>&1 | tail -n 2
+python3 - "$work/demo" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-val = [r["val_loss"] for r in rows if "val_loss" in r]
-tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
-print(f"val_loss {val[0]:.3f} -> {val[-1]:.3f}; median tokens/s {sorted(tps)[len(tps)//2]:.0f}")
+out = sys.argv[1]
+rows = lambda f: [json.loads(l) for l in open(f"{out}/{f}")]
+val = [r["val_loss"] for r in rows("server/metrics.jsonl") if r.get("val_loss") is not None]
+tps = sorted(r["tokens_per_s"] for r in rows("node-0/metrics.jsonl") if "tokens_per_s" in r)
+print(f"global val_loss {val[0]:.3f} -> {val[-1]:.3f}; node 0 median tokens/s {tps[len(tps)//2]:.0f}")
 assert val[-1] < val[0] - 1.0, "bf16 CUDA training must lower the validation loss"
 PY
 echo "== gpu-check passed"

@@ -2,6 +2,7 @@
 //! loss and expert load per layer, drawn from the server's and the nodes' `metrics.jsonl`.
 
 use anyhow::{Context, Result};
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use serde_json::Value;
 use std::path::Path;
@@ -38,6 +39,24 @@ fn bounds(series: &[Vec<(f64, f64)>]) -> ((f64, f64), (f64, f64)) {
     ((0.0, x1 * 1.02), (y0 - pad, y1 + pad))
 }
 
+type Chart<'a, 'b> =
+    ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// Draws each named series as a coloured line with a legend entry.
+fn draw_lines(chart: &mut Chart, series: &[(String, Vec<(f64, f64)>)]) -> Result<()> {
+    for (i, (label, points)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+            .map_err(plot_err)?
+            .label(label.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+    }
+    Ok(())
+}
+
 fn line_chart(
     area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
     title: &str,
@@ -61,16 +80,7 @@ fn line_chart(
         .x_label_formatter(&|x| format!("{:.0}k", x / 1e3))
         .draw()
         .map_err(plot_err)?;
-    for (i, (label, points)) in series.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        chart
-            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
-            .map_err(plot_err)?
-            .label(label.clone())
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-            });
-    }
+    draw_lines(&mut chart, series)?;
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.85))
@@ -167,16 +177,7 @@ pub fn write(out: &Path, summary: &Value, config_toml: &str) -> Result<()> {
             .x_label_formatter(&|x| format!("{x:.0}"))
             .draw()
             .map_err(plot_err)?;
-        for (i, (label, pts)) in series.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            chart
-                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
-                .map_err(plot_err)?
-                .label(label.clone())
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-                });
-        }
+        draw_lines(&mut chart, &series)?;
         let uniform = 1.0 / e;
         chart
             .draw_series(LineSeries::new(

@@ -15,7 +15,7 @@ use spes_model::{MoeModel, Role};
 use spes_sync::{Named, Scope};
 use spes_train::trainer::MetricsLog;
 use spes_train::{checkpoint, RunConfig, Trainer};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 use tonic::codegen::InterceptedService;
@@ -231,10 +231,6 @@ impl Node {
             node.trainer.step = round * h;
         }
         Ok(node)
-    }
-
-    pub fn peer(&self) -> usize {
-        self.peer
     }
 
     /// The tensors this node trains and uploads, in the model's order (sharing storage).
@@ -453,11 +449,6 @@ impl Node {
             peak_rss_mb: spes_train::bench::peak_rss_mb(),
             wall_s: self.started.elapsed().as_secs_f64(),
         }
-    }
-
-    /// Where this node writes (metrics, checkpoints, summary).
-    pub fn out(&self) -> &Path {
-        &self.out
     }
 }
 

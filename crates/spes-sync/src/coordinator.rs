@@ -74,10 +74,6 @@ impl Coordinator {
         self.agg.uploaded()
     }
 
-    pub fn layout(&self) -> &Layout {
-        &self.layout
-    }
-
     pub fn scope(&self) -> &Scope {
         &self.scope
     }
