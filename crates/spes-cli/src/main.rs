@@ -45,6 +45,23 @@ impl RuntimeArgs {
     }
 }
 
+/// A run configuration file and its overrides.
+#[derive(clap::Args)]
+struct ConfigArgs {
+    /// Run configuration: TOML with [model], [data], [train] and, decentralized, [sync].
+    #[arg(long)]
+    config: PathBuf,
+    /// Override a config key, e.g. --set train.max_steps=40 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    overrides: Vec<String>,
+}
+
+impl ConfigArgs {
+    fn load(&self) -> Result<RunConfig> {
+        RunConfig::load(&self.config, &self.overrides)
+    }
+}
+
 /// How a node or server proves and protects its connection.
 #[derive(clap::Args)]
 struct AuthArgs {
@@ -105,15 +122,11 @@ enum Command {
     },
     /// Train a model on one machine (every parameter), resumable.
     Train {
-        /// Run configuration (TOML with [model], [data], [train]).
-        #[arg(long)]
-        config: PathBuf,
+        #[command(flatten)]
+        config: ConfigArgs,
         /// Output directory: metrics.jsonl, config.toml, checkpoints/.
         #[arg(long)]
         out: PathBuf,
-        /// Override a config key, e.g. --set train.max_steps=40 (repeatable).
-        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-        overrides: Vec<String>,
         /// Continue from the newest checkpoint in <out>/checkpoints.
         #[arg(long)]
         resume: bool,
@@ -126,10 +139,8 @@ enum Command {
     },
     /// Write a freshly initialised checkpoint of a config to <out>/step-0 (e.g. to try export-hf).
     Init {
-        #[arg(long)]
-        config: PathBuf,
-        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-        overrides: Vec<String>,
+        #[command(flatten)]
+        config: ConfigArgs,
         /// The checkpoint directory to create.
         #[arg(long)]
         out: PathBuf,
@@ -202,17 +213,15 @@ enum Command {
         runtime: RuntimeArgs,
     },
     /// Run the SPES (or DiLoCo) parameter server of a decentralized run.
+    /// The config needs a [sync] section with mode = "spes" or "diloco".
     Server {
-        /// Run configuration with a [sync] section (mode = "spes" or "diloco").
-        #[arg(long)]
-        config: PathBuf,
+        #[command(flatten)]
+        config: ConfigArgs,
         #[arg(long, default_value = "0.0.0.0:50051")]
         listen: SocketAddr,
         /// Output directory: metrics.jsonl, global/, checkpoints/, server.json (restart point).
         #[arg(long)]
         out: PathBuf,
-        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-        overrides: Vec<String>,
         #[command(flatten)]
         auth: AuthArgs,
         /// Accept calls without a token (only on a network you trust).
@@ -234,11 +243,10 @@ enum Command {
         runtime: RuntimeArgs,
     },
     /// Run one node of a decentralized run: trains the shared parameters and its own experts.
+    /// Its config's data.path is used; model, sync and training keys must match the server's.
     Node {
-        /// This node's configuration: its data.path is used; model, sync and training keys must
-        /// match the server's.
-        #[arg(long)]
-        config: PathBuf,
+        #[command(flatten)]
+        config: ConfigArgs,
         /// http://HOST:PORT, or https://HOST:PORT for a TLS server.
         #[arg(long)]
         server: String,
@@ -248,8 +256,6 @@ enum Command {
         /// Output directory: metrics.jsonl, checkpoints/, summary.json.
         #[arg(long)]
         out: PathBuf,
-        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-        overrides: Vec<String>,
         #[command(flatten)]
         auth: AuthArgs,
         /// PEM CA certificate to trust for https (default: the web PKI roots).
@@ -334,16 +340,7 @@ fn init_checkpoint(cfg: &RunConfig, out: &Path) -> Result<PathBuf> {
         .into_iter()
         .map(|p| (p.name, p.tensor))
         .collect();
-    let state = spes_train::checkpoint::TrainState {
-        format_version: 1,
-        step: 0,
-        tokens: 0,
-        data_position: 0,
-        seed: cfg.train.seed,
-        optimizer_steps: 0,
-        config: cfg.clone(),
-        files: Default::default(),
-    };
+    let state = spes_train::checkpoint::TrainState::fresh(cfg.clone());
     spes_train::checkpoint::save(out, state, &tensors, &[], 1)
 }
 
@@ -477,12 +474,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train {
             config,
             out,
-            overrides,
             resume,
             init,
             runtime,
         } => {
-            let cfg = RunConfig::load(&config, &overrides)?;
+            let cfg = config.load()?;
             let device = runtime.device()?;
             tracing::info!(?device, "training {}", out.display());
             let summary = spes_train::run(cfg, &out, device, resume, init.as_deref(), true)?;
@@ -558,7 +554,6 @@ fn run(cli: Cli) -> Result<()> {
             config,
             listen,
             out,
-            overrides,
             auth,
             no_auth,
             tls_cert,
@@ -567,7 +562,7 @@ fn run(cli: Cli) -> Result<()> {
             linger_s,
             runtime,
         } => {
-            let cfg = RunConfig::load(&config, &overrides)?;
+            let cfg = config.load()?;
             let token = auth.token()?;
             if token.is_none() && !no_auth {
                 anyhow::bail!(
@@ -599,14 +594,13 @@ fn run(cli: Cli) -> Result<()> {
             server,
             peer,
             out,
-            overrides,
             auth,
             tls_ca,
             progress,
             patience_s,
             runtime,
         } => {
-            let cfg = RunConfig::load(&config, &overrides)?;
+            let cfg = config.load()?;
             let opts = spes_net::NodeOptions {
                 cfg,
                 server,
@@ -630,12 +624,8 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::GenCert { out, host } => gen_cert(&out, host)?,
-        Command::Init {
-            config,
-            overrides,
-            out,
-        } => {
-            let dir = init_checkpoint(&RunConfig::load(&config, &overrides)?, &out)?;
+        Command::Init { config, out } => {
+            let dir = init_checkpoint(&config.load()?, &out)?;
             println!("{}", dir.display());
         }
         Command::ExportHf {

@@ -57,6 +57,16 @@ fn draw_lines(chart: &mut Chart, series: &[(String, Vec<(f64, f64)>)]) -> Result
     Ok(())
 }
 
+fn draw_legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>) -> Result<()> {
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_err)?;
+    Ok(())
+}
+
 fn line_chart(
     area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
     title: &str,
@@ -81,13 +91,7 @@ fn line_chart(
         .draw()
         .map_err(plot_err)?;
     draw_lines(&mut chart, series)?;
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(plot_err)?;
-    Ok(())
+    draw_legend(&mut chart)
 }
 
 /// Writes `loss.png`, `expert_load.png` and `report.md` under `out`.
@@ -187,12 +191,7 @@ pub fn write(out: &Path, summary: &Value, config_toml: &str) -> Result<()> {
             .map_err(plot_err)?
             .label("uniform")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(plot_err)?;
+        draw_legend(&mut chart)?;
         root.present().map_err(plot_err)?;
     }
 

@@ -193,20 +193,12 @@ pub fn upcycle(o: &UpcycleOptions) -> Result<PathBuf> {
         },
         train: TrainConfig {
             seq_len: cfg.context_length.min(2048),
+            seed: o.seed,
             ..TrainConfig::default()
         },
         sync: SyncConfig::default(),
     };
-    let state = TrainState {
-        format_version: 1,
-        step: 0,
-        tokens: 0,
-        data_position: 0,
-        seed: o.seed,
-        optimizer_steps: 0,
-        config: run,
-        files: Default::default(),
-    };
+    let state = TrainState::fresh(run);
     let tensors: Vec<(String, Tensor)> = model
         .params()
         .into_iter()

@@ -38,6 +38,22 @@ pub fn model_file(path: &Path) -> PathBuf {
     }
 }
 
+impl TrainState {
+    /// The state of a model that has not trained yet (an initialised or imported checkpoint).
+    pub fn fresh(config: RunConfig) -> Self {
+        TrainState {
+            format_version: 1,
+            step: 0,
+            tokens: 0,
+            data_position: 0,
+            seed: config.train.seed,
+            optimizer_steps: 0,
+            config,
+            files: Default::default(),
+        }
+    }
+}
+
 /// A loaded checkpoint.
 pub struct Checkpoint {
     pub dir: PathBuf,

@@ -119,19 +119,19 @@ impl Trainer {
 
     /// One optimizer step over `grad_accum` micro-batches from the data stream.
     pub fn train_step(&mut self) -> StepStats {
-        let t = self.cfg.train.clone();
-        let batches: Vec<Tensor> = (0..t.grad_accum)
+        let (rows, accum) = (self.cfg.train.batch_size, self.cfg.train.grad_accum);
+        let batches: Vec<Tensor> = (0..accum)
             .map(|_| {
-                let flat = self.loader.next_batch(t.batch_size);
-                self.batch_tensor(t.batch_size, flat)
+                let flat = self.loader.next_batch(rows);
+                self.batch_tensor(rows, flat)
             })
             .collect();
-        let lr = lr_at(self.step, &t);
+        let lr = lr_at(self.step, &self.cfg.train);
         let s = step_on_batches(
             &self.model,
             &mut self.opt,
             &self.weights,
-            t.grad_clip,
+            self.cfg.train.grad_clip,
             lr,
             &batches,
         );
@@ -269,30 +269,37 @@ pub fn step_on_batches(
 ) -> StepStats {
     let start = Instant::now();
     let n = batches.len() as f64;
-    let mut sums = [0f64; 5];
+    // Loss parts stay on the device until one read at the end: a read is a GPU sync.
+    let mut sums: Option<Tensor> = None;
     let mut tokens = 0;
     for batch in batches {
         let (rows, cols) = batch.size2().expect("batch is [rows, seq+1]");
         tokens += (rows * (cols - 1)) as u64;
         let l = model.losses(batch, weights);
         (&l.total / n).backward();
-        for (s, v) in sums
-            .iter_mut()
-            .zip([&l.total, &l.ce, &l.z_loss, &l.lb, &l.router_z])
-        {
-            *s += v.double_value(&[]) / n;
-        }
+        let parts =
+            Tensor::stack(&[&l.total, &l.ce, &l.z_loss, &l.lb, &l.router_z], 0).detach() / n;
+        sums = Some(match sums.take() {
+            Some(acc) => acc + parts,
+            None => parts,
+        });
     }
-    let grad_norm = opt.clip_grad_norm(grad_clip).double_value(&[]);
+    let grad_norm = opt.clip_grad_norm(grad_clip);
     opt.step(lr);
     opt.zero_grad();
+    let read = Tensor::cat(
+        &[sums.expect("at least one batch"), grad_norm.reshape([1])],
+        0,
+    );
+    let v = Vec::<f64>::try_from(&read.to_kind(Kind::Double).to_device(Device::Cpu))
+        .expect("six scalars");
     StepStats {
-        loss: sums[0],
-        ce: sums[1],
-        z_loss: sums[2],
-        lb_loss: sums[3],
-        router_z_loss: sums[4],
-        grad_norm,
+        loss: v[0],
+        ce: v[1],
+        z_loss: v[2],
+        lb_loss: v[3],
+        router_z_loss: v[4],
+        grad_norm: v[5],
         lr,
         tokens,
         seconds: start.elapsed().as_secs_f64(),
