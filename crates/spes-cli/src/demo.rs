@@ -40,18 +40,22 @@ fn prepare_data(out: &Path) -> Result<PathBuf> {
     Ok(data)
 }
 
-/// A random hex token from the OS, kept in `<out>/token` (owner-only) across resumes.
-fn token_file(out: &Path) -> Result<PathBuf> {
-    let path = out.join("token");
+/// A random run secret from the OS, kept in `<out>/secret` (owner-only) across resumes, and
+/// each node's credential derived from it in `<out>/node-<p>.credential`.
+fn secret_files(out: &Path, nodes: usize) -> Result<(PathBuf, Vec<PathBuf>)> {
+    let path = out.join("secret");
     if !path.exists() {
-        let mut bytes = [0u8; 16];
-        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut bytes)?;
-        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        spes_data::shard::write_atomic(&path, hex.as_bytes())?;
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+        spes_data::shard::write_secret(&path, crate::new_secret()?.as_bytes())?;
     }
-    Ok(path)
+    let secret = spes_net::auth::read_token(&path)?;
+    let credentials = (0..nodes)
+        .map(|p| {
+            let c = out.join(format!("node-{p}.credential"));
+            spes_data::shard::write_secret(&c, spes_net::auth::credential(&secret, p).as_bytes())?;
+            Ok(c)
+        })
+        .collect::<Result<_>>()?;
+    Ok((path, credentials))
 }
 
 fn free_port() -> Result<u16> {
@@ -82,17 +86,14 @@ pub fn run(out: &Path, overrides: &[String], device: &str) -> Result<()> {
     let config_toml = toml::to_string(&cfg)?;
     let config = out.join("config.toml");
     spes_data::shard::write_atomic(&config, config_toml.as_bytes())?;
-    let token = token_file(out)?;
-    let port = free_port()?;
     let nodes = cfg.sync.nodes;
+    let (secret, credentials) = secret_files(out, nodes)?;
+    let port = free_port()?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = (cores / nodes).max(1).to_string();
     let exe = std::env::current_exe()?;
     let common = |cmd: &mut Command| {
-        cmd.arg("--config")
-            .arg(&config)
-            .arg("--token-file")
-            .arg(&token);
+        cmd.arg("--config").arg(&config);
         cmd.args(["--device", device, "--threads", &threads]);
     };
 
@@ -103,7 +104,9 @@ pub fn run(out: &Path, overrides: &[String], device: &str) -> Result<()> {
     server
         .arg("--out")
         .arg(out.join("server"))
-        .args(["--linger-s", "30"]);
+        .args(["--linger-s", "30"])
+        .arg("--secret-file")
+        .arg(&secret);
     common(&mut server);
     let mut children: Vec<(String, Child)> = vec![(
         "server".into(),
@@ -127,6 +130,7 @@ pub fn run(out: &Path, overrides: &[String], device: &str) -> Result<()> {
             .args(["--server", &format!("http://127.0.0.1:{port}")]);
         node.args(["--peer", &peer.to_string(), "--progress", "json"]);
         node.arg("--out").arg(out.join(format!("node-{peer}")));
+        node.arg("--credential-file").arg(&credentials[peer]);
         common(&mut node);
         let mut child = node
             .stdout(Stdio::piped())

@@ -62,22 +62,19 @@ impl ConfigArgs {
     }
 }
 
-/// How a node or server proves and protects its connection.
-#[derive(clap::Args)]
-struct AuthArgs {
-    /// File whose first line is the shared secret (else the SPES_TOKEN environment variable).
-    #[arg(long)]
-    token_file: Option<PathBuf>,
+/// A secret read from a file, or else from an environment variable.
+fn secret_from(file: Option<&Path>, env: &str) -> Result<Option<String>> {
+    match (file, std::env::var(env)) {
+        (Some(path), _) => Ok(Some(spes_net::auth::read_token(path)?)),
+        (None, Ok(t)) if !t.trim().is_empty() => Ok(Some(t.trim().to_owned())),
+        _ => Ok(None),
+    }
 }
 
-impl AuthArgs {
-    fn token(&self) -> Result<Option<String>> {
-        match (&self.token_file, std::env::var("SPES_TOKEN")) {
-            (Some(path), _) => Ok(Some(spes_net::auth::read_token(path)?)),
-            (None, Ok(t)) if !t.trim().is_empty() => Ok(Some(t.trim().to_owned())),
-            _ => Ok(None),
-        }
-    }
+/// 32 random bytes from the OS-seeded CSPRNG, as hex: a run secret.
+pub(crate) fn new_secret() -> Result<String> {
+    let bytes: [u8; 32] = rand::random();
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
@@ -217,16 +214,28 @@ enum Command {
     Server {
         #[command(flatten)]
         config: ConfigArgs,
+        /// Address to serve on. Anything but loopback needs TLS (or --insecure).
         #[arg(long, default_value = "0.0.0.0:50051")]
         listen: SocketAddr,
         /// Output directory: metrics.jsonl, global/, checkpoints/, server.json (restart point).
         #[arg(long)]
         out: PathBuf,
-        #[command(flatten)]
-        auth: AuthArgs,
-        /// Accept calls without a token (only on a network you trust).
+        /// File whose first line is the run secret that node credentials derive from
+        /// (`spes gen-secret`; else the SPES_SECRET environment variable).
+        #[arg(long)]
+        secret_file: Option<PathBuf>,
+        /// Accept calls without a credential (only on a network you trust).
         #[arg(long)]
         no_auth: bool,
+        /// Serve plaintext on a non-loopback address (only on a network you trust).
+        #[arg(long)]
+        insecure: bool,
+        /// Uploads received at once; more wait for a slot.
+        #[arg(long, default_value_t = 4)]
+        max_concurrent_uploads: usize,
+        /// Cut a stream that sends nothing for this many seconds.
+        #[arg(long, default_value_t = 60.0)]
+        idle_timeout_s: f64,
         /// PEM certificate chain, to serve TLS.
         #[arg(long, requires = "tls_key")]
         tls_cert: Option<PathBuf>,
@@ -250,14 +259,22 @@ enum Command {
         /// http://HOST:PORT, or https://HOST:PORT for a TLS server.
         #[arg(long)]
         server: String,
-        /// This node's index, 0..sync.nodes.
+        /// This node's peer id (default: the one its credential is for).
         #[arg(long)]
-        peer: usize,
+        peer: Option<usize>,
         /// Output directory: metrics.jsonl, checkpoints/, summary.json.
         #[arg(long)]
         out: PathBuf,
-        #[command(flatten)]
-        auth: AuthArgs,
+        /// File holding this node's credential (`spes credential`; else the SPES_CREDENTIAL
+        /// environment variable).
+        #[arg(long)]
+        credential_file: Option<PathBuf>,
+        /// Join a running run as a new member (peer ids beyond the configured nodes).
+        #[arg(long)]
+        join: bool,
+        /// Send the credential in plaintext to a non-loopback http:// server.
+        #[arg(long)]
+        insecure: bool,
         /// PEM CA certificate to trust for https (default: the web PKI roots).
         #[arg(long)]
         tls_ca: Option<PathBuf>,
@@ -268,6 +285,21 @@ enum Command {
         patience_s: f64,
         #[command(flatten)]
         runtime: RuntimeArgs,
+    },
+    /// Write a new random run secret (owner-only) for `spes server --secret-file`.
+    GenSecret {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Derive node credentials from the run secret: each authorizes exactly one peer id.
+    /// Prints them, or writes DIR/node-<peer>.credential (owner-only) with --out.
+    Credential {
+        #[arg(long)]
+        secret_file: PathBuf,
+        #[arg(long, num_args = 1.., required = true)]
+        peer: Vec<usize>,
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// Write a self-signed TLS certificate and key (cert.pem, key.pem) for `spes server`.
     GenCert {
@@ -401,16 +433,32 @@ fn gen_cert(out: &Path, hosts: Vec<String>) -> Result<()> {
         rcgen::generate_simple_self_signed(hosts).context("cannot generate a certificate")?;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     spes_data::shard::write_atomic(&out.join("cert.pem"), cert.cert.pem().as_bytes())?;
-    spes_data::shard::write_atomic(
+    spes_data::shard::write_secret(
         &out.join("key.pem"),
         cert.signing_key.serialize_pem().as_bytes(),
     )?;
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(out.join("key.pem"), std::fs::Permissions::from_mode(0o600))?;
     println!(
         "wrote {0}/cert.pem and {0}/key.pem: serve with --tls-cert/--tls-key, give nodes --tls-ca {0}/cert.pem",
         out.display()
     );
+    Ok(())
+}
+
+fn credentials(secret_file: &Path, peers: &[usize], out: Option<&Path>) -> Result<()> {
+    let secret = spes_net::auth::read_token(secret_file)?;
+    for &p in peers {
+        let c = spes_net::auth::credential(&secret, p);
+        match out {
+            Some(dir) => {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("cannot create {}", dir.display()))?;
+                let path = dir.join(format!("node-{p}.credential"));
+                spes_data::shard::write_secret(&path, c.as_bytes())?;
+                println!("{}", path.display());
+            }
+            None => println!("{c}"),
+        }
+    }
     Ok(())
 }
 
@@ -554,8 +602,11 @@ fn run(cli: Cli) -> Result<()> {
             config,
             listen,
             out,
-            auth,
+            secret_file,
             no_auth,
+            insecure,
+            max_concurrent_uploads,
+            idle_timeout_s,
             tls_cert,
             tls_key,
             init,
@@ -563,11 +614,11 @@ fn run(cli: Cli) -> Result<()> {
             runtime,
         } => {
             let cfg = config.load()?;
-            let token = auth.token()?;
-            if token.is_none() && !no_auth {
+            let secret = secret_from(secret_file.as_deref(), "SPES_SECRET")?;
+            if secret.is_none() && !no_auth {
                 anyhow::bail!(
-                    "the server needs a shared-secret token: --token-file FILE or SPES_TOKEN \
-                     (or --no-auth to accept anyone)"
+                    "the server needs the run secret: --secret-file FILE (spes gen-secret makes \
+                     one) or SPES_SECRET (or --no-auth to accept anyone)"
                 );
             }
             let tls = match (tls_cert, tls_key) {
@@ -577,14 +628,29 @@ fn run(cli: Cli) -> Result<()> {
                 )),
                 _ => None,
             };
+            if tls.is_none() && !listen.ip().is_loopback() && !insecure {
+                anyhow::bail!(
+                    "refusing to serve {listen} in plaintext: credentials and models would cross \
+                     the network unencrypted. Give --tls-cert/--tls-key (spes gen-cert makes \
+                     them), listen on 127.0.0.1, or pass --insecure on a network you trust"
+                );
+            }
+            if !(idle_timeout_s > 0.0 && idle_timeout_s.is_finite()) {
+                anyhow::bail!("--idle-timeout-s must be a positive number of seconds");
+            }
             let opts = spes_net::ServerOptions {
                 cfg,
                 out,
-                token,
+                secret,
                 tls,
                 init,
                 device: runtime.device()?,
                 linger_s,
+                limits: spes_net::Limits {
+                    max_concurrent_uploads,
+                    idle_timeout: std::time::Duration::from_secs_f64(idle_timeout_s),
+                    ..Default::default()
+                },
             };
             let summary = spes_net::server::run(opts, listen)?;
             println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -594,19 +660,26 @@ fn run(cli: Cli) -> Result<()> {
             server,
             peer,
             out,
-            auth,
+            credential_file,
+            join,
+            insecure,
             tls_ca,
             progress,
             patience_s,
             runtime,
         } => {
             let cfg = config.load()?;
+            let credential = secret_from(credential_file.as_deref(), "SPES_CREDENTIAL")?;
+            let peer = match (peer, credential.as_deref().and_then(spes_net::auth::credential_peer)) {
+                (Some(p), _) | (None, Some(p)) => p,
+                (None, None) => anyhow::bail!("give --peer, or a --credential-file to take it from"),
+            };
             let opts = spes_net::NodeOptions {
                 cfg,
                 server,
                 peer,
                 out,
-                token: auth.token()?,
+                credential,
                 tls_ca: tls_ca
                     .map(|p| spes_net::auth::read_pem(&p, "TLS CA certificate"))
                     .transpose()?,
@@ -617,12 +690,26 @@ fn run(cli: Cli) -> Result<()> {
                     ProgressArg::Quiet => spes_net::Progress::Quiet,
                 },
                 patience_s,
+                join,
+                insecure,
             };
             let summary = spes_net::Node::connect(opts)?.run()?;
             if progress != ProgressArg::Json {
                 println!("{}", serde_json::to_string_pretty(&summary)?);
             }
         }
+        Command::GenSecret { out } => {
+            if out.exists() {
+                anyhow::bail!("{} exists; remove it first to make a new secret", out.display());
+            }
+            spes_data::shard::write_secret(&out, new_secret()?.as_bytes())?;
+            println!("wrote {} (owner-only): give it to `spes server --secret-file` and make node credentials with `spes credential`", out.display());
+        }
+        Command::Credential {
+            secret_file,
+            peer,
+            out,
+        } => credentials(&secret_file, &peer, out.as_deref())?,
         Command::GenCert { out, host } => gen_cert(&out, host)?,
         Command::Init { config, out } => {
             let dir = init_checkpoint(&config.load()?, &out)?;

@@ -194,22 +194,87 @@ fn tokenize_and_train_through_the_cli() {
 }
 
 #[test]
-fn the_server_refuses_to_run_without_a_token() {
+fn safe_defaults_refuse_plaintext_and_missing_secrets() {
+    use std::os::unix::fs::PermissionsExt;
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/spes-tiny.toml");
+    let config = config.to_str().unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_spes"))
-        .args([
-            "server",
-            "--config",
-            config.to_str().unwrap(),
-            "--out",
-            tmp.path().to_str().unwrap(),
-        ])
-        .env_remove("SPES_TOKEN")
-        .output()
-        .unwrap();
+    let out = tmp.path().join("server");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_spes"))
+            .args(args)
+            .env_remove("SPES_SECRET")
+            .env_remove("SPES_CREDENTIAL")
+            .output()
+            .unwrap()
+    };
+    let o = run(&["server", "--config", config, "--out", out.to_str().unwrap()]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("--token-file"), "{}", text(&o));
+    assert!(text(&o).contains("--secret-file"), "{}", text(&o));
+
+    // Secrets and keys are owner-only from their creation.
+    let secret = tmp.path().join("secret");
+    assert!(run(&["gen-secret", "--out", secret.to_str().unwrap()]).status.success());
+    let creds = tmp.path().join("creds");
+    let o = run(&[
+        "credential",
+        "--secret-file",
+        secret.to_str().unwrap(),
+        "--peer",
+        "0",
+        "3",
+        "--out",
+        creds.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let tls = tmp.path().join("tls");
+    assert!(run(&["gen-cert", "--out", tls.to_str().unwrap()]).status.success());
+    for f in [secret.clone(), creds.join("node-3.credential"), tls.join("key.pem")] {
+        let mode = std::fs::metadata(&f).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{}", f.display());
+    }
+    let cred3 = std::fs::read_to_string(creds.join("node-3.credential")).unwrap();
+    assert!(cred3.starts_with("spes-peer-3-"), "{cred3}");
+
+    // Plaintext on a non-loopback address is refused unless asked for.
+    let o = run(&[
+        "server",
+        "--config",
+        config,
+        "--out",
+        out.to_str().unwrap(),
+        "--secret-file",
+        secret.to_str().unwrap(),
+        "--listen",
+        "0.0.0.0:0",
+    ]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--tls-cert") && text(&o).contains("--insecure"), "{}", text(&o));
+
+    // A node will not send its credential over http:// to another host, nor use another's.
+    let node = |server: &str, peer: &str| {
+        run(&[
+            "node",
+            "--config",
+            config,
+            "--server",
+            server,
+            "--peer",
+            peer,
+            "--out",
+            tmp.path().join("node").to_str().unwrap(),
+            "--credential-file",
+            creds.join("node-3.credential").to_str().unwrap(),
+            "--patience-s",
+            "1",
+        ])
+    };
+    let o = node("http://server.example:50051", "3");
+    assert!(!o.status.success());
+    assert!(text(&o).contains("plaintext"), "{}", text(&o));
+    let o = node("http://127.0.0.1:9", "2");
+    assert!(!o.status.success());
+    assert!(text(&o).contains("credential is for peer 3, but --peer is 2"), "{}", text(&o));
 }
 
 /// The demo on a shrunken schedule: every artefact a user reads must be there.

@@ -94,19 +94,51 @@ pub fn write_atomic_with(
     path: &Path,
     fill: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
 ) -> Result<()> {
+    write_atomic_mode(path, 0o644, fill)
+}
+
+/// Like [`write_atomic`], for secrets: the file is owner-only (0600) from its creation.
+pub fn write_secret(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_mode(path, 0o600, |w| Ok(w.write_all(bytes)?))
+}
+
+/// Writes through a temp file created with `mode`, fsyncs it, renames it into place and
+/// fsyncs the directory, so a crash leaves the old file or the new one, never a torn one.
+fn write_atomic_mode(
+    path: &Path,
+    mode: u32,
+    fill: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
+) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let tmp = temp_sibling(path);
     let result = (|| -> Result<()> {
-        let mut w = BufWriter::new(File::create(&tmp)?);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&tmp)?;
+        let mut w = BufWriter::new(file);
         fill(&mut w)?;
         let file = w.into_inner().map_err(|e| e.into_error())?;
         file.sync_all()?;
         std::fs::rename(&tmp, path)?;
+        sync_dir(path)?;
         Ok(())
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     result.with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Fsyncs the directory holding `path`, making a rename or creation in it durable.
+pub fn sync_dir(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    File::open(dir)?.sync_all()
 }
 
 fn temp_sibling(path: &Path) -> PathBuf {

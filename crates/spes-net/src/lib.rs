@@ -1,10 +1,14 @@
 //! SPES over the network: the parameter server (`server`), the node (`node`), and what they
-//! share: bearer-token auth and TLS (`auth`) and chunked, checksummed safetensors payloads
-//! (`payload`). The SPES logic itself lives in spes-sync; this crate only moves tensors.
+//! share: per-peer credentials and TLS (`auth`), chunked, checksummed safetensors payloads
+//! (`payload`), the mapping of round refusals to gRPC statuses (`refusal`) and the crash points
+//! of the chaos test (`fault`). The SPES logic itself lives in spes-sync; this crate only moves
+//! tensors and keeps time.
 
 pub mod auth;
+pub mod fault;
 pub mod node;
 pub mod payload;
+pub mod refusal;
 pub mod server;
 
 /// Generated gRPC types of `proto/spes.proto`.
@@ -13,9 +17,10 @@ pub mod proto {
 }
 
 pub use node::{Node, NodeOptions, NodeSummary, Progress};
-pub use server::{ServerOptions, ServerSummary};
+pub use server::{Limits, ServerOptions, ServerSummary};
 
-/// Builds what nodes upload and how the server combines it, from the run's `[sync]` section.
+/// Builds what nodes upload and how the server combines it, from the run's `[sync]` section:
+/// the initial members are peers `0..sync.nodes`.
 pub fn scope_of(cfg: &spes_train::RunConfig) -> anyhow::Result<spes_sync::Scope> {
     use spes_train::Mode;
     let s = &cfg.sync;
@@ -25,7 +30,9 @@ pub fn scope_of(cfg: &spes_train::RunConfig) -> anyhow::Result<spes_sync::Scope>
             cfg.model.n_experts,
             s.nodes,
         )?),
-        Mode::Diloco => spes_sync::Scope::Diloco { peers: s.nodes },
+        Mode::Diloco => spes_sync::Scope::Diloco {
+            members: (0..s.nodes).collect(),
+        },
         Mode::Centralized => anyhow::bail!(
             "sync.mode = \"centralized\" trains with `spes train`; set sync.mode = \"spes\" or \"diloco\""
         ),

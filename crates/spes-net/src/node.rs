@@ -2,25 +2,32 @@
 //! gradient, no optimizer state), and every `sync_steps` uploads exactly those tensors, waits for
 //! the round's aggregate, loads every parameter from it and goes on with its AdamW state and LR
 //! schedule. It checkpoints after each round, so a restarted node resumes where it was.
+//!
+//! A background task renews the node's lease (training never blocks it). Each published round
+//! says who owns which expert next; when that changes (a node left or joined), the node trains
+//! its new experts with fresh AdamW moments. Refusals are decided on their typed kind
+//! ([`crate::refusal`]): a closed round names the round to load, and the node loads exactly it.
 
-use crate::auth::AddToken;
-use crate::payload;
+use crate::auth::{credential_peer, is_loopback_url, AddToken};
+use crate::proto::refusal::Kind as Refused;
 use crate::proto::spes_client::SpesClient;
-use crate::proto::{DoneRequest, FetchRequest, JoinRequest};
+use crate::proto::{DoneRequest, FetchRequest, JoinReply, JoinRequest, PayloadHeader};
+use crate::{fault, payload, refusal};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use serde_json::json;
 use spes_model::{MoeModel, Role};
-use spes_sync::{Named, Scope};
+use spes_sync::Named;
 use spes_train::trainer::MetricsLog;
-use spes_train::{checkpoint, RunConfig, Trainer};
-use std::path::PathBuf;
+use spes_train::{checkpoint, Mode, RunConfig, Trainer};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 use tonic::codegen::InterceptedService;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
-use tonic::{Code, Status};
+use tonic::{Code, Request, Status};
 
 type Client = SpesClient<InterceptedService<Channel, AddToken>>;
 
@@ -43,13 +50,18 @@ pub struct NodeOptions {
     pub server: String,
     pub peer: usize,
     pub out: PathBuf,
-    pub token: Option<String>,
+    /// This peer's credential (`spes credential`); `None` for a server run with `--no-auth`.
+    pub credential: Option<String>,
     /// PEM CA certificate to trust for `https` (else the web PKI roots).
     pub tls_ca: Option<Vec<u8>>,
     pub device: Device,
     pub progress: Progress,
     /// Keep retrying an unreachable server (or waiting for a round) this many seconds.
     pub patience_s: f64,
+    /// Become a member if this peer id is not one yet (a new node joining a running run).
+    pub join: bool,
+    /// Allow sending the credential in plaintext to a host that is not loopback.
+    pub insecure: bool,
 }
 
 /// What a finished node reports (`<out>/summary.json`).
@@ -73,12 +85,16 @@ pub struct Node {
     rt: tokio::runtime::Runtime,
     client: Client,
     pub trainer: Trainer,
-    scope: Scope,
+    /// `owned[e]`: this node trains expert e in the current round (all of them in DiLoCo).
+    owned: Vec<bool>,
+    session: u64,
+    /// Set by the heartbeat task when another process took this peer id.
+    lost: Arc<Mutex<Option<String>>>,
+    _lock: std::fs::File,
     progress: Progress,
     bar: ProgressBar,
     log: MetricsLog,
     patience: Duration,
-    max_payload: u64,
     bytes_up: u64,
     bytes_down: u64,
     window: (u64, f64),
@@ -120,10 +136,32 @@ fn check_compatible(local: &RunConfig, server: &RunConfig) -> Result<()> {
     Ok(())
 }
 
+/// How long a stream may stay silent, and how long unary calls may take.
+const IDLE: Duration = Duration::from_secs(20);
+const CALL_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a fetch asks the server to wait for an unpublished round.
+const FETCH_WAIT: Duration = Duration::from_secs(20);
+
 async fn connect_client(opts: &NodeOptions) -> Result<Client> {
+    if opts.server.starts_with("http://")
+        && opts.credential.is_some()
+        && !opts.insecure
+        && !is_loopback_url(&opts.server)
+    {
+        bail!(
+            "refusing to send this node's credential in plaintext to {}: use https:// (the server \
+             needs --tls-cert/--tls-key), or pass --insecure on a network you trust",
+            opts.server
+        );
+    }
+    // Keepalive pings find a black-holed connection within ~15 s; the channel then reconnects.
     let mut endpoint = Endpoint::from_shared(opts.server.clone())
         .with_context(|| format!("--server `{}` is not a valid URL", opts.server))?
-        .connect_timeout(Duration::from_secs(10));
+        .connect_timeout(Duration::from_secs(10))
+        .http2_keep_alive_interval(Duration::from_secs(5))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true)
+        .tcp_keepalive(Some(Duration::from_secs(30)));
     if opts.server.starts_with("https://") {
         let mut tls = ClientTlsConfig::new();
         tls = match &opts.tls_ca {
@@ -135,30 +173,91 @@ async fn connect_client(opts: &NodeOptions) -> Result<Client> {
             .context("invalid TLS configuration")?;
     }
     let channel = endpoint.connect_lazy();
-    Ok(SpesClient::with_interceptor(
-        channel,
-        AddToken::new(opts.token.as_deref())?,
-    ))
-}
-
-/// Whether a failed call may succeed later (server restarting, round not yet published).
-fn transient(s: &Status) -> bool {
-    matches!(
-        s.code(),
-        Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded
+    Ok(
+        SpesClient::with_interceptor(channel, AddToken::new(opts.credential.as_deref())?)
+            .max_decoding_message_size(payload::MAX_MESSAGE_BYTES),
     )
 }
 
+/// Whether a failed call may succeed later (server restarting or busy, round not published).
+fn transient(s: &Status) -> bool {
+    match refusal::kind(s) {
+        Some(k) => k == Refused::Retry,
+        None => matches!(
+            s.code(),
+            Code::Unavailable
+                | Code::Unknown
+                | Code::Cancelled
+                | Code::DeadlineExceeded
+                | Code::Aborted
+                | Code::Internal
+                | Code::ResourceExhausted
+        ),
+    }
+}
+
+/// A unary request with a deadline.
+fn call<T>(msg: T) -> Request<T> {
+    let mut req = Request::new(msg);
+    req.set_timeout(CALL_TIMEOUT);
+    req
+}
+
+/// The node's process identity, kept in `<out>/session` so a restarted node takes its peer
+/// id back at once while any other process is refused until the lease expires.
+fn session_of(out: &Path) -> Result<u64> {
+    let path = out.join("session");
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        if let Ok(s) = u64::from_str_radix(text.trim(), 16) {
+            return Ok(s);
+        }
+    }
+    let s = rand::random::<u64>() | 1;
+    spes_data::shard::write_secret(&path, format!("{s:016x}\n").as_bytes())?;
+    Ok(s)
+}
+
+/// Holds `<out>/lock` exclusively, so two nodes never share an output directory.
+fn lock_out(out: &Path) -> Result<std::fs::File> {
+    let path = out.join("lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    f.try_lock().map_err(|_| {
+        anyhow::anyhow!(
+            "another spes node is running with --out {}: give each node its own directory",
+            out.display()
+        )
+    })?;
+    Ok(f)
+}
+
 impl Node {
-    /// Connects, joins, and brings a fresh or resumed trainer to the newest published model.
+    /// Connects, joins, and brings a fresh or resumed trainer to the newest published model
+    /// (or, for a node joining a running run, to the round it becomes a member from).
     pub fn connect(opts: NodeOptions) -> Result<Node> {
+        let peer = opts.peer;
+        if let Some(c) = &opts.credential {
+            match credential_peer(c) {
+                Some(p) if p == peer => {}
+                Some(p) => bail!("this credential is for peer {p}, but --peer is {peer}"),
+                None => bail!("the credential file does not hold a spes peer credential (spes credential makes one)"),
+            }
+        }
+        std::fs::create_dir_all(&opts.out)
+            .with_context(|| format!("cannot create {}", opts.out.display()))?;
+        let lock = lock_out(&opts.out)?;
+        let session = session_of(&opts.out)?;
         let rt = tokio::runtime::Runtime::new()?;
         let client = rt.block_on(connect_client(&opts))?;
         let patience = Duration::from_secs_f64(opts.patience_s);
-        let peer = opts.peer;
+        let join = opts.join;
         let reply = retry(&rt, patience, "join", || {
             let mut c = client.clone();
-            async move { c.join(JoinRequest { peer: peer as u32 }).await }
+            async move { c.join(call(JoinRequest { peer: peer as u32, session, join })).await }
         })
         .map_err(|e| explain(e, &opts.server))?
         .into_inner();
@@ -168,26 +267,15 @@ impl Node {
         let mut cfg = server_cfg;
         cfg.data = opts.cfg.data.clone();
         cfg.train.seed += 1000 * peer as u64;
-        let scope = crate::scope_of(&cfg)?;
-        std::fs::create_dir_all(&opts.out)
-            .with_context(|| format!("cannot create {}", opts.out.display()))?;
         let ck_root = opts.out.join("checkpoints");
         let resumed = checkpoint::latest(&ck_root)?;
-        let trainable = |role: Role| scope.uploads(peer, role);
         let trainer = match &resumed {
-            Some(dir) => Trainer::resume_from(cfg.clone(), opts.device, dir, trainable)?,
+            Some(dir) => Trainer::resume_as_saved(cfg.clone(), opts.device, dir)?,
             None => {
                 let model = MoeModel::new(&cfg.model, opts.device)?;
-                Trainer::with_model(cfg.clone(), opts.device, model, trainable, 0)?
+                Trainer::with_model(cfg.clone(), opts.device, model, |_| false, 0)?
             }
         };
-        let max_payload = trainer
-            .model
-            .params()
-            .iter()
-            .map(|p| p.tensor.numel() as u64 * 4 + 256)
-            .sum::<u64>()
-            + (1 << 20);
         let log = MetricsLog::open(&opts.out, resumed.as_ref().map(|_| trainer.step))?;
         let bar = match opts.progress {
             Progress::Bar => {
@@ -204,33 +292,156 @@ impl Node {
             }
             _ => ProgressBar::hidden(),
         };
+        let n_experts = cfg.model.n_experts;
         let mut node = Node {
             peer,
             out: opts.out,
             rt,
             client,
             trainer,
-            scope,
+            owned: vec![false; n_experts],
+            session,
+            lost: Arc::new(Mutex::new(None)),
+            _lock: lock,
             progress: opts.progress,
             bar,
             log,
             patience,
-            max_payload,
             bytes_up: 0,
             bytes_down: 0,
             window: (0, 0.0),
             started: Instant::now(),
         };
-        let h = cfg.sync.sync_steps;
-        let at = node.trainer.step / h;
-        if resumed.is_none() || reply.published_round > at {
-            // Fresh: start from θ⁰ (or the newest model when joining late); resumed but behind:
-            // skip to the newest model, as the rounds it missed closed without it.
-            let newest = resumed.is_some() || reply.published_round > 0;
-            let (round, _) = node.fetch_and_load(if newest { None } else { Some(0) })?;
-            node.trainer.step = round * h;
-        }
+        node.start_heartbeat(reply.lease_ms);
+        node.enter(&reply, resumed.is_some())?;
         Ok(node)
+    }
+
+    /// Brings the node to the model it trains next, after a join.
+    fn enter(&mut self, reply: &JoinReply, resumed: bool) -> Result<()> {
+        if reply.member_from > 0 {
+            return self.wait_for_membership(reply.member_from);
+        }
+        let h = self.trainer.cfg.sync.sync_steps;
+        let at = self.trainer.step / h;
+        if !resumed || reply.published_round != at {
+            // Fresh: start from θ⁰ (or the newest model when starting late); resumed but
+            // behind (or ahead of a server that rolled back): take the newest model.
+            let newest = resumed || reply.published_round > 0;
+            let header = self.fetch_and_load(if newest { None } else { Some(0) })?;
+            return self.follow(&header);
+        }
+        let owned: Vec<bool> = (0..self.owned.len())
+            .map(|e| reply.owned_experts.contains(&(e as u32)))
+            .collect();
+        self.set_owned(owned);
+        Ok(())
+    }
+
+    /// Renews the lease every `lease/4` on the runtime's worker threads.
+    fn start_heartbeat(&self, lease_ms: u64) {
+        let every = Duration::from_millis((lease_ms / 4).max(50));
+        let (peer, session, client, lost) = (
+            self.peer as u32,
+            self.session,
+            self.client.clone(),
+            self.lost.clone(),
+        );
+        self.rt.spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let mut c = client.clone();
+                let mut req = Request::new(JoinRequest {
+                    peer,
+                    session,
+                    join: false,
+                });
+                req.set_timeout(every.max(Duration::from_secs(2)));
+                match c.heartbeat(req).await {
+                    Ok(_) => {}
+                    Err(s) if refusal::kind(&s) == Some(Refused::PeerTaken) => {
+                        *lost.lock().unwrap() = Some(s.message().to_owned());
+                        return;
+                    }
+                    Err(s) => tracing::debug!("heartbeat: {}", s.message()),
+                }
+            }
+        });
+    }
+
+    /// Trains exactly `owned` experts (plus the shared parameters) from now on.
+    fn set_owned(&mut self, owned: Vec<bool>) {
+        if owned == self.owned && self.trainer.opt.param_names().next().is_some() {
+            return;
+        }
+        let mask = owned.clone();
+        let r = self.trainer.set_trainable(move |role| match role {
+            Role::Shared => true,
+            Role::Expert { index, .. } => mask[index],
+        });
+        let experts: Vec<usize> = (0..owned.len()).filter(|&e| owned[e]).collect();
+        if !r.fresh.is_empty() || !r.dropped.is_empty() {
+            tracing::info!(
+                "node {}: trains experts {experts:?} from step {}: {} tensors start fresh AdamW moments, {} dropped",
+                self.peer,
+                self.trainer.step,
+                r.fresh.len(),
+                r.dropped.len()
+            );
+        }
+        self.owned = owned;
+    }
+
+    /// Takes the ownership a fetched round announces for the next round; waits to be admitted
+    /// again if this node is not a member of it.
+    fn follow(&mut self, header: &PayloadHeader) -> Result<()> {
+        if !header.members.contains(&(self.peer as u32)) {
+            tracing::warn!(
+                "node {}: not a member of round {}; asking to join again",
+                self.peer,
+                header.round + 1
+            );
+            return self.rejoin();
+        }
+        let owned = (0..self.owned.len())
+            .map(|e| match header.owners.get(e) {
+                Some(&o) => o as usize == self.peer,
+                None => self.trainer.cfg.sync.mode == Mode::Diloco,
+            })
+            .collect();
+        self.set_owned(owned);
+        Ok(())
+    }
+
+    /// Joins again (after an eviction) and waits until this node is a member.
+    fn rejoin(&mut self) -> Result<()> {
+        let (peer, session, client) = (self.peer as u32, self.session, self.client.clone());
+        let reply = retry(&self.rt, self.patience, "join", || {
+            let mut c = client.clone();
+            async move {
+                c.join(call(JoinRequest {
+                    peer,
+                    session,
+                    join: false,
+                }))
+                .await
+            }
+        })
+        .map_err(|e| explain(e, "the server"))?
+        .into_inner();
+        let from = if reply.member_from > 0 {
+            reply.member_from
+        } else {
+            reply.published_round + 1
+        };
+        self.wait_for_membership(from)
+    }
+
+    /// Loads round `from - 1` (waiting for it) and follows its ownership.
+    fn wait_for_membership(&mut self, from: u64) -> Result<()> {
+        tracing::info!("node {}: member from round {from}; waiting for round {}", self.peer, from - 1);
+        let header = self.fetch_and_load(Some(from - 1))?;
+        self.follow(&header)
     }
 
     /// The tensors this node trains and uploads, in the model's order (sharing storage).
@@ -239,31 +450,31 @@ impl Node {
             .model
             .params()
             .into_iter()
-            .filter(|p| self.scope.uploads(self.peer, p.role))
+            .filter(|p| self.trains(p.role))
             .map(|p| (p.name, p.tensor.detach()))
             .collect()
+    }
+
+    fn trains(&self, role: Role) -> bool {
+        match role {
+            Role::Shared => true,
+            Role::Expert { index, .. } => self.owned[index],
+        }
     }
 
     fn set_decayed_lb(&mut self) {
         let cfg = &self.trainer.cfg;
         let s = &cfg.sync;
-        if !s.decayed_lb || !matches!(self.scope, Scope::Spes(_)) {
+        if !s.decayed_lb || s.mode != Mode::Spes {
             return;
         }
         let ramp = (s.decayed_lb_fraction * cfg.train.max_steps as f64).max(1.0);
         let gamma = s.decayed_lb_start
             + (1.0 - s.decayed_lb_start) * (self.trainer.step as f64 / ramp).min(1.0);
-        let scale: Vec<f32> = (0..cfg.model.n_experts)
-            .map(|e| {
-                let own = self
-                    .scope
-                    .uploads(self.peer, Role::Expert { layer: 0, index: e });
-                if own {
-                    gamma as f32
-                } else {
-                    1.0
-                }
-            })
+        let scale: Vec<f32> = self
+            .owned
+            .iter()
+            .map(|&own| if own { gamma as f32 } else { 1.0 })
             .collect();
         let t = Tensor::from_slice(&scale)
             .to_device(self.trainer.device)
@@ -289,6 +500,7 @@ impl Node {
             self.window.0 += s.tokens;
             self.window.1 += s.seconds;
             let step = self.trainer.step;
+            fault::point("train", step);
             if step.is_multiple_of(log_every) || step.is_multiple_of(h) {
                 let tps = self.window.0 as f64 / self.window.1.max(1e-9);
                 self.window = (0, 0.0);
@@ -316,22 +528,35 @@ impl Node {
         }
     }
 
-    /// Uploads `upload` for the round that ends at the current step, then loads the aggregate.
-    /// Returns the round whose model is now loaded.
+    /// Uploads `upload` for the round that ends at the current step, then loads the aggregate
+    /// (or whatever round the server says to load). Returns the round now loaded.
     pub fn sync(&mut self, upload: &Named) -> Result<u64> {
+        if let Some(why) = self.lost.lock().unwrap().clone() {
+            bail!("node {}: another process took this peer id: {why}", self.peer);
+        }
         let t0 = Instant::now();
         let h = self.trainer.cfg.sync.sync_steps;
         let round = self.trainer.step / h;
         let path = self.out.join("upload.safetensors");
-        payload::write(&path, upload, self.trainer.cfg.sync.payload_dtype)?;
-        let size = std::fs::metadata(&path)?.len();
-        let (peer, client) = (self.peer, self.client.clone());
+        let (size, xxh3) = payload::write(&path, upload, self.trainer.cfg.sync.payload_dtype)?;
+        let header = PayloadHeader {
+            peer: self.peer as u32,
+            round,
+            total_bytes: size,
+            xxh3,
+            session: self.session,
+            owners: Vec::new(),
+            members: Vec::new(),
+        };
+        let client = self.client.clone();
         let sent = retry(&self.rt, self.patience, "upload", || {
-            let mut c = client.clone();
-            let path = path.clone();
+            let (mut c, path, header) = (client.clone(), path.clone(), header.clone());
             async move {
-                let stream = payload::send(&path, peer, round)
-                    .map_err(|e| Status::internal(format!("{e:#}")))?;
+                let stream = payload::send(&path, header, move |i| {
+                    if i == 0 {
+                        fault::point("upload", round);
+                    }
+                });
                 let stream = tokio_stream::StreamExt::filter_map(stream, |r| r.ok());
                 c.upload(stream).await
             }
@@ -342,45 +567,69 @@ impl Node {
                 self.bytes_up += size;
                 Some(round)
             }
-            Err(s) if s.code() == Code::AlreadyExists => Some(round),
-            Err(s) if s.code() == Code::FailedPrecondition && s.message().contains("is closed") => {
-                tracing::warn!("node {}: {}; skipping ahead", self.peer, s.message());
-                None
-            }
-            Err(s) => return Err(explain(s, "the server")),
+            Err(s) => match (refusal::kind(&s), refusal::of_status(&s)) {
+                (Some(Refused::Duplicate), _) => Some(round),
+                (Some(Refused::Closed), Some(r)) => {
+                    tracing::warn!("node {}: {}; loading round {}", self.peer, s.message(), r.round);
+                    Some(r.round)
+                }
+                (Some(Refused::NotOpen), Some(r)) if r.round <= round => {
+                    tracing::warn!(
+                        "node {}: the server is collecting round {} (it lost newer rounds); taking its newest model",
+                        self.peer,
+                        r.round
+                    );
+                    None
+                }
+                (Some(Refused::NotMember), _) => {
+                    tracing::warn!("node {}: {}", self.peer, s.message());
+                    self.rejoin()?;
+                    return self.finish_sync(t0, size, 0);
+                }
+                _ => return Err(explain(s, "the server")),
+            },
         };
-        let (loaded, bytes) = self.fetch_and_load(target)?;
-        if loaded > round {
-            self.trainer.step = loaded * h;
-        }
+        let header = self.fetch_and_load(target)?;
+        self.follow(&header)?;
+        self.finish_sync(t0, size, header.total_bytes)
+    }
+
+    fn finish_sync(&mut self, t0: Instant, up: u64, down: u64) -> Result<u64> {
+        let loaded = self.trainer.step / self.trainer.cfg.sync.sync_steps;
         self.trainer
             .save_checkpoint(&self.out.join("checkpoints"))?;
         let record = json!({
-            "event": "sync", "step": self.trainer.step, "round": loaded, "bytes_up": size,
-            "bytes_down": bytes, "sync_s": t0.elapsed().as_secs_f64(),
+            "event": "sync", "step": self.trainer.step, "round": loaded, "bytes_up": up,
+            "bytes_down": down, "sync_s": t0.elapsed().as_secs_f64(),
         });
         self.log.write(record.clone())?;
         self.report(record, format!("synced round {loaded}"));
         Ok(loaded)
     }
 
-    /// Fetches round `round` (waiting for it) or the newest, loads it; returns (round, bytes).
-    fn fetch_and_load(&mut self, round: Option<u64>) -> Result<(u64, u64)> {
+    /// Fetches round `round` (waiting for it) or the newest and loads it; the trainer's step
+    /// becomes that round's last step. Returns the payload's header (with the next round's
+    /// ownership).
+    fn fetch_and_load(&mut self, round: Option<u64>) -> Result<PayloadHeader> {
         let dest = self.out.join("global.safetensors.part");
-        let (peer, client, max) = (self.peer, self.client.clone(), self.max_payload);
+        let (peer, client) = (self.peer, self.client.clone());
         let d = dest.clone();
         let fetched = retry(&self.rt, self.patience, "fetch", || {
             let mut c = client.clone();
             let d = d.clone();
             async move {
-                let req = FetchRequest {
+                let mut req = Request::new(FetchRequest {
                     peer: peer as u32,
                     round: round.unwrap_or(0),
                     newest: round.is_none(),
-                    wait_ms: 20_000,
-                };
-                let stream = c.fetch(req).await?.into_inner();
-                payload::receive(stream, &d, max).await
+                    wait_ms: FETCH_WAIT.as_millis() as u32,
+                });
+                req.set_timeout(FETCH_WAIT + CALL_TIMEOUT);
+                let mut stream = c.fetch(req).await?.into_inner();
+                let header = payload::read_header(&mut stream, IDLE).await?;
+                fault::point("download", header.round);
+                payload::receive_body(&mut stream, &d, &header, IDLE).await?;
+                Ok(header)
             }
         });
         let header = match fetched {
@@ -400,8 +649,9 @@ impl Node {
         let _ = std::fs::remove_file(&dest);
         let source = format!("global model of round {}", header.round);
         self.trainer.model.load(&named, &source)?;
+        self.trainer.step = header.round * self.trainer.cfg.sync.sync_steps;
         self.bytes_down += header.total_bytes;
-        Ok((header.round, header.total_bytes))
+        Ok(header)
     }
 
     /// Trains and syncs until `max_steps`, tells the server, then writes `<out>/summary.json`.
@@ -415,7 +665,7 @@ impl Node {
         // Best effort: a server already gone has nothing left to wait for.
         let said = retry(&self.rt, Duration::from_secs(10), "done", || {
             let mut c = client.clone();
-            async move { c.done(DoneRequest { peer: peer as u32 }).await }
+            async move { c.done(call(DoneRequest { peer: peer as u32 })).await }
         });
         if let Err(s) = said {
             tracing::warn!(
@@ -470,7 +720,9 @@ where
             Ok(v) => return Ok(v),
             Err(s) if transient(&s) && start.elapsed() < patience => {
                 tracing::debug!("{what}: {} (retrying)", s.message());
-                if s.code() != Code::Unavailable || !s.message().contains("not published yet") {
+                // The server already waited for an unpublished round; ask again at once.
+                let waited = s.code() == Code::Unavailable && refusal::kind(&s) == Some(Refused::Retry);
+                if !waited {
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(Duration::from_secs(5));
                 }
@@ -483,9 +735,9 @@ where
 /// Turns a final gRPC failure into an error that says what to do.
 fn explain(s: Status, server: &str) -> anyhow::Error {
     match s.code() {
-        Code::Unauthenticated => {
-            anyhow::anyhow!("{server} rejected this node's token: check --token-file")
-        }
+        Code::Unauthenticated => anyhow::anyhow!(
+            "{server} rejected this node's credential: check --credential-file (made by `spes credential` from the run secret)"
+        ),
         Code::Unavailable => anyhow::anyhow!("cannot reach {server}: {}", s.message()),
         _ => anyhow::anyhow!("{server} refused: {}", s.message()),
     }

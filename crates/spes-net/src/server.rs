@@ -1,45 +1,55 @@
-//! `spes server`: a gRPC shell around the spes-sync [`Coordinator`]. It creates or loads θ⁰,
-//! takes uploads (validated, folded into running sums one at a time), closes rounds when every
-//! node uploaded or the round timed out, persists and publishes each global model, scores it on
-//! the validation split, and logs every round to `metrics.jsonl`.
+//! `spes server`: a gRPC shell around the spes-sync [`Coordinator`], in three parts.
+//! [`open`] loads the restart point (falling back to the previous round if the newest file is
+//! corrupt) or creates θ⁰. The round closer, a thread, closes rounds when every live node
+//! uploaded or the round timed out, publishes each model durably (retrying on failure), then
+//! announces it; scoring runs on another thread, after the announcement. [`serve`] sets up tonic
+//! and the handlers, which check every upload's header before reading its body.
 //!
 //! On disk under `--out`: `global/round-NNNNNN.safetensors` (the newest two rounds),
-//! `server.json` (the newest published round, written after its file: the restart point),
-//! `checkpoints/round-NNNNNN.safetensors` every `sync.checkpoint_every_rounds`, `incoming/`
-//! (uploads being received), `pending/` (accepted uploads of the open round, re-applied after a
-//! restart) and `metrics.jsonl`.
+//! `server.json` (the restart point: kept rounds with checksums and ownership, token count,
+//! evicted peers), `checkpoints/round-NNNNNN.safetensors` every `sync.checkpoint_every_rounds`,
+//! `incoming/` (uploads being received), `pending/` (accepted uploads of the open round,
+//! re-applied after a restart) and `metrics.jsonl`. Every file is written to a temp name,
+//! fsynced and renamed, and its directory fsynced.
 
-use crate::auth::CheckToken;
-use crate::payload;
+use crate::auth::{authorize, check_peer, AuthedPeer, CheckCredential};
+use crate::proto::refusal::Kind;
 use crate::proto::spes_server::{Spes, SpesServer};
 use crate::proto::{
-    Chunk, DoneReply, DoneRequest, FetchRequest, JoinReply, JoinRequest, UploadReply,
+    Chunk, DoneReply, DoneRequest, FetchRequest, HeartbeatReply, JoinReply, JoinRequest,
+    PayloadHeader, UploadReply,
 };
-use anyhow::{bail, Context, Result};
+use crate::{fault, payload, refusal};
+use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use spes_data::shard::write_atomic;
 use spes_data::ValWindows;
 use spes_model::MoeModel;
-use spes_sync::{Coordinator, Layout, MergeSchedule, Named, RoundReport, RoundRules, Scope};
+use spes_sync::{
+    Combine, Coordinator, Layout, MergeSchedule, Named, Ownership, RoundReport, RoundRules, Scope,
+    Standing,
+};
 use spes_train::trainer::MetricsLog;
-use spes_train::{Mode, RunConfig};
+use spes_train::{AggregateRule, Mode, RunConfig};
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 use tch::Device;
 use tokio::sync::watch;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
 
 /// How to run a server.
 pub struct ServerOptions {
     pub cfg: RunConfig,
     pub out: PathBuf,
-    /// Required bearer token; `None` only when the operator disabled auth explicitly.
-    pub token: Option<String>,
+    /// The run secret that node credentials derive from; `None` only when the operator
+    /// disabled auth explicitly.
+    pub secret: Option<String>,
     /// PEM certificate chain and private key, to serve TLS.
     pub tls: Option<(Vec<u8>, Vec<u8>)>,
     /// Initial weights (a safetensors file with this model's tensor names) instead of a fresh init.
@@ -48,6 +58,30 @@ pub struct ServerOptions {
     pub device: Device,
     /// After the last round, keep serving until every node said it is done or this long passed.
     pub linger_s: f64,
+    pub limits: Limits,
+}
+
+/// What one client may cost the server.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Uploads received at once; more wait up to `slot_wait`, then are refused (retryable).
+    pub max_concurrent_uploads: usize,
+    pub slot_wait: Duration,
+    /// A stream that sends nothing this long is cut.
+    pub idle_timeout: Duration,
+    /// The longest a fetch may wait for a round to be published.
+    pub max_wait: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_concurrent_uploads: 4,
+            slot_wait: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
+            max_wait: Duration::from_secs(60),
+        }
+    }
 }
 
 /// What a finished server reports.
@@ -60,18 +94,53 @@ pub struct ServerSummary {
     pub wall_s: f64,
 }
 
+/// A published round as the restart point records it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct PublishedRound {
+    round: u64,
+    file: String,
+    bytes: u64,
+    xxh3: String,
+    /// Training tokens of the run up to this round.
+    tokens: u64,
+    /// Who trains what in the round after this one (`owners` empty in DiLoCo mode).
+    owners: Vec<usize>,
+    members: Vec<usize>,
+}
+
+impl PublishedRound {
+    /// The scope of the round after this one.
+    fn next_scope(&self) -> Result<Scope> {
+        Ok(if self.owners.is_empty() {
+            Scope::Diloco {
+                members: self.members.iter().copied().collect(),
+            }
+        } else {
+            Scope::Spes(Ownership::from_owners(self.owners.clone())?)
+        })
+    }
+}
+
 /// The restart point, rewritten atomically after each published round.
 #[derive(Serialize, Deserialize)]
 struct ServerState {
     format_version: u32,
-    round: u64,
-    file: String,
-    xxh3: String,
-    tokens: u64,
+    /// The kept published rounds, oldest first.
+    rounds: Vec<PublishedRound>,
     initial_val_loss: Option<f64>,
+    gone: Vec<usize>,
+    /// The newest round's metrics line without its scores, to write again after a crash.
+    record: serde_json::Value,
 }
 
 const STATE_FILE: &str = "server.json";
+const FORMAT_VERSION: u32 = 2;
+
+impl ServerState {
+    fn newest(&self) -> &PublishedRound {
+        self.rounds.last().expect("round 0 is always published")
+    }
+}
 
 /// Scores published models: validation loss, expert load, and tasks when due.
 struct Evaluator {
@@ -83,15 +152,9 @@ struct Evaluator {
     tasks: Option<spes_train::task_hook::TaskHook>,
 }
 
-/// What scoring a published model found.
-struct Scored {
-    val_loss: f64,
-    expert_load: Vec<Vec<f64>>,
-    tasks: Option<serde_json::Value>,
-}
-
 impl Evaluator {
-    fn score(&self, global: &Named, step: u64) -> Result<Scored> {
+    /// Adds `val_loss`, `expert_load` and `tasks` to a round's record.
+    fn score(&self, global: &Named, step: u64, record: &mut serde_json::Value) -> Result<()> {
         self.model.load(global, "published model")?;
         let (val_loss, expert_load) = spes_train::validation_stats(
             &self.model,
@@ -100,16 +163,20 @@ impl Evaluator {
             self.max_batches,
             self.device,
         );
-        let tasks = match self.tasks.as_ref().filter(|t| t.due(step)) {
-            Some(t) => Some(t.score(&self.model)?),
-            None => None,
-        };
-        Ok(Scored {
-            val_loss,
-            expert_load,
-            tasks,
-        })
+        record["val_loss"] = json!(val_loss);
+        record["expert_load"] = json!(expert_load);
+        if let Some(t) = self.tasks.as_ref().filter(|t| t.due(step)) {
+            record["tasks"] = t.score(&self.model)?;
+        }
+        Ok(())
     }
+}
+
+/// A published round waiting to be scored and logged.
+struct ScoreJob {
+    step: u64,
+    global: Named,
+    record: serde_json::Value,
 }
 
 /// Traffic and events since the last round line.
@@ -120,184 +187,247 @@ struct RoundIo {
     rejected: Vec<String>,
     /// Nodes that said they finished (kept across rounds).
     done: BTreeSet<usize>,
-    round_started: f64,
 }
 
 struct State {
     cfg: RunConfig,
     out: PathBuf,
+    limits: Limits,
+    layout: Layout,
     coord: Mutex<Coordinator>,
+    clock: Instant,
     published: watch::Sender<u64>,
-    final_round: u64,
-    started: Instant,
-    max_payload: u64,
-    io: Mutex<RoundIo>,
-    metrics: Mutex<MetricsLog>,
-    eval: Option<Mutex<Evaluator>>,
     progress: Mutex<ServerState>,
+    io: Mutex<RoundIo>,
+    upload_slots: tokio::sync::Semaphore,
+    /// Wakes the round closer after an accepted upload.
+    wake: mpsc::SyncSender<()>,
+    final_round: u64,
+    last_val_loss: Mutex<Option<f64>>,
+}
+
+/// A closed round to publish, with what the restart point records about it.
+struct Publication<'a> {
+    round: u64,
+    global: &'a Named,
+    next: &'a Scope,
+    tokens: u64,
+    gone: &'a BTreeSet<usize>,
+    record: serde_json::Value,
 }
 
 impl State {
     fn now(&self) -> f64 {
-        self.started.elapsed().as_secs_f64()
+        self.clock.elapsed().as_secs_f64()
     }
 
     fn round_path(&self, round: u64) -> PathBuf {
-        self.out
-            .join("global")
-            .join(format!("round-{round:06}.safetensors"))
+        round_path(&self.out, round)
     }
 
-    /// Closes the open round if it is ready. Called after each upload and by the timer.
-    fn close_if_ready(&self) -> Result<()> {
-        let mut coord = self.coord.lock().unwrap();
-        if !coord.ready(self.now()) {
-            return Ok(());
-        }
-        let t0 = Instant::now();
-        let report = coord.close();
-        let (global, round) = coord.global();
-        let global: Named = global
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect();
-        drop(coord);
-        let aggregation_s = t0.elapsed().as_secs_f64();
-        self.publish(&global, round)?;
-        let scored = match &self.eval {
-            Some(e) => Some(e.lock().unwrap().score(&global, report.step)?),
-            None => None,
-        };
-        self.log_round(&report, aggregation_s, scored)?;
-        Ok(())
-    }
-
-    /// Writes the round's file and the restart point, prunes old rounds, then announces it.
-    fn publish(&self, global: &Named, round: u64) -> Result<()> {
-        let path = self.round_path(round);
-        payload::write(&path, global, self.cfg.sync.payload_dtype)?;
-        let (_, xxh3) = payload::digest(&path)?;
+    /// Writes the round durably and the restart point after it; prunes old rounds and the
+    /// round's pending uploads. Safe to retry after a failure.
+    fn publish(&self, p: &Publication) -> Result<()> {
+        let path = self.round_path(p.round);
+        let (bytes, xxh3) = payload::write(&path, p.global, self.cfg.sync.payload_dtype)?;
+        fault::point("publish", p.round);
         let every = self.cfg.sync.checkpoint_every_rounds;
-        if round.is_multiple_of(every) || round == self.final_round {
+        if p.round.is_multiple_of(every) || p.round == self.final_round {
             let ck = self
                 .out
                 .join("checkpoints")
-                .join(format!("round-{round:06}.safetensors"));
-            std::fs::copy(&path, &ck).with_context(|| format!("cannot write {}", ck.display()))?;
+                .join(format!("round-{:06}.safetensors", p.round));
+            copy_verified(&path, &ck, xxh3)?;
         }
+        let entry = PublishedRound {
+            round: p.round,
+            file: path.file_name().unwrap().to_string_lossy().to_string(),
+            bytes,
+            xxh3: format!("{xxh3:016x}"),
+            tokens: p.tokens,
+            owners: match p.next {
+                Scope::Spes(o) => o.owners().to_vec(),
+                Scope::Diloco { .. } => Vec::new(),
+            },
+            members: p.next.members().into_iter().collect(),
+        };
         {
             let mut st = self.progress.lock().unwrap();
-            st.round = round;
-            st.file = path.file_name().unwrap().to_string_lossy().to_string();
-            st.xxh3 = format!("{xxh3:016x}");
+            st.rounds.retain(|r| r.round < p.round);
+            st.rounds.push(entry);
+            let excess = st.rounds.len().saturating_sub(2);
+            st.rounds.drain(..excess);
+            st.gone = p.gone.iter().copied().collect();
+            st.record = p.record.clone();
             write_atomic(
                 &self.out.join(STATE_FILE),
                 serde_json::to_string_pretty(&*st)?.as_bytes(),
             )?;
         }
-        if round >= 2 {
-            let _ = std::fs::remove_file(self.round_path(round - 2));
+        if p.round >= 2 {
+            let _ = std::fs::remove_file(self.round_path(p.round - 2));
         }
-        for peer in 0..self.cfg.sync.nodes {
-            let _ = std::fs::remove_file(self.pending_path(round, peer));
-        }
-        self.published.send_replace(round);
-        Ok(())
-    }
-
-    fn log_round(&self, r: &RoundReport, aggregation_s: f64, scored: Option<Scored>) -> Result<()> {
-        let (val_loss, expert_load, tasks) = match scored {
-            Some(s) => (Some(s.val_loss), Some(s.expert_load), s.tasks),
-            None => (None, None, None),
-        };
-        let tokens = {
-            let mut st = self.progress.lock().unwrap();
-            st.tokens +=
-                r.peers.len() as u64 * self.cfg.sync.sync_steps * self.cfg.tokens_per_step();
-            st.tokens
-        };
-        let now = self.now();
-        let io = {
-            let mut io = self.io.lock().unwrap();
-            let taken = std::mem::take(&mut *io);
-            io.round_started = now;
-            io.done = taken.done.clone();
-            taken
-        };
-        let merges: Vec<_> = r
-            .merges
-            .iter()
-            .map(|m| json!({"layer": m.layer, "expert": m.expert, "neighbours": m.neighbours}))
-            .collect();
-        self.metrics.lock().unwrap().write(json!({
-            "round": r.round, "step": r.step, "tokens": tokens, "peers": r.peers,
-            "missing": r.missing, "bytes_in": io.bytes_in, "bytes_out": io.bytes_out,
-            "aggregation_s": aggregation_s, "round_s": now - io.round_started,
-            "val_loss": val_loss, "expert_load": expert_load, "merge_alpha": r.merge_alpha,
-            "merges": merges, "rejected": io.rejected, "tasks": tasks,
-        }))?;
-        tracing::info!(
-            "round {} published: peers {:?}{}{}",
-            r.round,
-            r.peers,
-            val_loss
-                .map(|v| format!(", val_loss {v:.4}"))
-                .unwrap_or_default(),
-            r.merge_alpha
-                .map(|a| format!(", merged {} experts with α {a:.4}", r.merges.len()))
-                .unwrap_or_default()
-        );
+        remove_pending(&self.out, |r| r <= p.round);
         Ok(())
     }
 
     fn reject(&self, peer: u32, round: u64, status: Status) -> Status {
         tracing::warn!(
-            "rejected upload of peer {peer} for round {round}: {}",
+            "rejected a call of peer {peer} for round {round}: {}",
             status.message()
         );
-        let mut io = self.io.lock().unwrap();
-        io.rejected
+        self.io
+            .lock()
+            .unwrap()
+            .rejected
             .push(format!("peer {peer} round {round}: {}", status.message()));
         status
     }
+
+    /// The kept published round `round`, if still on disk.
+    fn published_round(&self, round: u64) -> Option<PublishedRound> {
+        let st = self.progress.lock().unwrap();
+        st.rounds.iter().find(|r| r.round == round).cloned()
+    }
+
+    fn pending_path(&self, round: u64, peer: usize) -> PathBuf {
+        self.out
+            .join("pending")
+            .join(format!("round-{round:06}-peer-{peer}.safetensors"))
+    }
+
+    /// After a restart: folds in the open round's uploads that were acknowledged before.
+    fn reapply_pending(&self) -> Result<()> {
+        let mut coord = self.coord.lock().unwrap();
+        let open = coord.round();
+        remove_pending(&self.out, |r| r != open);
+        for peer in coord.scope().members() {
+            let path = self.pending_path(open, peer);
+            if path.exists() {
+                let named = payload::read(&path)?;
+                match coord.upload(peer, 0, open, named, self.now()) {
+                    Ok(()) => tracing::info!(
+                        "re-applied the acknowledged upload of peer {peer} for round {open}"
+                    ),
+                    Err(e) => tracing::warn!("dropped a pending upload of peer {peer}: {e}"),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The exact payload size an upload of `peer` must announce in the open round.
+    fn expected_upload_bytes(&self, scope: &Scope, peer: usize) -> u64 {
+        payload::expected_size(
+            self.layout
+                .entries
+                .iter()
+                .filter(|(_, role, _)| scope.uploads(peer, *role))
+                .map(|(n, _, s)| (n.as_str(), s.as_slice())),
+            self.cfg.sync.payload_dtype,
+        )
+    }
+}
+
+fn round_path(out: &Path, round: u64) -> PathBuf {
+    out.join("global")
+        .join(format!("round-{round:06}.safetensors"))
+}
+
+/// Removes pending uploads whose round matches `drop`.
+fn remove_pending(out: &Path, drop: impl Fn(u64) -> bool) {
+    let Ok(entries) = std::fs::read_dir(out.join("pending")) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let round = name
+            .strip_prefix("round-")
+            .and_then(|r| r.get(..6))
+            .and_then(|r| r.parse::<u64>().ok());
+        if round.is_none_or(&drop) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// Copies `from` to `to` through a temp file, checks the copy's checksum, fsyncs, renames.
+fn copy_verified(from: &Path, to: &Path, xxh3: u64) -> Result<()> {
+    let mut tmp = to.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    std::fs::copy(from, &tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    let (_, got) = payload::digest(&tmp)?;
+    if got != xxh3 {
+        let _ = std::fs::remove_file(&tmp);
+        anyhow::bail!("the copy {} does not match {}", tmp.display(), from.display());
+    }
+    std::fs::rename(&tmp, to).with_context(|| format!("cannot write {}", to.display()))?;
+    spes_data::shard::sync_dir(to)?;
+    Ok(())
 }
 
 struct Service {
     state: Arc<State>,
 }
 
-fn peer_in_range(peer: u32, peers: usize) -> Result<usize, Status> {
-    let p = peer as usize;
-    if p >= peers {
-        return Err(Status::invalid_argument(format!(
-            "peer {peer} is out of range: this run has nodes 0..{peers}"
-        )));
+fn standing_from(standing: Standing) -> u64 {
+    match standing {
+        Standing::Member => 0,
+        Standing::Joining { from } => from,
     }
-    Ok(p)
 }
 
 #[tonic::async_trait]
 impl Spes for Service {
     async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinReply>, Status> {
         let s = &self.state;
-        let peer = peer_in_range(req.get_ref().peer, s.cfg.sync.nodes)?;
-        let coord = s.coord.lock().unwrap();
+        let peer = authorize(&req, req.get_ref().peer)?;
+        let r = req.get_ref();
+        let mut coord = s.coord.lock().unwrap();
+        let standing = coord
+            .join(peer, r.session, r.join, s.now())
+            .map_err(|e| refusal::of_round_error(&e))?;
+        let scope = coord.scope().clone();
+        let published_round = coord.global().1;
+        drop(coord);
         let owned = (0..s.cfg.model.n_experts)
             .filter(|&e| {
-                coord
-                    .scope()
-                    .uploads(peer, spes_model::Role::Expert { layer: 0, index: e })
+                standing == Standing::Member
+                    && scope.uploads(peer, spes_model::Role::Expert { layer: 0, index: e })
             })
             .map(|e| e as u32)
             .collect();
-        let published_round = coord.global().1;
-        drop(coord);
-        tracing::info!("node {peer} joined");
+        match standing {
+            Standing::Member => tracing::info!("node {peer} joined"),
+            Standing::Joining { from } => {
+                tracing::info!("node {peer} joins the run from round {from}")
+            }
+        }
         Ok(Response::new(JoinReply {
             config_toml: toml::to_string(&s.cfg).map_err(|e| Status::internal(e.to_string()))?,
-            peers: s.cfg.sync.nodes as u32,
+            peers: scope.members().len() as u32,
             owned_experts: owned,
             published_round,
+            lease_ms: (s.cfg.sync.lease_s * 1000.0) as u64,
+            member_from: standing_from(standing),
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<JoinRequest>,
+    ) -> Result<Response<HeartbeatReply>, Status> {
+        let s = &self.state;
+        let peer = authorize(&req, req.get_ref().peer)?;
+        let mut coord = s.coord.lock().unwrap();
+        let standing = coord
+            .join(peer, req.get_ref().session, false, s.now())
+            .map_err(|e| refusal::of_round_error(&e))?;
+        Ok(Response::new(HeartbeatReply {
+            published_round: coord.global().1,
+            member_from: standing_from(standing),
         }))
     }
 
@@ -308,39 +438,51 @@ impl Spes for Service {
         req: Request<FetchRequest>,
     ) -> Result<Response<Self::FetchStream>, Status> {
         let s = self.state.clone();
+        let peer = authorize(&req, req.get_ref().peer)?;
         let r = req.into_inner();
-        let peer = peer_in_range(r.peer, s.cfg.sync.nodes)?;
         let mut rx = s.published.subscribe();
         let round = if r.newest {
             *rx.borrow()
         } else {
-            let wait = Duration::from_millis(r.wait_ms as u64);
+            let wait = Duration::from_millis(r.wait_ms as u64).min(s.limits.max_wait);
             match tokio::time::timeout(wait, rx.wait_for(|&p| p >= r.round)).await {
                 Ok(Ok(_)) => r.round,
                 _ => {
-                    return Err(Status::unavailable(format!(
-                        "round {} is not published yet",
-                        r.round
-                    )))
+                    return Err(refusal::status(
+                        Code::Unavailable,
+                        Kind::Retry,
+                        r.round,
+                        format!("round {} is not published yet", r.round),
+                    ))
                 }
             }
         };
-        let path = s.round_path(round);
-        let size = std::fs::metadata(&path).map(|m| m.len()).map_err(|_| {
-            Status::not_found(format!(
+        let Some(meta) = s.published_round(round) else {
+            return Err(Status::not_found(format!(
                 "round {round} is no longer kept; the newest is {}",
                 *s.published.borrow()
-            ))
-        })?;
-        let stream =
-            payload::send(&path, peer, round).map_err(|e| Status::internal(format!("{e:#}")))?;
-        s.io.lock().unwrap().bytes_out += size;
-        Ok(Response::new(stream))
+            )));
+        };
+        let header = PayloadHeader {
+            peer: peer as u32,
+            round,
+            total_bytes: meta.bytes,
+            xxh3: u64::from_str_radix(&meta.xxh3, 16).unwrap_or_default(),
+            session: 0,
+            owners: meta.owners.iter().map(|&o| o as u32).collect(),
+            members: meta.members.iter().map(|&m| m as u32).collect(),
+        };
+        s.io.lock().unwrap().bytes_out += meta.bytes;
+        Ok(Response::new(payload::send(
+            &s.round_path(round),
+            header,
+            |_| {},
+        )))
     }
 
     async fn done(&self, req: Request<DoneRequest>) -> Result<Response<DoneReply>, Status> {
         let s = &self.state;
-        let peer = peer_in_range(req.get_ref().peer, s.cfg.sync.nodes)?;
+        let peer = authorize(&req, req.get_ref().peer)?;
         s.io.lock().unwrap().done.insert(peer);
         tracing::info!("node {peer} finished");
         Ok(Response::new(DoneReply {}))
@@ -351,154 +493,170 @@ impl Spes for Service {
         req: Request<Streaming<Chunk>>,
     ) -> Result<Response<UploadReply>, Status> {
         let s = self.state.clone();
-        let incoming = s.out.join("incoming");
-        let part = incoming.join(format!(
-            "upload-{}-{:x}.part",
-            std::process::id(),
-            xxhash_rust::xxh3::xxh3_64(&s.now().to_le_bytes())
-        ));
-        let received = payload::receive(req.into_inner(), &part, s.max_payload).await;
-        let header = match received {
-            Ok(h) => h,
-            Err(e) => {
-                let _ = std::fs::remove_file(&part);
-                return Err(s.reject(u32::MAX, 0, e));
+        let idle = s.limits.idle_timeout;
+        let authed = req.extensions().get::<AuthedPeer>().copied();
+        let mut stream = req.into_inner();
+        let mut claimed = (u32::MAX, 0);
+        let result = async {
+            let header = payload::read_header(&mut stream, idle).await?;
+            claimed = (header.peer, header.round);
+            let peer = check_peer(authed, header.peer)?;
+            // Everything the header allows is checked before any data is read.
+            let expected = {
+                let mut coord = s.coord.lock().unwrap();
+                coord
+                    .check_upload(peer, header.session, header.round, s.now())
+                    .map_err(|e| refusal::of_round_error(&e))?;
+                s.expected_upload_bytes(coord.scope(), peer)
+            };
+            if header.total_bytes != expected {
+                return Err(refusal::status(
+                    Code::InvalidArgument,
+                    Kind::Invalid,
+                    0,
+                    format!(
+                        "upload announces {} bytes; peer {peer}'s tensors take exactly {expected}",
+                        header.total_bytes
+                    ),
+                ));
             }
-        };
-        s.io.lock().unwrap().bytes_in += header.total_bytes;
-        let state = s.clone();
-        let result = tokio::task::spawn_blocking(move || -> Result<UploadReply, Status> {
-            let s = state;
-            // The part file is removed unless accepted, when it becomes the pending copy.
-            let accepted = (|| {
-                let peer = peer_in_range(header.peer, s.cfg.sync.nodes)?;
-                let named =
-                    payload::read(&part).map_err(|e| Status::invalid_argument(format!("{e:#}")))?;
-                s.accept(peer, header.round, named, &part)
-            })();
-            let _ = std::fs::remove_file(&part);
-            accepted?;
-            s.close_if_ready()
-                .map_err(|e| Status::internal(format!("{e:#}")))?;
+            let _slot = tokio::time::timeout(s.limits.slot_wait, s.upload_slots.acquire())
+                .await
+                .map_err(|_| {
+                    refusal::status(
+                        Code::ResourceExhausted,
+                        Kind::Retry,
+                        0,
+                        "every upload slot is busy; try again",
+                    )
+                })?
+                .map_err(|_| Status::unavailable("the server is stopping"))?;
+            let part = s.out.join("incoming").join(format!(
+                "round-{:06}-peer-{peer}-{:016x}.part",
+                header.round,
+                rand::random::<u64>()
+            ));
+            if let Err(e) = payload::receive_body(&mut stream, &part, &header, idle).await {
+                let _ = std::fs::remove_file(&part);
+                return Err(e);
+            }
+            s.io.lock().unwrap().bytes_in += header.total_bytes;
+            let state = s.clone();
             let round = header.round;
-            let closed = *s.published.borrow() >= round;
-            Ok(UploadReply {
-                round,
-                round_closed: closed,
-            })
-        })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?;
+            tokio::task::spawn_blocking(move || state.accept(peer, &header, &part))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))??;
+            let _ = s.wake.try_send(());
+            Ok(UploadReply { round })
+        }
+        .await;
         result
             .map(Response::new)
-            .map_err(|e| s.reject(header.peer, header.round, e))
+            .map_err(|e| s.reject(claimed.0, claimed.1, e))
     }
 }
 
 impl State {
-    /// After a restart: folds in the open round's uploads that were acknowledged before.
-    fn reapply_pending(&self) -> Result<()> {
-        let open = self.coord.lock().unwrap().round();
-        for peer in 0..self.cfg.sync.nodes {
-            let path = self.pending_path(open, peer);
-            if path.exists() {
-                let named = payload::read(&path)?;
-                self.coord
-                    .lock()
-                    .unwrap()
-                    .upload(peer, open, named, self.now())?;
-                tracing::info!(
-                    "re-applied the acknowledged upload of peer {peer} for round {open}"
-                );
-            }
-        }
-        for stale in std::fs::read_dir(self.out.join("pending"))? {
-            let path = stale?.path();
-            let keep = (0..self.cfg.sync.nodes).any(|p| path == self.pending_path(open, p));
-            if !keep {
-                let _ = std::fs::remove_file(path);
-            }
-        }
-        Ok(())
-    }
-
-    fn pending_path(&self, round: u64, peer: usize) -> PathBuf {
-        self.out
-            .join("pending")
-            .join(format!("round-{round:06}-peer-{peer}.safetensors"))
-    }
-
-    /// Folds an upload into the open round and keeps its file in `pending/` until the round is
-    /// published, so an acknowledged upload survives a server crash.
-    fn accept(
-        &self,
-        peer: usize,
-        round: u64,
-        named: Named,
-        file: &std::path::Path,
-    ) -> Result<(), Status> {
-        {
+    /// Parses a received upload, folds it into the open round and keeps its file in
+    /// `pending/` until the round is published, so an acknowledged upload survives a crash.
+    fn accept(&self, peer: usize, header: &PayloadHeader, part: &Path) -> Result<(), Status> {
+        let accepted = (|| {
+            let named = payload::read(part).map_err(|e| {
+                refusal::status(Code::InvalidArgument, Kind::Invalid, 0, format!("{e:#}"))
+            })?;
             let mut coord = self.coord.lock().unwrap();
-            if round != coord.round() {
-                let (_, published) = coord.global();
-                return Err(Status::failed_precondition(if round < coord.round() {
-                    format!("round {round} is closed: fetch round {published} and continue")
-                } else {
-                    format!(
-                        "round {round} is not open yet: collecting round {}",
-                        coord.round()
-                    )
-                }));
-            }
-            if coord.uploaded().contains(&peer) {
-                return Err(Status::already_exists(format!(
-                    "peer {peer} already uploaded round {round}"
-                )));
-            }
             coord
-                .upload(peer, round, named, self.now())
-                .map_err(|e| Status::invalid_argument(format!("{e:#}")))?;
-            std::fs::rename(file, self.pending_path(round, peer))
-                .map_err(|e| Status::internal(format!("cannot keep the upload: {e}")))?;
-        }
-        Ok(())
+                .upload(peer, header.session, header.round, named, self.now())
+                .map_err(|e| refusal::of_round_error(&e))?;
+            let kept = self.pending_path(header.round, peer);
+            std::fs::rename(part, &kept)
+                .and_then(|_| spes_data::shard::sync_dir(&kept))
+                .map_err(|e| Status::internal(format!("cannot keep the upload: {e}")))
+        })();
+        let _ = std::fs::remove_file(part);
+        accepted
     }
 }
 
-/// Loads the restart point, or creates θ⁰ (fresh init from the seed, or `init`) as round 0.
-fn initial_global(opts: &ServerOptions, model: &MoeModel) -> Result<(Named, ServerState)> {
+/// What [`open`] found or made.
+struct Opened {
+    model: MoeModel,
+    global: Named,
+    progress: ServerState,
+    fresh: bool,
+}
+
+/// Loads the newest intact published round (falling back to the previous one if the newest
+/// file is corrupt), or creates θ⁰ (fresh init from the seed, or `init`) as round 0.
+fn open_state(opts: &ServerOptions) -> Result<Opened> {
+    for dir in ["global", "checkpoints", "incoming", "pending"] {
+        let d = opts.out.join(dir);
+        std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
+    }
+    for stale in std::fs::read_dir(opts.out.join("incoming"))? {
+        let _ = std::fs::remove_file(stale?.path());
+    }
+    tch::manual_seed(opts.cfg.train.seed as i64);
+    let model = MoeModel::new(&opts.cfg.model, opts.device)?;
     let state_path = opts.out.join(STATE_FILE);
     if state_path.exists() {
         let text = std::fs::read_to_string(&state_path)?;
-        let st: ServerState = serde_json::from_str(&text)
-            .with_context(|| format!("{} is corrupt", state_path.display()))?;
-        let path = opts.out.join("global").join(&st.file);
-        let (_, xxh3) = payload::digest(&path)?;
-        if format!("{xxh3:016x}") != st.xxh3 {
-            bail!(
-                "{} is corrupt or truncated (checksum mismatch with {})",
-                path.display(),
+        let mut st: ServerState = serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{} is corrupt or from an older spes (expected format_version {FORMAT_VERSION})",
                 state_path.display()
+            )
+        })?;
+        while let Some(newest) = st.rounds.last().cloned() {
+            let path = opts.out.join("global").join(&newest.file);
+            let intact = payload::digest(&path)
+                .ok()
+                .is_some_and(|(_, x)| format!("{x:016x}") == newest.xxh3);
+            let loaded = intact
+                && payload::read(&path)
+                    .and_then(|named| model.load(&named, &path.display().to_string()))
+                    .is_ok();
+            if loaded {
+                tracing::info!("resuming after round {} from {}", newest.round, path.display());
+                let global = snapshot(&model);
+                return Ok(Opened {
+                    model,
+                    global,
+                    progress: st,
+                    fresh: false,
+                });
+            }
+            st.rounds.pop();
+            tracing::error!(
+                "{} is missing or corrupt; falling back to the round before it",
+                path.display()
             );
+            write_atomic(&state_path, serde_json::to_string_pretty(&st)?.as_bytes())?;
         }
-        model.load(&payload::read(&path)?, &path.display().to_string())?;
-        tracing::info!("resuming after round {} from {}", st.round, path.display());
-        return Ok((snapshot(model), st));
+        anyhow::bail!(
+            "{}: no published round is intact; move --out aside to start over",
+            state_path.display()
+        );
     }
     if let Some(init) = &opts.init {
         let named = tch::Tensor::read_safetensors(init)
             .with_context(|| format!("cannot read initial weights {}", init.display()))?;
         model.load(&named, &init.display().to_string())?;
     }
+    let global = snapshot(&model);
     let st = ServerState {
-        format_version: 1,
-        round: 0,
-        file: String::new(),
-        xxh3: String::new(),
-        tokens: 0,
+        format_version: FORMAT_VERSION,
+        rounds: Vec::new(),
         initial_val_loss: None,
+        gone: Vec::new(),
+        record: json!({}),
     };
-    Ok((snapshot(model), st))
+    Ok(Opened {
+        model,
+        global,
+        progress: st,
+        fresh: true,
+    })
 }
 
 fn snapshot(model: &MoeModel) -> Named {
@@ -509,6 +667,174 @@ fn snapshot(model: &MoeModel) -> Named {
         .collect()
 }
 
+fn shallow(named: &Named) -> Named {
+    named
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect()
+}
+
+fn rules_of(cfg: &RunConfig) -> RoundRules {
+    let s = &cfg.sync;
+    RoundRules {
+        sync_steps: s.sync_steps,
+        timeout_s: s.round_timeout_s,
+        lease_s: s.lease_s,
+        evict_after_s: s.evict_after_s,
+        merge: (s.mode == Mode::Spes).then_some(MergeSchedule {
+            every: s.merge_every,
+            alpha0: s.merge_alpha,
+            until: s.merge_until,
+            top_k: s.merge_top_k,
+        }),
+        combine: match s.aggregate {
+            AggregateRule::Mean => Combine::Mean,
+            AggregateRule::TrimmedMean => Combine::TrimmedMean {
+                fraction: s.trim_fraction,
+            },
+            AggregateRule::Median => Combine::Median,
+        },
+        max_update_rms: (s.max_update_factor > 0.0)
+            .then(|| s.max_update_factor * s.sync_steps as f64 * cfg.train.lr),
+    }
+}
+
+/// The metrics line of a closed round, before scoring.
+fn round_record(r: &RoundReport, tokens: u64, io: &RoundIo, aggregation_s: f64, round_s: f64) -> serde_json::Value {
+    let merges: Vec<_> = r
+        .merges
+        .iter()
+        .map(|m| json!({"layer": m.layer, "expert": m.expert, "neighbours": m.neighbours}))
+        .collect();
+    json!({
+        "round": r.round, "step": r.step, "tokens": tokens, "peers": r.peers,
+        "missing": r.missing, "members": r.members, "owners": r.owners,
+        "evicted": r.evicted, "joined": r.joined, "discarded": r.discarded,
+        "bytes_in": io.bytes_in, "bytes_out": io.bytes_out,
+        "aggregation_s": aggregation_s, "round_s": round_s, "merge_alpha": r.merge_alpha,
+        "merges": merges, "rejected": io.rejected,
+    })
+}
+
+/// The round closer: closes ready rounds, publishes them (retrying until it works), announces
+/// them and hands them to the scorer; says every minute when no node is alive; signals `done`
+/// once the last round is out and every member said it finished (or `linger_s` passed).
+fn run_closer(
+    s: Arc<State>,
+    wake: mpsc::Receiver<()>,
+    scorer: mpsc::Sender<ScoreJob>,
+    stop: Arc<AtomicBool>,
+    done: tokio::sync::oneshot::Sender<()>,
+    linger_s: f64,
+) {
+    let mut final_at: Option<f64> = None;
+    let mut opened_at = s.now();
+    let mut last_alone_warning = f64::NEG_INFINITY;
+    while !stop.load(Ordering::Relaxed) {
+        let _ = wake.recv_timeout(Duration::from_millis(100));
+        let now = s.now();
+        let closed = {
+            let mut coord = s.coord.lock().unwrap();
+            if coord.live_members(now).is_empty() && now - last_alone_warning >= 60.0 {
+                last_alone_warning = now;
+                tracing::warn!(
+                    "no node is alive: round {} stays open, state kept; waiting for nodes to (re)join",
+                    coord.round()
+                );
+            }
+            if coord.ready(now) {
+                let t0 = Instant::now();
+                let report = coord.close(now);
+                let global = shallow(coord.global().0);
+                Some((report, global, coord.scope().clone(), coord.gone().clone(), t0.elapsed().as_secs_f64()))
+            } else {
+                None
+            }
+        };
+        if let Some((report, global, next, gone, aggregation_s)) = closed {
+            let tokens = s.progress.lock().unwrap().newest().tokens
+                + report.peers.len() as u64 * s.cfg.sync.sync_steps * s.cfg.tokens_per_step();
+            let io = {
+                let mut io = s.io.lock().unwrap();
+                let done = io.done.clone();
+                let taken = std::mem::take(&mut *io);
+                io.done = done;
+                taken
+            };
+            let record = round_record(&report, tokens, &io, aggregation_s, now - opened_at);
+            let publication = Publication {
+                round: report.round,
+                global: &global,
+                next: &next,
+                tokens,
+                gone: &gone,
+                record: record.clone(),
+            };
+            let mut pause = Duration::from_millis(500);
+            while let Err(e) = s.publish(&publication) {
+                tracing::error!(
+                    "publishing round {} failed, retrying in {:.1} s: {e:#}",
+                    report.round,
+                    pause.as_secs_f64()
+                );
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_secs(30));
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+            }
+            s.published.send_replace(report.round);
+            opened_at = s.now();
+            tracing::info!(
+                "round {} published: peers {:?}{}{}{}",
+                report.round,
+                report.peers,
+                report
+                    .merge_alpha
+                    .map(|a| format!(", merged {} experts with α {a:.4}", report.merges.len()))
+                    .unwrap_or_default(),
+                if report.evicted.is_empty() { String::new() } else { format!(", evicted {:?}", report.evicted) },
+                if report.joined.is_empty() { String::new() } else { format!(", admitted {:?}", report.joined) },
+            );
+            let _ = scorer.send(ScoreJob {
+                step: report.step,
+                global,
+                record,
+            });
+        }
+        if *s.published.borrow() >= s.final_round {
+            let now = s.now();
+            let at = *final_at.get_or_insert(now);
+            let members = s.coord.lock().unwrap().scope().members();
+            let all = members.is_subset(&s.io.lock().unwrap().done);
+            if all || now - at >= linger_s {
+                let _ = done.send(());
+                return;
+            }
+        }
+    }
+}
+
+/// Scores and logs published rounds in order, on its own thread.
+fn run_scorer(s: Arc<State>, eval: Option<Evaluator>, jobs: mpsc::Receiver<ScoreJob>, mut metrics: MetricsLog) {
+    for mut job in jobs {
+        if let Some(e) = &eval {
+            if let Err(err) = e.score(&job.global, job.step, &mut job.record) {
+                tracing::error!("scoring round {} failed: {err:#}", job.record["round"]);
+            }
+        }
+        if let Some(v) = job.record["val_loss"].as_f64() {
+            *s.last_val_loss.lock().unwrap() = Some(v);
+            if job.record["round"] == 0 {
+                s.progress.lock().unwrap().initial_val_loss = Some(v);
+            }
+        }
+        if let Err(e) = metrics.write(job.record) {
+            tracing::error!("cannot write metrics.jsonl: {e:#}");
+        }
+    }
+}
+
 /// Runs a server on an already bound listener until the last round is published and fetched
 /// (or `linger_s` passed), or until `shutdown` resolves.
 pub async fn serve(
@@ -517,175 +843,180 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<ServerSummary> {
     let cfg = opts.cfg.clone();
-    let scope: Scope = crate::scope_of(&cfg)?;
-    for dir in ["global", "checkpoints", "incoming", "pending"] {
-        let d = opts.out.join(dir);
-        std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
-    }
-    for stale in std::fs::read_dir(opts.out.join("incoming"))? {
-        let _ = std::fs::remove_file(stale?.path());
-    }
-    tch::manual_seed(cfg.train.seed as i64);
-    let model = MoeModel::new(&cfg.model, opts.device)?;
-    let (global, mut progress) = initial_global(&opts, &model)?;
-    let layout = Layout::of(&model);
-    let max_payload = layout
-        .entries
-        .iter()
-        .map(|(_, _, s)| s.iter().product::<i64>() as u64 * 4 + 256)
-        .sum::<u64>()
-        + (1 << 20);
+    let opened = open_state(&opts)?;
+    let layout = Layout::of(&opened.model);
+    let (scope, published_round, gone) = match opened.progress.rounds.last() {
+        Some(newest) => (
+            newest.next_scope()?,
+            newest.round,
+            opened.progress.gone.iter().copied().collect(),
+        ),
+        None => (crate::scope_of(&cfg)?, 0, BTreeSet::new()),
+    };
     let eval = match ValWindows::open(&cfg.data.path, cfg.train.seq_len) {
-        Ok(val) => Some(Mutex::new(Evaluator {
-            model,
+        Ok(val) => Some(Evaluator {
+            model: opened.model,
             val,
             batch: cfg.train.batch_size,
             max_batches: cfg.train.eval_batches,
             device: opts.device,
             tasks: spes_train::task_hook::TaskHook::load(&cfg, opts.device)?,
-        })),
+        }),
         Err(e) => {
             tracing::warn!("no validation loss on the server: {e:#}");
             None
         }
     };
-    let s = &cfg.sync;
-    let rules = RoundRules {
-        sync_steps: s.sync_steps,
-        timeout_s: s.round_timeout_s,
-        merge: (s.mode == Mode::Spes).then_some(MergeSchedule {
-            every: s.merge_every,
-            alpha0: s.merge_alpha,
-            until: s.merge_until,
-            top_k: s.merge_top_k,
-        }),
-    };
-    let published_round = progress.round;
-    let fresh = progress.file.is_empty();
-    let initial = match (&eval, fresh) {
-        (Some(e), true) => Some(e.lock().unwrap().score(&global, 0)?),
-        _ => None,
-    };
-    progress.initial_val_loss = progress
-        .initial_val_loss
-        .or(initial.as_ref().map(|s| s.val_loss));
     let metrics = MetricsLog::open(
         &opts.out,
-        (!fresh).then_some(published_round * s.sync_steps),
+        (!opened.fresh).then_some(published_round * cfg.sync.sync_steps),
     )?;
+    let logged = last_logged_round(&opts.out);
     let (published, _) = watch::channel(published_round);
+    let (wake_tx, wake_rx) = mpsc::sync_channel(1);
+    let clock = Instant::now();
+    let mut progress = opened.progress;
+    if progress.initial_val_loss.is_none() {
+        progress.initial_val_loss = logged.as_ref().and_then(|l| l.initial_val_loss);
+    }
     let state = Arc::new(State {
-        final_round: cfg.train.max_steps / s.sync_steps,
+        final_round: cfg.train.max_steps / cfg.sync.sync_steps,
         coord: Mutex::new(Coordinator::new(
-            layout,
-            scope,
-            rules,
-            global,
+            layout.clone(),
+            scope.clone(),
+            rules_of(&cfg),
+            shallow(&opened.global),
             published_round,
+            gone,
+            0.0,
         )),
+        layout,
+        limits: opts.limits,
         cfg: cfg.clone(),
         out: opts.out.clone(),
         published,
-        started: Instant::now(),
-        max_payload,
-        io: Mutex::new(RoundIo::default()),
-        metrics: Mutex::new(metrics),
-        eval,
+        clock,
         progress: Mutex::new(progress),
+        io: Mutex::new(RoundIo::default()),
+        upload_slots: tokio::sync::Semaphore::new(opts.limits.max_concurrent_uploads.max(1)),
+        wake: wake_tx,
+        last_val_loss: Mutex::new(logged.as_ref().and_then(|l| l.val_loss)),
     });
-    state.reapply_pending()?;
-    if fresh {
-        let (g, _) = {
-            let c = state.coord.lock().unwrap();
-            let (g, r) = c.global();
-            (
-                g.iter()
-                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                    .collect::<Named>(),
-                r,
-            )
-        };
-        state.publish(&g, 0)?;
-        let (val_loss, expert_load, tasks) = match initial {
-            Some(s) => (Some(s.val_loss), Some(s.expert_load), s.tasks),
-            None => (None, None, None),
-        };
-        state.metrics.lock().unwrap().write(json!({
-            "round": 0, "step": 0, "tokens": 0, "val_loss": val_loss,
-            "expert_load": expert_load, "tasks": tasks,
-        }))?;
-    }
-
-    // Closes rounds whose timeout passed; ends the server once the last round is out.
-    let ticker_state = state.clone();
-    let linger = opts.linger_s;
-    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let s = ticker_state;
-        let mut done_tx = Some(done_tx);
-        let mut final_at: Option<f64> = None;
-        loop {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let st = s.clone();
-            let closed = tokio::task::spawn_blocking(move || st.close_if_ready()).await;
-            if let Ok(Err(e)) = closed {
-                tracing::error!("closing a round failed: {e:#}");
-            }
-            if *s.published.borrow() >= s.final_round {
-                let now = s.now();
-                let at = *final_at.get_or_insert(now);
-                let all = s.io.lock().unwrap().done.len() >= s.cfg.sync.nodes;
-                if all || now - at >= linger {
-                    if let Some(tx) = done_tx.take() {
-                        let _ = tx.send(());
-                    }
-                    return;
-                }
-            }
+    let (score_tx, score_rx) = mpsc::channel();
+    if opened.fresh {
+        let record = json!({"round": 0, "step": 0, "tokens": 0,
+            "members": scope.members(), "owners": match &scope {
+                Scope::Spes(o) => o.owners().to_vec(), Scope::Diloco { .. } => Vec::new() }});
+        state.publish(&Publication {
+            round: 0,
+            global: &opened.global,
+            next: &scope,
+            tokens: 0,
+            gone: &BTreeSet::new(),
+            record: record.clone(),
+        })?;
+        let _ = score_tx.send(ScoreJob { step: 0, global: opened.global, record });
+    } else if logged.as_ref().is_none_or(|l| l.round < published_round) {
+        // Crashed after publishing, before logging: log the round again from the restart point.
+        let record = state.progress.lock().unwrap().record.clone();
+        if record["round"] == published_round {
+            let _ = score_tx.send(ScoreJob {
+                step: published_round * cfg.sync.sync_steps,
+                global: opened.global,
+                record,
+            });
         }
-    });
+    }
+    state.reapply_pending()?;
 
-    let mut builder = tonic::transport::Server::builder();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let closer = {
+        let (s, stop) = (state.clone(), stop.clone());
+        let linger = opts.linger_s;
+        let score_tx = score_tx.clone();
+        std::thread::spawn(move || run_closer(s, wake_rx, score_tx, stop, done_tx, linger))
+    };
+    drop(score_tx);
+    let scorer = {
+        let s = state.clone();
+        std::thread::spawn(move || run_scorer(s, eval, score_rx, metrics))
+    };
+
+    let mut builder = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .tcp_keepalive(Some(Duration::from_secs(30)));
     if let Some((cert, key)) = &opts.tls {
         let identity = tonic::transport::Identity::from_pem(cert, key);
         builder = builder
             .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
             .context("invalid TLS certificate or key")?;
     }
-    let svc = SpesServer::with_interceptor(
-        Service {
+    let svc = tonic::service::interceptor::InterceptedService::new(
+        SpesServer::new(Service {
             state: state.clone(),
-        },
-        CheckToken {
-            expected: opts.token.clone(),
+        })
+        .max_decoding_message_size(payload::MAX_MESSAGE_BYTES),
+        CheckCredential {
+            secret: opts.secret.clone(),
         },
     );
-    let stop = async move {
+    let stop_serving = async move {
         tokio::select! {
             _ = shutdown => {},
             _ = done_rx => {},
         }
     };
-    builder
+    let served = builder
         .add_service(svc)
-        .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), stop)
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener),
+            stop_serving,
+        )
         .await
-        .context("gRPC server failed")?;
+        .context("gRPC server failed");
+    stop.store(true, Ordering::Relaxed);
+    let _ = tokio::task::spawn_blocking(move || {
+        let _ = closer.join();
+        let _ = scorer.join();
+    })
+    .await;
+    served?;
+    let final_val_loss = *state.last_val_loss.lock().unwrap();
     let st = state.progress.lock().unwrap();
-    let final_val_loss = std::fs::read_to_string(opts.out.join("metrics.jsonl"))
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .rev()
-                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-                .find_map(|v| v["val_loss"].as_f64())
-        });
-    Ok(ServerSummary {
-        rounds: st.round,
-        tokens: st.tokens,
+    let newest = st.newest();
+    let summary = ServerSummary {
+        rounds: newest.round,
+        tokens: newest.tokens,
         initial_val_loss: st.initial_val_loss,
         final_val_loss,
-        wall_s: state.started.elapsed().as_secs_f64(),
+        wall_s: state.clock.elapsed().as_secs_f64(),
+    };
+    Ok(summary)
+}
+
+/// The newest round logged in `metrics.jsonl`, its validation loss, and round 0's.
+struct Logged {
+    round: u64,
+    val_loss: Option<f64>,
+    initial_val_loss: Option<f64>,
+}
+
+fn last_logged_round(out: &Path) -> Option<Logged> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).ok()?;
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let last = lines.last()?;
+    Some(Logged {
+        round: last["round"].as_u64()?,
+        val_loss: lines.iter().rev().find_map(|v| v["val_loss"].as_f64()),
+        initial_val_loss: lines
+            .iter()
+            .find(|v| v["round"] == 0)
+            .and_then(|v| v["val_loss"].as_f64()),
     })
 }
 

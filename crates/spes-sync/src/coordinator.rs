@@ -1,19 +1,77 @@
-//! The server's round state machine, with no network and no clock of its own: uploads and the
-//! current time go in, published rounds come out. gRPC wraps it (spes-net's server).
+//! The server's round state machine, with no network and no clock of its own: joins, heartbeats,
+//! uploads and the current time go in; published rounds and membership changes come out. gRPC
+//! wraps it (spes-net's server).
+//!
+//! Membership is per round. A node is *live* while its lease (renewed by heartbeats, joins and
+//! uploads) is younger than `lease_s`. A round closes when every live member uploaded, or
+//! `timeout_s` after it opened, and never without an upload. At the close, members whose lease
+//! has been expired for `evict_after_s` are evicted and nodes that asked to join are admitted;
+//! the next round's ownership is rebalanced over the new members ([`Scope::with_members`]).
 
-use crate::round::{merge_experts, Aggregator, Layout, MergeEvent, MergeSchedule, Named, Scope};
-use anyhow::{bail, Result};
+use crate::round::{
+    merge_experts, validate, Aggregator, Combine, Layout, MergeEvent, MergeSchedule, Named, Scope,
+};
 use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use tch::Kind;
+use thiserror::Error;
 
-/// When rounds close and what happens at closing.
+/// When rounds close, who stays a member, and what happens at closing.
 #[derive(Clone, Copy, Debug)]
 pub struct RoundRules {
     /// Local steps per round (H): round r ends at sync step r·H.
     pub sync_steps: u64,
-    /// Seconds after a round's first accepted upload to close it with whoever uploaded.
+    /// Seconds after a round opened (its predecessor was published) to close it with whoever
+    /// uploaded.
     pub timeout_s: f64,
+    /// A node is live while its newest heartbeat is younger than this.
+    pub lease_s: f64,
+    /// A member whose lease has been expired this long is evicted at the next close.
+    pub evict_after_s: f64,
     /// Expert merging; `None` for DiLoCo.
     pub merge: Option<MergeSchedule>,
+    /// How averaged (shared) parameters are combined.
+    pub combine: Combine,
+    /// Largest RMS change of an uploaded tensor from the global model; `None`: unchecked.
+    pub max_update_rms: Option<f64>,
+}
+
+/// Why the coordinator refused a call. The server maps each to one gRPC status whose details
+/// carry the variant and its round, so nodes act on those, never on the text.
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum RoundError {
+    #[error("round {round} is closed: load round {fetch} and continue")]
+    Closed { round: u64, fetch: u64 },
+    #[error("round {round} is not open yet: collecting round {open}")]
+    NotOpen { round: u64, open: u64 },
+    #[error("peer {peer} already uploaded round {round}")]
+    Duplicate { peer: usize, round: u64 },
+    #[error("peer {peer} is not a member of this run; start it with --join to add it")]
+    NotMember { peer: usize },
+    #[error(
+        "peer {peer} is held by a live node (heartbeat {age_s:.1} s ago): stop that node, or wait \
+         {wait_s:.0} s for its lease to expire"
+    )]
+    PeerTaken { peer: usize, age_s: f64, wait_s: f64 },
+    #[error("peer {peer} is out of range: this run's peer ids are 0..{max}")]
+    OutOfRange { peer: usize, max: usize },
+    #[error("peer {peer} cannot join: {members} nodes already hold one of the {max} experts each")]
+    RunFull {
+        peer: usize,
+        members: usize,
+        max: usize,
+    },
+    #[error("upload of peer {peer} {reason}")]
+    Invalid { peer: usize, reason: String },
+}
+
+/// Where a node stands after a join or heartbeat.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Standing {
+    /// Trains the open round.
+    Member,
+    /// Admitted as a member from round `from`: load round `from - 1`, then train.
+    Joining { from: u64 },
 }
 
 /// What closing a round did.
@@ -21,41 +79,73 @@ pub struct RoundRules {
 pub struct RoundReport {
     pub round: u64,
     pub step: u64,
+    /// Peers whose upload went into this round.
     pub peers: Vec<usize>,
-    /// Peers that did not upload before the round closed.
+    /// Members that did not upload before the round closed.
     pub missing: Vec<usize>,
+    /// `owners[e]`: who trained expert e in this round (empty for DiLoCo).
+    pub owners: Vec<usize>,
+    /// This round's members.
+    pub members: Vec<usize>,
     pub merge_alpha: Option<f64>,
     pub merges: Vec<MergeEvent>,
+    /// Set when the aggregate was not finite and the previous model was kept instead.
+    pub discarded: Option<String>,
+    /// Members evicted at this close (their experts go to others from the next round).
+    pub evicted: Vec<usize>,
+    /// Nodes that are members from the next round on.
+    pub joined: Vec<usize>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Lease {
+    /// Process instance holding the peer id; 0 = not known yet (after a server restart).
+    session: u64,
+    renewed: f64,
 }
 
 /// Collects round `round()` on top of the model published at `round() - 1` (round 0 = θ⁰).
 pub struct Coordinator {
     layout: Layout,
-    scope: Scope,
     rules: RoundRules,
     round: u64,
     global: Named,
     agg: Aggregator,
-    opened_at: Option<f64>,
+    opened_at: f64,
+    leases: BTreeMap<usize, Lease>,
+    joining: BTreeSet<usize>,
+    /// Evicted peers; one that comes back is admitted again like a joiner.
+    gone: BTreeSet<usize>,
 }
 
 impl Coordinator {
-    /// Starts after `published` rounds, with `global` the model published last.
+    /// Starts after `published` rounds, with `global` the model published last and `scope` the
+    /// open round's members. Every member gets a fresh lease of unknown session, so a restarted
+    /// server waits for its nodes to report instead of declaring them dead.
     pub fn new(
         layout: Layout,
         scope: Scope,
         rules: RoundRules,
         global: Named,
         published: u64,
+        gone: BTreeSet<usize>,
+        now: f64,
     ) -> Self {
+        let leases = scope
+            .members()
+            .into_iter()
+            .map(|p| (p, Lease { session: 0, renewed: now }))
+            .collect();
         Coordinator {
-            agg: Aggregator::new(scope.clone()),
+            agg: Aggregator::new(scope, rules.combine),
             layout,
-            scope,
             rules,
             round: published + 1,
             global,
-            opened_at: None,
+            opened_at: now,
+            leases,
+            joining: BTreeSet::new(),
+            gone,
         }
     }
 
@@ -70,68 +160,270 @@ impl Coordinator {
     }
 
     /// Peers whose upload of the open round was accepted.
-    pub fn uploaded(&self) -> &std::collections::BTreeSet<usize> {
+    pub fn uploaded(&self) -> &BTreeSet<usize> {
         self.agg.uploaded()
     }
 
+    /// Who trains what in the open round.
     pub fn scope(&self) -> &Scope {
-        &self.scope
+        self.agg.scope()
     }
 
-    /// Accepts peer `peer`'s upload for `round`, or says why not; a rejection changes nothing.
-    pub fn upload(&mut self, peer: usize, round: u64, tensors: Named, now: f64) -> Result<()> {
-        if round < self.round {
-            bail!(
-                "round {round} is closed (collecting round {}): fetch round {} and continue",
-                self.round,
-                self.round - 1
-            );
+    /// Evicted peers (persisted, so a restart remembers them).
+    pub fn gone(&self) -> &BTreeSet<usize> {
+        &self.gone
+    }
+
+    /// Members of the open round whose lease is current.
+    pub fn live_members(&self, now: f64) -> BTreeSet<usize> {
+        self.scope()
+            .members()
+            .into_iter()
+            .filter(|p| self.is_live(*p, now))
+            .collect()
+    }
+
+    fn is_live(&self, peer: usize, now: f64) -> bool {
+        self.leases
+            .get(&peer)
+            .is_some_and(|l| now - l.renewed < self.rules.lease_s)
+    }
+
+    /// Takes or renews `peer`'s lease for process `session` and says where it stands. A member
+    /// is refused only if another live process holds its id; an evicted peer, or any peer with
+    /// `join`, is admitted from the next round (at once if no member is live and the open round
+    /// has no upload, so a run whose nodes all died can restart with new ones).
+    pub fn join(
+        &mut self,
+        peer: usize,
+        session: u64,
+        join: bool,
+        now: f64,
+    ) -> Result<Standing, RoundError> {
+        self.check_range(peer)?;
+        self.take_lease(peer, session, now)?;
+        if self.scope().members().contains(&peer) {
+            return Ok(Standing::Member);
         }
-        if round > self.round {
-            bail!(
-                "round {round} is not open yet: collecting round {}",
-                self.round
-            );
+        if !(join || self.joining.contains(&peer) || self.gone.contains(&peer)) {
+            self.leases.remove(&peer);
+            return Err(RoundError::NotMember { peer });
         }
-        self.agg.add(&self.layout, peer, tensors)?;
-        self.opened_at.get_or_insert(now);
+        let members = self.scope().members().len();
+        let max = self.scope().max_members();
+        if !self.joining.contains(&peer) && members + self.joining.len() >= max {
+            self.leases.remove(&peer);
+            return Err(RoundError::RunFull { peer, members, max });
+        }
+        self.joining.insert(peer);
+        if self.uploaded().is_empty() && self.live_members(now).is_empty() {
+            self.admit_joiners_now();
+            return Ok(Standing::Member);
+        }
+        Ok(Standing::Joining {
+            from: self.round + 1,
+        })
+    }
+
+    fn check_range(&self, peer: usize) -> Result<(), RoundError> {
+        let max = self.scope().max_members();
+        if peer >= max {
+            return Err(RoundError::OutOfRange { peer, max });
+        }
         Ok(())
     }
 
-    /// When the open round will be closed by timeout, if any upload arrived.
-    pub fn deadline(&self) -> Option<f64> {
-        self.opened_at.map(|t| t + self.rules.timeout_s)
+    fn take_lease(&mut self, peer: usize, session: u64, now: f64) -> Result<(), RoundError> {
+        if let Some(l) = self.leases.get(&peer) {
+            let age_s = now - l.renewed;
+            let other = l.session != 0 && l.session != session;
+            if other && age_s < self.rules.lease_s {
+                return Err(RoundError::PeerTaken {
+                    peer,
+                    age_s,
+                    wait_s: self.rules.lease_s - age_s,
+                });
+            }
+        }
+        self.leases.insert(
+            peer,
+            Lease {
+                session,
+                renewed: now,
+            },
+        );
+        Ok(())
     }
 
-    /// Whether the round can close: every peer uploaded, or the timeout passed.
+    fn admit_joiners_now(&mut self) {
+        let mut members = self.scope().members();
+        members.extend(std::mem::take(&mut self.joining));
+        for p in &members {
+            self.gone.remove(p);
+        }
+        let scope = self
+            .scope()
+            .with_members(&members)
+            .expect("join() keeps members within the expert count");
+        self.agg = Aggregator::new(scope, self.rules.combine);
+    }
+
+    /// The checks an upload's header allows, before its body is read: peer, round, membership,
+    /// lease holder and duplicates. Renews the lease.
+    pub fn check_upload(
+        &mut self,
+        peer: usize,
+        session: u64,
+        round: u64,
+        now: f64,
+    ) -> Result<(), RoundError> {
+        self.check_range(peer)?;
+        if round < self.round {
+            return Err(RoundError::Closed {
+                round,
+                fetch: round,
+            });
+        }
+        if round > self.round {
+            return Err(RoundError::NotOpen {
+                round,
+                open: self.round,
+            });
+        }
+        if !self.scope().members().contains(&peer) {
+            return Err(RoundError::NotMember { peer });
+        }
+        self.take_lease(peer, session, now)?;
+        if self.uploaded().contains(&peer) {
+            return Err(RoundError::Duplicate { peer, round });
+        }
+        Ok(())
+    }
+
+    /// Accepts `peer`'s upload for `round`, or says why not; a rejection changes nothing.
+    pub fn upload(
+        &mut self,
+        peer: usize,
+        session: u64,
+        round: u64,
+        tensors: Named,
+        now: f64,
+    ) -> Result<(), RoundError> {
+        self.check_upload(peer, session, round, now)?;
+        validate(
+            &self.layout,
+            self.scope(),
+            peer,
+            &tensors,
+            &self.global,
+            self.rules.max_update_rms,
+        )
+        .map_err(|reason| RoundError::Invalid { peer, reason })?;
+        self.agg
+            .add(&self.layout, peer, tensors)
+            .map_err(|e| RoundError::Invalid {
+                peer,
+                reason: e.to_string(),
+            })
+    }
+
+    /// When the open round closes by timeout (if anyone uploaded by then).
+    pub fn deadline(&self) -> f64 {
+        self.opened_at + self.rules.timeout_s
+    }
+
+    /// Whether the round can close: someone uploaded, and every live member did or the
+    /// timeout passed.
     pub fn ready(&self, now: f64) -> bool {
-        self.agg.uploaded().len() == self.scope.peers() || self.deadline().is_some_and(|d| now >= d)
+        let uploaded = self.uploaded();
+        !uploaded.is_empty()
+            && (self.live_members(now).is_subset(uploaded) || now >= self.deadline())
     }
 
-    /// Aggregates, merges on merge rounds, publishes, and opens the next round.
-    pub fn close(&mut self) -> RoundReport {
-        let agg = std::mem::replace(&mut self.agg, Aggregator::new(self.scope.clone()));
+    /// Aggregates (keeping the previous model if the result is not finite), merges on merge
+    /// rounds, publishes, evicts and admits members, and opens the next round at `now`.
+    pub fn close(&mut self, now: f64) -> RoundReport {
+        let scope = self.scope().clone();
+        let agg = std::mem::replace(&mut self.agg, Aggregator::new(scope.clone(), self.rules.combine));
         let peers: Vec<usize> = agg.uploaded().iter().copied().collect();
-        let missing = (0..self.scope.peers())
-            .filter(|p| !peers.contains(p))
-            .collect();
-        self.global = agg.finish(&self.layout, &self.global);
+        let members = scope.members();
+        let missing = members.iter().filter(|p| !peers.contains(p)).copied().collect();
+        let mut global = agg.finish(&self.layout, &self.global);
         let step = self.round * self.rules.sync_steps;
-        let merge_alpha = self.rules.merge.and_then(|m| m.alpha(step));
-        let merges = match (merge_alpha, self.rules.merge) {
-            (Some(a), Some(m)) => merge_experts(&mut self.global, &self.layout, m.top_k, a),
+        let mut merge_alpha = self.rules.merge.and_then(|m| m.alpha(step));
+        let mut merges = match (merge_alpha, self.rules.merge) {
+            (Some(a), Some(m)) => merge_experts(&mut global, &self.layout, m.top_k, a),
             _ => Vec::new(),
         };
+        let discarded = first_non_finite(&global).map(|name| {
+            format!("the aggregate of `{name}` is not finite; the previous model was kept")
+        });
+        if discarded.is_some() {
+            merge_alpha = None;
+            merges.clear();
+        } else {
+            self.global = global;
+        }
+
+        let expired = |p: &usize| {
+            self.leases.get(p).is_none_or(|l| {
+                now - l.renewed >= self.rules.lease_s + self.rules.evict_after_s
+            })
+        };
+        let mut evicted: Vec<usize> = members.iter().filter(|p| expired(p)).copied().collect();
+        if evicted.len() == members.len() {
+            // Nobody would be left to adopt the experts: keep everyone until a node returns.
+            evicted.clear();
+        }
+        let staying: BTreeSet<usize> = members
+            .iter()
+            .filter(|p| !evicted.contains(p))
+            .copied()
+            .collect();
+        let room = scope.max_members().saturating_sub(staying.len());
+        let joined: Vec<usize> = self.joining.iter().take(room).copied().collect();
+        let mut next = staying;
+        next.extend(&joined);
+        for p in &joined {
+            self.joining.remove(p);
+            self.gone.remove(p);
+        }
+        for p in &evicted {
+            self.gone.insert(*p);
+            self.leases.remove(p);
+        }
+        if next != members {
+            let scope = scope
+                .with_members(&next)
+                .expect("members stay within 1..=experts");
+            self.agg = Aggregator::new(scope, self.rules.combine);
+        }
         let report = RoundReport {
             round: self.round,
             step,
             peers,
             missing,
+            owners: match &scope {
+                Scope::Spes(o) => o.owners().to_vec(),
+                Scope::Diloco { .. } => Vec::new(),
+            },
+            members: members.into_iter().collect(),
             merge_alpha,
             merges,
+            discarded,
+            evicted,
+            joined,
         };
         self.round += 1;
-        self.opened_at = None;
+        self.opened_at = now;
         report
     }
+}
+
+/// The name of the first tensor holding a NaN or infinity.
+fn first_non_finite(named: &Named) -> Option<String> {
+    named
+        .iter()
+        .find(|(_, t)| !bool::try_from(t.to_kind(Kind::Float).isfinite().all()).unwrap_or(false))
+        .map(|(n, _)| n.clone())
 }

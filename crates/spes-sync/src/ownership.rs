@@ -1,13 +1,15 @@
 //! Which node owns (trains) which expert. The same expert indices in every layer (SPES.md §2).
+//! Ownership is a per-round fact: when nodes leave or join, [`Ownership::rebalance`] moves as few
+//! experts as possible so every member owns ⌊E/N⌋ or ⌈E/N⌉ of them.
 
 use anyhow::{bail, Result};
 use spes_model::Role;
+use std::collections::BTreeSet;
 
 /// `owner[e]` = the peer that trains expert index `e` in every layer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Ownership {
     owner: Vec<usize>,
-    peers: usize,
 }
 
 impl Ownership {
@@ -20,7 +22,7 @@ impl Ownership {
             );
         }
         let owner = (0..n_experts).map(|e| e * peers / n_experts).collect();
-        Ok(Ownership { owner, peers })
+        Ok(Ownership { owner })
     }
 
     /// An explicit map, `map[p]` = expert indices of peer p. Must cover every expert exactly once.
@@ -46,10 +48,7 @@ impl Ownership {
         if let Some(e) = owner.iter().position(|&o| o == usize::MAX) {
             bail!("sync.ownership does not cover expert {e}: every expert needs exactly one owner");
         }
-        Ok(Ownership {
-            owner,
-            peers: map.len(),
-        })
+        Ok(Ownership { owner })
     }
 
     /// The config's map if given (its length must equal `peers`), else contiguous blocks.
@@ -66,8 +65,63 @@ impl Ownership {
         Self::from_map(map, n_experts)
     }
 
-    pub fn peers(&self) -> usize {
-        self.peers
+    /// An owner list as sent on the wire or persisted (`owners[e]` = peer of expert e).
+    pub fn from_owners(owners: Vec<usize>) -> Result<Self> {
+        if owners.is_empty() {
+            bail!("an ownership map needs at least one expert");
+        }
+        Ok(Ownership { owner: owners })
+    }
+
+    /// `owners()[e]` = the peer owning expert index `e`.
+    pub fn owners(&self) -> &[usize] {
+        &self.owner
+    }
+
+    /// Peers that own at least one expert.
+    pub fn members(&self) -> BTreeSet<usize> {
+        self.owner.iter().copied().collect()
+    }
+
+    /// The ownership for `members`, moving as few experts as possible: experts of non-members
+    /// and the surplus of members above their share go, lowest index first, to the members
+    /// below their share, lowest peer id first. Shares differ by at most one; the larger shares
+    /// go to the members that already hold the most (ties: lower peer id). Deterministic.
+    pub fn rebalance(&self, members: &BTreeSet<usize>) -> Result<Self> {
+        let e = self.owner.len();
+        let m = members.len();
+        if m == 0 || m > e {
+            bail!("cannot split {e} experts over {m} nodes: need 1..={e} nodes");
+        }
+        let held = |p: usize| self.owner.iter().filter(|&&o| o == p).count();
+        let mut by_load: Vec<usize> = members.iter().copied().collect();
+        by_load.sort_by_key(|&p| (std::cmp::Reverse(held(p)), p));
+        let share = |p: usize| {
+            let rank = by_load.iter().position(|&q| q == p).expect("a member");
+            e / m + usize::from(rank < e % m)
+        };
+        let mut owner = self.owner.clone();
+        let mut pool: Vec<usize> = Vec::new();
+        for (i, o) in owner.iter().enumerate() {
+            if !members.contains(o) {
+                pool.push(i);
+            }
+        }
+        for &p in members {
+            let mine: Vec<usize> = (0..e).filter(|&i| owner[i] == p).collect();
+            let surplus = mine.len().saturating_sub(share(p));
+            pool.extend(mine.iter().rev().take(surplus));
+        }
+        pool.sort_unstable();
+        let mut pool = pool.into_iter();
+        for &p in members {
+            let have = owner.iter().filter(|&&o| o == p).count();
+            for _ in have..share(p) {
+                let i = pool.next().expect("shares add up to the expert count");
+                owner[i] = p;
+            }
+        }
+        Ok(Ownership { owner })
     }
 
     /// The peer owning expert index `e`.
@@ -117,9 +171,36 @@ mod tests {
         assert!(err(&[vec![0, 1], vec![1, 2, 3]]).contains("expert 1 is owned by both"));
         assert!(err(&[vec![0, 1], vec![2]]).contains("does not cover expert 3"));
         assert!(err(&[vec![0, 1, 2, 3, 4], vec![]]).contains("names expert 4"));
+        assert_eq!(o.members(), BTreeSet::from([0, 1]));
         let e = Ownership::resolve(&[vec![0, 1, 2, 3]], 4, 2)
             .unwrap_err()
             .to_string();
         assert!(e.contains("sync.nodes is 2"), "{e}");
+    }
+
+    #[test]
+    fn rebalance_moves_few_experts_and_balances() {
+        let o = Ownership::contiguous(16, 4).unwrap();
+        // Peer 1 is gone: its 4 experts spread over 0, 2, 3 (shares 6, 5, 5).
+        let r = o.rebalance(&BTreeSet::from([0, 2, 3])).unwrap();
+        assert_eq!(r.members(), BTreeSet::from([0, 2, 3]));
+        let counts: Vec<usize> = [0, 2, 3].iter().map(|&p| r.experts_of(p).len()).collect();
+        assert_eq!(counts, vec![6, 5, 5]);
+        for p in [0, 2, 3] {
+            for x in o.experts_of(p) {
+                assert_eq!(r.owner_of(x), p, "expert {x} stayed with its live owner");
+            }
+        }
+        assert_eq!(r, o.rebalance(&BTreeSet::from([0, 2, 3])).unwrap());
+        // Peer 7 joins: it takes the surplus of the fullest members, nothing else moves.
+        let j = r.rebalance(&BTreeSet::from([0, 2, 3, 7])).unwrap();
+        let counts: Vec<usize> = [0, 2, 3, 7].iter().map(|&p| j.experts_of(p).len()).collect();
+        assert_eq!(counts, vec![4, 4, 4, 4]);
+        let moved = (0..16).filter(|&x| j.owner_of(x) != r.owner_of(x)).count();
+        assert_eq!(moved, 4);
+        // Every expert keeps exactly one owner, and the same members give the same map.
+        assert_eq!(j.owners().len(), 16);
+        assert_eq!(j.rebalance(&j.members()).unwrap(), j);
+        assert!(o.rebalance(&BTreeSet::new()).is_err());
     }
 }

@@ -37,24 +37,25 @@ impl Layout {
     }
 }
 
-/// What each node uploads and how the server combines it.
-#[derive(Clone, Debug)]
+/// What each node uploads and how the server combines it, for one round's members.
+#[derive(Clone, Debug, PartialEq)]
 pub enum Scope {
     /// SPES: shared parameters (averaged) plus the node's own experts (taken as is).
     Spes(Ownership),
     /// DiLoCo/FedAvg: every parameter, all averaged.
-    Diloco { peers: usize },
+    Diloco { members: BTreeSet<usize> },
 }
 
 impl Scope {
-    pub fn peers(&self) -> usize {
+    /// The peers that train and upload in this round.
+    pub fn members(&self) -> BTreeSet<usize> {
         match self {
-            Scope::Spes(o) => o.peers(),
-            Scope::Diloco { peers } => *peers,
+            Scope::Spes(o) => o.members(),
+            Scope::Diloco { members } => members.clone(),
         }
     }
 
-    /// Whether `peer` uploads (and trains) a parameter of this role.
+    /// Whether member `peer` uploads (and trains) a parameter of this role.
     pub fn uploads(&self, peer: usize, role: Role) -> bool {
         match self {
             Scope::Spes(o) => o.trains(peer, role),
@@ -66,21 +67,127 @@ impl Scope {
     fn averaged(&self, role: Role) -> bool {
         matches!((self, role), (Scope::Diloco { .. }, _) | (_, Role::Shared))
     }
+
+    /// The same rule over other members (SPES: ownership rebalanced, see [`Ownership::rebalance`]).
+    pub fn with_members(&self, members: &BTreeSet<usize>) -> Result<Scope> {
+        Ok(match self {
+            Scope::Spes(o) => Scope::Spes(o.rebalance(members)?),
+            Scope::Diloco { .. } => Scope::Diloco {
+                members: members.clone(),
+            },
+        })
+    }
+
+    /// The most members a run can have: SPES needs an expert per member.
+    pub fn max_members(&self) -> usize {
+        match self {
+            Scope::Spes(o) => o.owners().len(),
+            Scope::Diloco { .. } => MAX_DILOCO_MEMBERS,
+        }
+    }
+}
+
+/// Peer ids of a DiLoCo run are below this.
+pub const MAX_DILOCO_MEMBERS: usize = 1024;
+
+/// How the server combines the averaged (shared) parameters of a round's uploads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Combine {
+    /// The plain mean, folded into running sums (one model of accumulators).
+    Mean,
+    /// Per element, drop the `⌊fraction·n⌋` largest and smallest values, average the rest.
+    TrimmedMean { fraction: f64 },
+    /// Per element, the median (the mean of the two middle values for even n).
+    Median,
 }
 
 /// Accumulates the uploads of one round.
 pub struct Aggregator {
     scope: Scope,
+    combine: Combine,
     sums: HashMap<String, Tensor>,
+    /// Robust rules keep every upload of an averaged tensor until the round closes.
+    kept: HashMap<String, Vec<Tensor>>,
     owned: HashMap<String, Tensor>,
     uploaded: BTreeSet<usize>,
 }
 
+/// Checks an upload against the layout, the round's scope and (if given) the bound on how far
+/// each tensor may move from the current global: RMS(upload − global) ≤ `max_rms` plus the
+/// rounding of a bf16 wire copy. Says which tensor fails and why.
+pub fn validate(
+    layout: &Layout,
+    scope: &Scope,
+    peer: usize,
+    upload: &Named,
+    global: &Named,
+    max_rms: Option<f64>,
+) -> std::result::Result<(), String> {
+    let mut given: HashMap<&str, &Tensor> = HashMap::with_capacity(upload.len());
+    for (name, t) in upload {
+        if given.insert(name.as_str(), t).is_some() {
+            return Err(format!("holds tensor `{name}` twice"));
+        }
+    }
+    let mut expected = 0;
+    for ((name, role, shape), (_, current)) in layout.entries.iter().zip(global) {
+        if !scope.uploads(peer, *role) {
+            if given.contains_key(name.as_str()) {
+                return Err(format!("holds `{name}`, which peer {peer} does not own"));
+            }
+            continue;
+        }
+        expected += 1;
+        let Some(t) = given.get(name.as_str()) else {
+            return Err(format!("is missing tensor `{name}`"));
+        };
+        if t.size() != *shape {
+            return Err(format!(
+                "tensor `{name}` has shape {:?}, expected {shape:?}",
+                t.size()
+            ));
+        }
+        if !matches!(t.kind(), Kind::Float | Kind::BFloat16) {
+            return Err(format!("tensor `{name}` is {:?}, expected f32 or bf16", t.kind()));
+        }
+        let t = t.to_kind(Kind::Float);
+        if !bool::try_from(t.isfinite().all()).unwrap_or(false) {
+            return Err(format!("tensor `{name}` holds non-finite values"));
+        }
+        if let Some(bound) = max_rms {
+            let current = current.to_kind(Kind::Float);
+            let rms = |x: &Tensor| x.square().mean(Kind::Double).sqrt().double_value(&[]);
+            let change = rms(&(&t - &current));
+            let allowed = bound + BF16_SLACK * rms(&current);
+            if !(change <= allowed) {
+                return Err(format!(
+                    "tensor `{name}` moved by RMS {change:.3e} from the global model, more than \
+                     the {allowed:.3e} that sync.max_update_factor allows"
+                ));
+            }
+        }
+    }
+    if given.len() != expected {
+        let unknown = given
+            .keys()
+            .find(|k| !layout.entries.iter().any(|(n, _, _)| n == *k))
+            .map(|k| k.to_string())
+            .unwrap_or_default();
+        return Err(format!("holds unknown tensor `{unknown}`"));
+    }
+    Ok(())
+}
+
+/// Relative rounding of a bf16 copy (8 significant bits), with room to spare.
+const BF16_SLACK: f64 = 1.0 / 128.0;
+
 impl Aggregator {
-    pub fn new(scope: Scope) -> Self {
+    pub fn new(scope: Scope, combine: Combine) -> Self {
         Aggregator {
             scope,
+            combine,
             sums: HashMap::new(),
+            kept: HashMap::new(),
             owned: HashMap::new(),
             uploaded: BTreeSet::new(),
         }
@@ -91,64 +198,26 @@ impl Aggregator {
         &self.uploaded
     }
 
-    /// Checks an upload completely, then folds it in. A rejected upload changes nothing.
+    /// The round's scope.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// Folds in an upload that [`validate`] accepted. A peer's second upload is refused.
     pub fn add(&mut self, layout: &Layout, peer: usize, upload: Named) -> Result<()> {
-        let peers = self.scope.peers();
-        if peer >= peers {
-            bail!("peer {peer} is out of range: this run has nodes 0..{peers}");
-        }
         if self.uploaded.contains(&peer) {
             bail!("peer {peer} already uploaded this round");
         }
-        let mut given: HashMap<String, Tensor> = HashMap::with_capacity(upload.len());
-        for (name, t) in upload {
-            if given.insert(name.clone(), t).is_some() {
-                bail!("upload of peer {peer} holds tensor `{name}` twice");
-            }
-        }
-        let mut expected = 0;
-        for (name, role, shape) in &layout.entries {
-            if !self.scope.uploads(peer, *role) {
-                if given.contains_key(name) {
-                    bail!("upload of peer {peer} holds `{name}`, which peer {peer} does not own");
-                }
-                continue;
-            }
-            expected += 1;
-            let Some(t) = given.get(name) else {
-                bail!("upload of peer {peer} is missing tensor `{name}`");
-            };
-            if t.size() != *shape {
-                bail!(
-                    "upload of peer {peer}: tensor `{name}` has shape {:?}, expected {shape:?}",
-                    t.size()
-                );
-            }
-            if !matches!(t.kind(), Kind::Float | Kind::BFloat16) {
-                bail!(
-                    "upload of peer {peer}: tensor `{name}` is {:?}, expected f32 or bf16",
-                    t.kind()
-                );
-            }
-            if !bool::try_from(t.isfinite().all()).unwrap_or(false) {
-                bail!("upload of peer {peer}: tensor `{name}` holds non-finite values");
-            }
-        }
-        if given.len() != expected {
-            let unknown = given
-                .keys()
-                .find(|k| !layout.entries.iter().any(|(n, _, _)| n == *k))
-                .cloned()
-                .unwrap_or_default();
-            bail!("upload of peer {peer} holds unknown tensor `{unknown}`");
-        }
+        let mut given: HashMap<String, Tensor> = upload.into_iter().collect();
         tch::no_grad(|| {
             for (name, role, _) in &layout.entries {
                 let Some(t) = given.remove(name) else {
                     continue;
                 };
                 let t = t.to_kind(Kind::Float);
-                if self.scope.averaged(*role) {
+                if !self.scope.averaged(*role) {
+                    self.owned.insert(name.clone(), t);
+                } else if self.combine == Combine::Mean {
                     match self.sums.get_mut(name) {
                         Some(sum) => {
                             let _ = sum.g_add_(&t);
@@ -158,7 +227,7 @@ impl Aggregator {
                         }
                     }
                 } else {
-                    self.owned.insert(name.clone(), t);
+                    self.kept.entry(name.clone()).or_default().push(t);
                 }
             }
         });
@@ -166,25 +235,45 @@ impl Aggregator {
         Ok(())
     }
 
-    /// The new global model: averages and owners' experts where uploaded, `previous` elsewhere.
+    /// The new global model: combined and owners' experts where uploaded, `previous` elsewhere.
     pub fn finish(self, layout: &Layout, previous: &Named) -> Named {
-        let n = self.uploaded.len() as f64;
-        let mut sums = self.sums;
-        let mut owned = self.owned;
+        let n = self.uploaded.len();
+        let (mut sums, mut kept, mut owned) = (self.sums, self.kept, self.owned);
+        let combine = self.combine;
         layout
             .entries
             .iter()
             .zip(previous)
             .map(|((name, _, _), (_, prev))| {
-                let t = match (sums.remove(name), owned.remove(name)) {
-                    (Some(sum), _) => sum / n,
-                    (None, Some(t)) => t,
-                    (None, None) => prev.shallow_clone(),
+                let t = if let Some(sum) = sums.remove(name) {
+                    sum / n as f64
+                } else if let Some(all) = kept.remove(name) {
+                    robust(&all, combine)
+                } else if let Some(t) = owned.remove(name) {
+                    t
+                } else {
+                    prev.shallow_clone()
                 };
                 (name.clone(), t)
             })
             .collect()
     }
+}
+
+/// Trimmed mean or median of equally shaped tensors, per element.
+fn robust(all: &[Tensor], combine: Combine) -> Tensor {
+    let n = all.len();
+    let trim = match combine {
+        Combine::Mean => 0,
+        Combine::TrimmedMean { fraction } => ((fraction * n as f64).floor() as usize).min((n - 1) / 2),
+        Combine::Median => (n - 1) / 2,
+    };
+    tch::no_grad(|| {
+        let (sorted, _) = Tensor::stack(all, 0).sort(0, false);
+        sorted
+            .narrow(0, trim as i64, (n - 2 * trim) as i64)
+            .mean_dim(0, false, Kind::Float)
+    })
 }
 
 /// The expert-merging warm-up schedule (SPES.md §5).

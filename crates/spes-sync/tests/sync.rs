@@ -1,8 +1,9 @@
 use spes_model::{expert_tensor_name, ModelConfig, MoeModel, NormPlacement, QkNorm, Role};
 use spes_sync::{
-    merge_experts, Aggregator, Coordinator, Layout, MergeSchedule, Named, Ownership, RoundRules,
-    Scope,
+    merge_experts, validate, Aggregator, Combine, Coordinator, Layout, MergeSchedule, Named,
+    Ownership, RoundError, RoundRules, Scope, Standing,
 };
+use std::collections::BTreeSet;
 use tch::{Device, Kind, Tensor};
 
 fn model(n_layers: usize, n_experts: usize) -> MoeModel {
@@ -69,7 +70,7 @@ fn shared_params_are_averaged_and_experts_come_from_their_owner() {
     let layout = Layout::of(&m);
     let prev = snapshot(&m);
     let scope = Scope::Spes(Ownership::resolve(&[], 4, 2).unwrap());
-    let mut agg = Aggregator::new(scope.clone());
+    let mut agg = Aggregator::new(scope.clone(), Combine::Mean);
     agg.add(&layout, 0, upload(&layout, &scope, 0, 1.0))
         .unwrap();
     agg.add(&layout, 1, upload(&layout, &scope, 1, 4.0))
@@ -93,8 +94,10 @@ fn shared_params_are_averaged_and_experts_come_from_their_owner() {
 fn diloco_averages_every_parameter_including_experts() {
     let m = model(1, 4);
     let layout = Layout::of(&m);
-    let scope = Scope::Diloco { peers: 2 };
-    let mut agg = Aggregator::new(scope.clone());
+    let scope = Scope::Diloco {
+        members: BTreeSet::from([0, 1]),
+    };
+    let mut agg = Aggregator::new(scope.clone(), Combine::Mean);
     agg.add(&layout, 0, upload(&layout, &scope, 0, 1.0))
         .unwrap();
     agg.add(&layout, 1, upload(&layout, &scope, 1, 3.0))
@@ -111,35 +114,35 @@ fn diloco_averages_every_parameter_including_experts() {
 fn bad_uploads_are_rejected_without_side_effects() {
     let m = model(1, 4);
     let layout = Layout::of(&m);
+    let global = snapshot(&m);
     let scope = Scope::Spes(Ownership::resolve(&[], 4, 2).unwrap());
-    let mut agg = Aggregator::new(scope.clone());
+    let mut agg = Aggregator::new(scope.clone(), Combine::Mean);
     let good = upload(&layout, &scope, 0, 1.0);
-    let err = |agg: &mut Aggregator, peer: usize, u: Named| {
-        agg.add(&layout, peer, u).unwrap_err().to_string()
-    };
-
-    assert!(err(&mut agg, 2, copy(&good)).contains("peer 2 is out of range"));
+    let err = |u: Named| validate(&layout, &scope, 0, &u, &global, None).unwrap_err();
     let mut wrong_shape = copy(&good);
     wrong_shape[0].1 = Tensor::zeros([3], (Kind::Float, Device::Cpu));
-    assert!(err(&mut agg, 0, wrong_shape).contains("has shape [3]"));
+    assert!(err(wrong_shape).contains("has shape [3]"));
     let mut missing = copy(&good);
     let gone = missing.remove(4).0;
-    let e = err(&mut agg, 0, missing);
+    let e = err(missing);
     assert!(e.contains("missing tensor") && e.contains(&gone), "{e}");
     let mut nan = copy(&good);
     nan[1].1 = nan[1].1.fill(f64::NAN);
-    assert!(err(&mut agg, 0, nan).contains("non-finite"));
+    assert!(err(nan).contains("non-finite"));
     let mut not_owned = copy(&good);
     let foreign = expert_tensor_name(0, 3, "up_proj");
     not_owned.push((
         foreign.clone(),
         Tensor::zeros([2, 4], (Kind::Float, Device::Cpu)),
     ));
-    assert!(err(&mut agg, 0, not_owned).contains("does not own"));
+    assert!(err(not_owned).contains("does not own"));
+    let mut twice = copy(&good);
+    twice.push((good[0].0.clone(), good[0].1.copy()));
+    assert!(err(twice).contains("twice"));
     let mut int = copy(&good);
     int[0].1 = int[0].1.to_kind(Kind::Int64);
-    assert!(err(&mut agg, 0, int).contains("expected f32 or bf16"));
-    assert!(agg.uploaded().is_empty(), "rejections leave no trace");
+    assert!(err(int).contains("expected f32 or bf16"));
+    assert!(validate(&layout, &scope, 0, &good, &global, None).is_ok());
 
     // The real uploads still make a correct round; bf16 payloads are accepted and upcast.
     let bf16: Named = good
@@ -147,12 +150,64 @@ fn bad_uploads_are_rejected_without_side_effects() {
         .map(|(n, t)| (n.clone(), t.to_kind(Kind::BFloat16)))
         .collect();
     agg.add(&layout, 0, bf16).unwrap();
-    assert!(err(&mut agg, 0, copy(&good)).contains("already uploaded"));
+    let e = agg.add(&layout, 0, copy(&good)).unwrap_err().to_string();
+    assert!(e.contains("already uploaded"), "{e}");
     agg.add(&layout, 1, upload(&layout, &scope, 1, 3.0))
         .unwrap();
-    let next = agg.finish(&layout, &snapshot(&m));
+    let next = agg.finish(&layout, &global);
     assert_eq!(scalar(get(&next, "lm_head.weight")), 2.0);
     assert_eq!(get(&next, "lm_head.weight").kind(), Kind::Float);
+}
+
+#[test]
+fn the_update_bound_refuses_uploads_that_move_too_far() {
+    let m = model(1, 4);
+    let layout = Layout::of(&m);
+    let global = snapshot(&m);
+    let scope = Scope::Spes(Ownership::resolve(&[], 4, 2).unwrap());
+    // Honest: every tensor moves by 0.01 per element (RMS 0.01); a bound of 0.05 lets it through.
+    let honest: Named = global
+        .iter()
+        .zip(&layout.entries)
+        .filter(|(_, (_, role, _))| scope.uploads(0, *role))
+        .map(|((n, t), _)| (n.clone(), t + 0.01))
+        .collect();
+    assert!(validate(&layout, &scope, 0, &honest, &global, Some(0.05)).is_ok());
+    let mut far = copy(&honest);
+    far[2].1 = &far[2].1 + 1.0;
+    let e = validate(&layout, &scope, 0, &far, &global, Some(0.05)).unwrap_err();
+    assert!(e.contains(&far[2].0) && e.contains("max_update_factor"), "{e}");
+    let mut huge = copy(&honest);
+    huge[0].1 = huge[0].1.fill(3e38);
+    assert!(validate(&layout, &scope, 0, &huge, &global, Some(0.05)).is_err());
+    assert!(validate(&layout, &scope, 0, &far, &global, None).is_ok(), "unchecked");
+}
+
+#[test]
+fn robust_rules_ignore_one_outlier() {
+    let m = model(1, 4);
+    let layout = Layout::of(&m);
+    let scope = Scope::Diloco {
+        members: (0..5).collect(),
+    };
+    let values = [1.0, 2.0, 3.0, 4.0, 1000.0];
+    let combined = |combine: Combine| {
+        let mut agg = Aggregator::new(scope.clone(), combine);
+        for (p, v) in values.iter().enumerate() {
+            agg.add(&layout, p, upload(&layout, &scope, p, *v)).unwrap();
+        }
+        scalar(get(&agg.finish(&layout, &snapshot(&m)), "lm_head.weight"))
+    };
+    assert_eq!(combined(Combine::Mean), 202.0);
+    assert_eq!(combined(Combine::Median), 3.0);
+    // 20 % of 5 = one value trimmed from each end: mean of 2, 3, 4.
+    assert_eq!(combined(Combine::TrimmedMean { fraction: 0.2 }), 3.0);
+    // Even counts: the median is the mean of the two middle values.
+    let mut agg = Aggregator::new(scope.clone(), Combine::Median);
+    for (p, v) in [1.0, 2.0, 5.0, 100.0].iter().enumerate() {
+        agg.add(&layout, p, upload(&layout, &scope, p, *v)).unwrap();
+    }
+    assert_eq!(scalar(get(&agg.finish(&layout, &snapshot(&m)), "lm_head.weight")), 3.5);
 }
 
 #[test]
@@ -217,59 +272,81 @@ fn merge_mixes_each_expert_with_its_most_similar_from_pre_merge_values() {
     assert!((gate0 - 0.725).abs() < 1e-6, "{gate0}");
 }
 
-#[test]
-fn coordinator_closes_on_all_peers_or_timeout_and_rejects_stale_rounds() {
-    let m = model(1, 4);
-    let layout = Layout::of(&m);
-    let scope = Scope::Spes(Ownership::resolve(&[], 4, 2).unwrap());
-    let rules = RoundRules {
+fn rules() -> RoundRules {
+    RoundRules {
         sync_steps: 10,
         timeout_s: 5.0,
+        lease_s: 3.0,
+        evict_after_s: 10.0,
         merge: Some(MergeSchedule {
             every: 20,
             alpha0: 0.1,
             until: 100,
             top_k: 2,
         }),
-    };
-    let mut c = Coordinator::new(layout.clone(), scope.clone(), rules, snapshot(&m), 0);
+        combine: Combine::Mean,
+        max_update_rms: None,
+    }
+}
+
+fn coordinator(m: &MoeModel, peers: usize, rules: RoundRules, now: f64) -> Coordinator {
+    let scope = Scope::Spes(Ownership::resolve(&[], 4, peers).unwrap());
+    Coordinator::new(Layout::of(m), scope, rules, snapshot(m), 0, BTreeSet::new(), now)
+}
+
+/// Uploads `value` for `peer` under the coordinator's open round and ownership.
+fn up(c: &mut Coordinator, layout: &Layout, peer: usize, value: f64, now: f64) -> Result<(), RoundError> {
+    let u = upload(layout, c.scope(), peer, value);
+    let round = c.round();
+    c.upload(peer, 100 + peer as u64, round, u, now)
+}
+
+#[test]
+fn coordinator_closes_on_all_live_peers_or_timeout_and_rejects_stale_rounds() {
+    let m = model(1, 4);
+    let layout = Layout::of(&m);
+    let mut c = coordinator(&m, 2, rules(), 100.0);
     assert_eq!(c.round(), 1);
-    assert!(!c.ready(0.0));
-    c.upload(0, 1, upload(&layout, &scope, 0, 1.0), 100.0)
-        .unwrap();
-    assert!(!c.ready(104.9));
-    assert!(c.ready(105.0), "timeout after the first upload");
-    c.upload(1, 1, upload(&layout, &scope, 1, 2.0), 101.0)
-        .unwrap();
-    assert!(c.ready(101.0));
-    let r = c.close();
+    assert!(!c.ready(1000.0), "never closes without an upload");
+    c.join(0, 100, false, 100.0).unwrap();
+    c.join(1, 101, false, 100.0).unwrap();
+    up(&mut c, &layout, 0, 1.0, 101.0).unwrap();
+    c.join(1, 101, false, 102.0).unwrap();
+    assert!(!c.ready(104.9), "node 1 is live and has not uploaded");
+    assert!(c.ready(105.0), "timeout counts from the round's opening, not the first upload");
+    up(&mut c, &layout, 1, 2.0, 102.5).unwrap();
+    assert!(c.ready(102.5));
+    let r = c.close(103.0);
     assert_eq!(
         (r.round, r.step, r.peers.clone(), r.merge_alpha),
         (1, 10, vec![0, 1], None)
     );
+    assert_eq!(r.owners, vec![0, 0, 1, 1]);
     assert_eq!(c.global().1, 1);
 
     let e = c
-        .upload(0, 1, upload(&layout, &scope, 0, 1.0), 110.0)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("round 1 is closed") && e.contains("fetch round 1"),
-        "{e}"
-    );
+        .upload(0, 100, 1, upload(&layout, c.scope(), 0, 1.0), 104.0)
+        .unwrap_err();
+    assert_eq!(e, RoundError::Closed { round: 1, fetch: 1 });
+    assert!(e.to_string().contains("load round 1"), "{e}");
     let e = c
-        .upload(0, 3, upload(&layout, &scope, 0, 1.0), 110.0)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("not open yet"), "{e}");
+        .upload(0, 100, 3, upload(&layout, c.scope(), 0, 1.0), 104.0)
+        .unwrap_err();
+    assert_eq!(e, RoundError::NotOpen { round: 3, open: 2 });
+    up(&mut c, &layout, 0, 5.0, 104.0).unwrap();
+    assert_eq!(
+        up(&mut c, &layout, 0, 5.0, 104.0),
+        Err(RoundError::Duplicate { peer: 0, round: 2 })
+    );
 
-    // Round 2 = step 20, a merge step; node 1 never shows up, so its experts keep their values.
+    // Round 2 = step 20, a merge step. Node 1's lease lapses (last seen 102.5), so the round
+    // closes without waiting for the timeout, and its experts keep their values before merging.
+    assert!(!c.ready(105.0));
+    assert!(c.ready(105.6));
     let before = scalar(get(c.global().0, &expert_tensor_name(0, 3, "up_proj")));
-    c.upload(0, 2, upload(&layout, &scope, 0, 5.0), 200.0)
-        .unwrap();
-    assert!(c.ready(205.0));
-    let r = c.close();
+    let r = c.close(105.6);
     assert_eq!(r.missing, vec![1]);
+    assert!(r.evicted.is_empty(), "expired, but not for evict_after_s yet");
     assert!((r.merge_alpha.unwrap() - 0.08).abs() < 1e-12);
     assert_eq!(r.merges.len(), 4);
     assert_eq!(scalar(get(c.global().0, "lm_head.weight")), 5.0);
@@ -278,4 +355,82 @@ fn coordinator_closes_on_all_peers_or_timeout_and_rejects_stale_rounds() {
         after, before,
         "merging moved the absent owner's expert toward its neighbours"
     );
+}
+
+#[test]
+fn dead_nodes_are_evicted_and_their_experts_adopted_and_joiners_admitted() {
+    let m = model(1, 4);
+    let layout = Layout::of(&m);
+    let mut c = coordinator(&m, 2, RoundRules { merge: None, ..rules() }, 0.0);
+    c.join(0, 100, false, 0.0).unwrap();
+    c.join(1, 101, false, 0.0).unwrap();
+    // Node 1 dies at t=0. Node 0 keeps uploading; at t=13 node 1's lease has been expired for
+    // 10 s, so the close evicts it and node 0 owns every expert from round 2.
+    up(&mut c, &layout, 0, 1.0, 13.5).unwrap();
+    let r = c.close(13.5);
+    assert_eq!((r.evicted.clone(), r.missing.clone()), (vec![1], vec![1]));
+    assert_eq!(r.owners, vec![0, 0, 1, 1], "round 1 was still trained under the old map");
+    assert_eq!(c.scope().members(), BTreeSet::from([0]));
+    assert_eq!(c.gone(), &BTreeSet::from([1]));
+    // A second process with node 0's id is refused while node 0 is live.
+    let e = c.join(0, 999, false, 14.0).unwrap_err();
+    assert!(matches!(e, RoundError::PeerTaken { peer: 0, .. }), "{e:?}");
+    assert!(e.to_string().contains("peer 0 is held by a live node"), "{e}");
+    // A stranger needs --join; peer 3 joins and becomes a member from round 3.
+    assert_eq!(c.join(3, 300, false, 14.0), Err(RoundError::NotMember { peer: 3 }));
+    assert_eq!(c.join(3, 300, true, 14.0), Ok(Standing::Joining { from: 3 }));
+    assert_eq!(c.join(9, 1, true, 14.0), Err(RoundError::OutOfRange { peer: 9, max: 4 }));
+    // The evicted node comes back: it is admitted like a joiner, without --join.
+    assert_eq!(c.join(1, 101, false, 14.0), Ok(Standing::Joining { from: 3 }));
+    up(&mut c, &layout, 0, 2.0, 15.0).unwrap();
+    assert!(c.ready(15.0), "joiners are not waited for");
+    let r = c.close(15.0);
+    assert_eq!(r.owners, vec![0, 0, 0, 0]);
+    assert_eq!(r.joined, vec![1, 3]);
+    assert_eq!(c.scope().members(), BTreeSet::from([0, 1, 3]));
+    let Scope::Spes(o) = c.scope() else { panic!() };
+    let mut counts: Vec<usize> = [0, 1, 3].iter().map(|&p| o.experts_of(p).len()).collect();
+    counts.sort();
+    assert_eq!(counts, vec![1, 1, 2]);
+    assert!(c.gone().is_empty());
+    // Every member uploads; the joiners' lower values average in.
+    for (p, v) in [(0, 3.0), (1, 6.0), (3, 9.0)] {
+        up(&mut c, &layout, p, v, 16.0).unwrap();
+    }
+    let r = c.close(16.0);
+    assert_eq!(r.peers, vec![0, 1, 3]);
+    assert_eq!(scalar(get(c.global().0, "lm_head.weight")), 6.0);
+}
+
+#[test]
+fn a_run_whose_nodes_all_died_admits_a_joiner_at_once_and_evicts_the_dead_later() {
+    let m = model(1, 4);
+    let mut c = coordinator(&m, 2, rules(), 0.0);
+    // Nobody live, nothing uploaded: the joiner becomes a member of the open round.
+    assert_eq!(c.join(2, 7, true, 100.0), Ok(Standing::Member));
+    assert_eq!(c.round(), 1);
+    assert_eq!(c.scope().members(), BTreeSet::from([0, 1, 2]));
+    // With every member expired for long, a close evicts none of the live ones.
+    let layout = Layout::of(&m);
+    up(&mut c, &layout, 2, 1.0, 200.0).unwrap();
+    let r = c.close(200.0);
+    assert_eq!(r.evicted, vec![0, 1]);
+    assert_eq!(c.scope().members(), BTreeSet::from([2]));
+}
+
+#[test]
+fn a_non_finite_aggregate_is_never_published() {
+    let m = model(1, 4);
+    let layout = Layout::of(&m);
+    let mut c = coordinator(&m, 2, RoundRules { merge: None, ..rules() }, 0.0);
+    // Each upload is finite, but the fp32 sum of the two overflows.
+    up(&mut c, &layout, 0, 3e38, 1.0).unwrap();
+    up(&mut c, &layout, 1, 3e38, 1.0).unwrap();
+    let before = snapshot(&m);
+    let r = c.close(1.0);
+    assert!(r.discarded.as_deref().unwrap_or("").contains("not finite"), "{r:?}");
+    assert_eq!(c.global().1, 1, "the round still closes");
+    for ((n, a), (_, b)) in before.iter().zip(c.global().0) {
+        assert!(a.equal(b), "`{n}` changed");
+    }
 }

@@ -106,6 +106,7 @@ pub fn save(
             std::fs::remove_dir_all(&final_dir)?;
         }
         std::fs::rename(&tmp, &final_dir)?;
+        spes_data::shard::sync_dir(&final_dir)?;
         Ok(())
     })();
     if let Err(e) = written {

@@ -37,6 +37,18 @@ pub enum PayloadDtype {
     Bf16,
 }
 
+/// How the server combines the averaged (shared) parameters of a round's uploads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AggregateRule {
+    /// The plain mean (cheapest: one model of running sums).
+    Mean,
+    /// Per element, drop the `sync.trim_fraction` largest and smallest values, average the rest.
+    TrimmedMean,
+    /// Per element, the median: for runs with nodes that may lie.
+    Median,
+}
+
 /// `[sync]`: the decentralized run (ignored by `spes train`, which is centralized).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -50,8 +62,22 @@ pub struct SyncConfig {
     /// layer). Empty: contiguous blocks, node p owns `p·E/N .. (p+1)·E/N`.
     pub ownership: Vec<Vec<usize>>,
     pub payload_dtype: PayloadDtype,
-    /// Once a round's first upload arrives, close it after this long with whoever uploaded.
+    /// Close a round this long after it opened with whoever uploaded (never with nobody).
     pub round_timeout_s: f64,
+    /// A node is live while its newest heartbeat is younger than this; rounds do not wait for
+    /// nodes that are not live. Nodes heartbeat every `lease_s / 4`.
+    pub lease_s: f64,
+    /// A node whose lease has been expired this long is declared gone at the next round's
+    /// close: its experts go to the live nodes, which start fresh AdamW moments for them.
+    pub evict_after_s: f64,
+    /// How the shared parameters are combined: "mean", "trimmed_mean" or "median".
+    pub aggregate: AggregateRule,
+    /// Fraction of the values trimmed at each end by `aggregate = "trimmed_mean"`.
+    pub trim_fraction: f64,
+    /// An upload is refused if a tensor's RMS change from the global model exceeds
+    /// `max_update_factor · sync_steps · train.lr`. AdamW moves a weight by about `lr` per step
+    /// (RMS), so honest nodes stay far below the default; 0 disables the check.
+    pub max_update_factor: f64,
     /// Checkpoint the global model every this many rounds.
     pub checkpoint_every_rounds: u64,
     /// Expert-merging warm-up (SPES.md §5): merge at sync steps `s % merge_every == 0` while
@@ -77,6 +103,11 @@ impl Default for SyncConfig {
             ownership: Vec::new(),
             payload_dtype: PayloadDtype::Fp32,
             round_timeout_s: 600.0,
+            lease_s: 30.0,
+            evict_after_s: 300.0,
+            aggregate: AggregateRule::Mean,
+            trim_fraction: 0.25,
+            max_update_factor: 10.0,
             checkpoint_every_rounds: 1,
             merge_every: 500,
             merge_alpha: 0.01,
@@ -253,8 +284,31 @@ impl RunConfig {
                     s.sync_steps
                 );
             }
-            if s.round_timeout_s.is_nan() || s.round_timeout_s <= 0.0 {
-                bail!("sync.round_timeout_s must be > 0");
+            for (key, v) in [
+                ("sync.round_timeout_s", s.round_timeout_s),
+                ("sync.lease_s", s.lease_s),
+            ] {
+                if !(v > 0.0 && v.is_finite()) {
+                    bail!("{key} must be a positive number of seconds, got {v}");
+                }
+            }
+            if !(s.evict_after_s >= 0.0 && s.evict_after_s.is_finite()) {
+                bail!(
+                    "sync.evict_after_s must be ≥ 0 seconds, got {}",
+                    s.evict_after_s
+                );
+            }
+            if !(0.0..0.5).contains(&s.trim_fraction) {
+                bail!(
+                    "sync.trim_fraction must be in [0, 0.5), got {}",
+                    s.trim_fraction
+                );
+            }
+            if !(s.max_update_factor >= 0.0 && s.max_update_factor.is_finite()) {
+                bail!(
+                    "sync.max_update_factor must be ≥ 0 (0 disables the check), got {}",
+                    s.max_update_factor
+                );
             }
         }
         Ok(())

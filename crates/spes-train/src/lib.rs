@@ -9,5 +9,7 @@ pub mod optim;
 pub mod task_hook;
 pub mod trainer;
 
-pub use config::{Mode, PayloadDtype, Precision, RunConfig, SyncConfig, TrainConfig};
+pub use config::{
+    AggregateRule, Mode, PayloadDtype, Precision, RunConfig, SyncConfig, TrainConfig,
+};
 pub use trainer::{run, validation_loss, validation_stats, RunSummary, StepStats, Trainer};

@@ -14,7 +14,10 @@ pub struct AdamW {
     params: Vec<Param>,
     exp_avg: Vec<Tensor>,
     exp_avg_sq: Vec<Tensor>,
-    /// Optimizer steps taken (the bias-correction exponent).
+    /// Per tensor, the value of `steps` when its moments started: 0, or the step at which a
+    /// node adopted it mid-run. Bias correction counts from there, as for a fresh optimizer.
+    started: Vec<i64>,
+    /// Optimizer steps taken.
     pub steps: i64,
     beta1: f64,
     beta2: f64,
@@ -29,6 +32,7 @@ impl AdamW {
         AdamW {
             exp_avg: params.iter().map(zeros).collect(),
             exp_avg_sq: params.iter().map(zeros).collect(),
+            started: vec![0; params.len()],
             params,
             steps: 0,
             beta1: cfg.beta1,
@@ -52,22 +56,59 @@ impl AdamW {
             .sum()
     }
 
+    /// Trains exactly `params` from now on: tensors it already trained keep their moments,
+    /// new ones start fresh (zero moments, bias correction from this step), and tensors no
+    /// longer trained lose theirs. Used when a node's expert ownership changes.
+    pub fn retarget(&mut self, params: Vec<Param>) -> Retarget {
+        let mut old: HashMap<String, (Tensor, Tensor, i64)> = self
+            .params
+            .drain(..)
+            .zip(self.exp_avg.drain(..))
+            .zip(self.exp_avg_sq.drain(..))
+            .zip(self.started.drain(..))
+            .map(|(((p, m), v), s)| (p.name, (m, v, s)))
+            .collect();
+        let mut report = Retarget::default();
+        for p in params {
+            let (m, v, s) = match old.remove(&p.name) {
+                Some(kept) => {
+                    report.kept += 1;
+                    kept
+                }
+                None => {
+                    report.fresh.push(p.name.clone());
+                    let z = || p.tensor.zeros_like().detach();
+                    (z(), z(), self.steps)
+                }
+            };
+            self.params.push(p);
+            self.exp_avg.push(m);
+            self.exp_avg_sq.push(v);
+            self.started.push(s);
+        }
+        report.dropped = old.into_keys().collect();
+        report.dropped.sort();
+        report
+    }
+
     /// One update at learning rate `lr` from the accumulated gradients.
     pub fn step(&mut self, lr: f64) {
         self.steps += 1;
-        let bc1 = 1.0 - self.beta1.powi(self.steps as i32);
-        let bc2_sqrt = (1.0 - self.beta2.powi(self.steps as i32)).sqrt();
         tch::no_grad(|| {
-            for ((p, m), v) in self
+            for (((p, m), v), started) in self
                 .params
                 .iter()
                 .zip(&mut self.exp_avg)
                 .zip(&mut self.exp_avg_sq)
+                .zip(&self.started)
             {
                 let g = p.tensor.grad();
                 if !g.defined() {
                     continue;
                 }
+                let t = (self.steps - started) as i32;
+                let bc1 = 1.0 - self.beta1.powi(t);
+                let bc2_sqrt = (1.0 - self.beta2.powi(t)).sqrt();
                 let mut w = p.tensor.shallow_clone();
                 let _ = w.g_mul_scalar_(1.0 - lr * self.weight_decay);
                 let _ = m.lerp_(&g, 1.0 - self.beta1);
@@ -109,12 +150,21 @@ impl AdamW {
         total
     }
 
-    /// Named moments, for a checkpoint.
+    /// Named moments, for a checkpoint; `started.<name>` for tensors adopted mid-run.
     pub fn state(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::with_capacity(2 * self.params.len());
-        for ((p, m), v) in self.params.iter().zip(&self.exp_avg).zip(&self.exp_avg_sq) {
+        for (((p, m), v), s) in self
+            .params
+            .iter()
+            .zip(&self.exp_avg)
+            .zip(&self.exp_avg_sq)
+            .zip(&self.started)
+        {
             out.push((format!("exp_avg.{}", p.name), m.shallow_clone()));
             out.push((format!("exp_avg_sq.{}", p.name), v.shallow_clone()));
+            if *s != 0 {
+                out.push((format!("started.{}", p.name), Tensor::from(*s)));
+            }
         }
         out
     }
@@ -127,6 +177,12 @@ impl AdamW {
         source: &str,
     ) -> Result<()> {
         let mut map: HashMap<String, Tensor> = named.into_iter().collect();
+        for (p, s) in self.params.iter().zip(&mut self.started) {
+            *s = match map.remove(&format!("started.{}", p.name)) {
+                Some(t) => t.int64_value(&[]),
+                None => 0,
+            };
+        }
         if map.len() != 2 * self.params.len() {
             bail!(
                 "{source}: holds {} moment tensors, expected {} for the {} trainable tensors",
@@ -162,6 +218,17 @@ impl AdamW {
         self.steps = steps;
         Ok(())
     }
+}
+
+/// What [`AdamW::retarget`] did.
+#[derive(Debug, Default, PartialEq)]
+pub struct Retarget {
+    /// Tensors that kept their moments.
+    pub kept: usize,
+    /// Tensors that started fresh moments.
+    pub fresh: Vec<String>,
+    /// Tensors no longer trained, whose moments were dropped.
+    pub dropped: Vec<String>,
 }
 
 /// Learning rate at step `s` (0-based): linear warm-up from `floor·peak` to `peak`, then cosine

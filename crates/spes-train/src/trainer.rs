@@ -140,6 +140,13 @@ impl Trainer {
         s
     }
 
+    /// Trains the parameters for which `trainable` holds from now on (a node's ownership
+    /// changed): kept tensors keep their AdamW moments, adopted ones start fresh.
+    pub fn set_trainable(&mut self, trainable: impl Fn(Role) -> bool) -> crate::optim::Retarget {
+        self.model.set_trainable(trainable);
+        self.opt.retarget(self.model.trainable_params())
+    }
+
     /// Mean token cross-entropy on up to `eval_batches` validation batches.
     pub fn evaluate(&self) -> f64 {
         let t = &self.cfg.train;
@@ -191,6 +198,36 @@ impl Trainer {
     ) -> Result<Self> {
         let ck = checkpoint::load(dir)?;
         let model = MoeModel::new(&cfg.model, device)?;
+        Self::from_checkpoint(cfg, device, dir, ck, model, trainable)
+    }
+
+    /// Like [`Trainer::resume_from`], training exactly the tensors whose moments the checkpoint
+    /// holds (a node's ownership can change between rounds).
+    pub fn resume_as_saved(cfg: RunConfig, device: Device, dir: &Path) -> Result<Self> {
+        let ck = checkpoint::load(dir)?;
+        let trained: std::collections::HashSet<String> = ck
+            .optimizer
+            .iter()
+            .filter_map(|(n, _)| n.strip_prefix("exp_avg.").map(str::to_owned))
+            .collect();
+        let model = MoeModel::new(&cfg.model, device)?;
+        let roles: Vec<Role> = model
+            .params()
+            .into_iter()
+            .filter(|p| trained.contains(&p.name))
+            .map(|p| p.role)
+            .collect();
+        Self::from_checkpoint(cfg, device, dir, ck, model, |r| roles.contains(&r))
+    }
+
+    fn from_checkpoint(
+        cfg: RunConfig,
+        device: Device,
+        dir: &Path,
+        ck: checkpoint::Checkpoint,
+        model: MoeModel,
+        trainable: impl Fn(Role) -> bool,
+    ) -> Result<Self> {
         let source = dir.join(checkpoint::MODEL_FILE);
         model.load(&ck.model, &source.display().to_string())?;
         let mut tr = Self::with_model(cfg, device, model, trainable, ck.state.data_position)?;
