@@ -124,13 +124,13 @@ pub fn run(out: &Path, overrides: &[String], device: &str) -> Result<()> {
     server_bar.set_style(style.clone());
     server_bar.set_prefix("server");
     let mut readers = Vec::new();
-    for peer in 0..nodes {
+    for (peer, credential) in credentials.iter().enumerate() {
         let mut node = Command::new(&exe);
         node.arg("node")
             .args(["--server", &format!("http://127.0.0.1:{port}")]);
         node.args(["--peer", &peer.to_string(), "--progress", "json"]);
         node.arg("--out").arg(out.join(format!("node-{peer}")));
-        node.arg("--credential-file").arg(&credentials[peer]);
+        node.arg("--credential-file").arg(credential);
         common(&mut node);
         let mut child = node
             .stdout(Stdio::piped())

@@ -670,9 +670,16 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let cfg = config.load()?;
             let credential = secret_from(credential_file.as_deref(), "SPES_CREDENTIAL")?;
-            let peer = match (peer, credential.as_deref().and_then(spes_net::auth::credential_peer)) {
+            let peer = match (
+                peer,
+                credential
+                    .as_deref()
+                    .and_then(spes_net::auth::credential_peer),
+            ) {
                 (Some(p), _) | (None, Some(p)) => p,
-                (None, None) => anyhow::bail!("give --peer, or a --credential-file to take it from"),
+                (None, None) => {
+                    anyhow::bail!("give --peer, or a --credential-file to take it from")
+                }
             };
             let opts = spes_net::NodeOptions {
                 cfg,
@@ -700,7 +707,10 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::GenSecret { out } => {
             if out.exists() {
-                anyhow::bail!("{} exists; remove it first to make a new secret", out.display());
+                anyhow::bail!(
+                    "{} exists; remove it first to make a new secret",
+                    out.display()
+                );
             }
             spes_data::shard::write_secret(&out, new_secret()?.as_bytes())?;
             println!("wrote {} (owner-only): give it to `spes server --secret-file` and make node credentials with `spes credential`", out.display());

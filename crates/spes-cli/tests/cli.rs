@@ -214,7 +214,9 @@ fn safe_defaults_refuse_plaintext_and_missing_secrets() {
 
     // Secrets and keys are owner-only from their creation.
     let secret = tmp.path().join("secret");
-    assert!(run(&["gen-secret", "--out", secret.to_str().unwrap()]).status.success());
+    assert!(run(&["gen-secret", "--out", secret.to_str().unwrap()])
+        .status
+        .success());
     let creds = tmp.path().join("creds");
     let o = run(&[
         "credential",
@@ -228,8 +230,14 @@ fn safe_defaults_refuse_plaintext_and_missing_secrets() {
     ]);
     assert!(o.status.success(), "{}", text(&o));
     let tls = tmp.path().join("tls");
-    assert!(run(&["gen-cert", "--out", tls.to_str().unwrap()]).status.success());
-    for f in [secret.clone(), creds.join("node-3.credential"), tls.join("key.pem")] {
+    assert!(run(&["gen-cert", "--out", tls.to_str().unwrap()])
+        .status
+        .success());
+    for f in [
+        secret.clone(),
+        creds.join("node-3.credential"),
+        tls.join("key.pem"),
+    ] {
         let mode = std::fs::metadata(&f).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600, "{}", f.display());
     }
@@ -249,7 +257,11 @@ fn safe_defaults_refuse_plaintext_and_missing_secrets() {
         "0.0.0.0:0",
     ]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("--tls-cert") && text(&o).contains("--insecure"), "{}", text(&o));
+    assert!(
+        text(&o).contains("--tls-cert") && text(&o).contains("--insecure"),
+        "{}",
+        text(&o)
+    );
 
     // A node will not send its credential over http:// to another host, nor use another's.
     let node = |server: &str, peer: &str| {
@@ -274,7 +286,11 @@ fn safe_defaults_refuse_plaintext_and_missing_secrets() {
     assert!(text(&o).contains("plaintext"), "{}", text(&o));
     let o = node("http://127.0.0.1:9", "2");
     assert!(!o.status.success());
-    assert!(text(&o).contains("credential is for peer 3, but --peer is 2"), "{}", text(&o));
+    assert!(
+        text(&o).contains("credential is for peer 3, but --peer is 2"),
+        "{}",
+        text(&o)
+    );
 }
 
 /// The demo on a shrunken schedule: every artefact a user reads must be there.

@@ -172,7 +172,11 @@ mod tests {
         assert_eq!(authorize(&req, 3).unwrap(), 3);
         let e = authorize(&req, 2).unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
-        assert!(e.message().contains("for peer 3, not peer 2"), "{}", e.message());
+        assert!(
+            e.message().contains("for peer 3, not peer 2"),
+            "{}",
+            e.message()
+        );
         let mut wrong = AddToken::new(Some("s3cret")).unwrap();
         let err = check
             .call(wrong.call(Request::new(())).unwrap())
@@ -186,10 +190,19 @@ mod tests {
 
     #[test]
     fn loopback_urls() {
-        for u in ["http://127.0.0.1:5", "http://localhost:50051", "http://[::1]:9", "http://127.8.0.1"] {
+        for u in [
+            "http://127.0.0.1:5",
+            "http://localhost:50051",
+            "http://[::1]:9",
+            "http://127.8.0.1",
+        ] {
             assert!(is_loopback_url(u), "{u}");
         }
-        for u in ["http://10.0.0.1:5", "http://example.org:50051", "http://[2001:db8::1]:9"] {
+        for u in [
+            "http://10.0.0.1:5",
+            "http://example.org:50051",
+            "http://[2001:db8::1]:9",
+        ] {
             assert!(!is_loopback_url(u), "{u}");
         }
     }

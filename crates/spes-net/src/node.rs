@@ -257,7 +257,14 @@ impl Node {
         let join = opts.join;
         let reply = retry(&rt, patience, "join", || {
             let mut c = client.clone();
-            async move { c.join(call(JoinRequest { peer: peer as u32, session, join })).await }
+            async move {
+                c.join(call(JoinRequest {
+                    peer: peer as u32,
+                    session,
+                    join,
+                }))
+                .await
+            }
         })
         .map_err(|e| explain(e, &opts.server))?
         .into_inner();
@@ -439,7 +446,11 @@ impl Node {
 
     /// Loads round `from - 1` (waiting for it) and follows its ownership.
     fn wait_for_membership(&mut self, from: u64) -> Result<()> {
-        tracing::info!("node {}: member from round {from}; waiting for round {}", self.peer, from - 1);
+        tracing::info!(
+            "node {}: member from round {from}; waiting for round {}",
+            self.peer,
+            from - 1
+        );
         let header = self.fetch_and_load(Some(from - 1))?;
         self.follow(&header)
     }
@@ -532,7 +543,10 @@ impl Node {
     /// (or whatever round the server says to load). Returns the round now loaded.
     pub fn sync(&mut self, upload: &Named) -> Result<u64> {
         if let Some(why) = self.lost.lock().unwrap().clone() {
-            bail!("node {}: another process took this peer id: {why}", self.peer);
+            bail!(
+                "node {}: another process took this peer id: {why}",
+                self.peer
+            );
         }
         let t0 = Instant::now();
         let h = self.trainer.cfg.sync.sync_steps;
@@ -570,7 +584,12 @@ impl Node {
             Err(s) => match (refusal::kind(&s), refusal::of_status(&s)) {
                 (Some(Refused::Duplicate), _) => Some(round),
                 (Some(Refused::Closed), Some(r)) => {
-                    tracing::warn!("node {}: {}; loading round {}", self.peer, s.message(), r.round);
+                    tracing::warn!(
+                        "node {}: {}; loading round {}",
+                        self.peer,
+                        s.message(),
+                        r.round
+                    );
                     Some(r.round)
                 }
                 (Some(Refused::NotOpen), Some(r)) if r.round <= round => {
@@ -721,7 +740,8 @@ where
             Err(s) if transient(&s) && start.elapsed() < patience => {
                 tracing::debug!("{what}: {} (retrying)", s.message());
                 // The server already waited for an unpublished round; ask again at once.
-                let waited = s.code() == Code::Unavailable && refusal::kind(&s) == Some(Refused::Retry);
+                let waited =
+                    s.code() == Code::Unavailable && refusal::kind(&s) == Some(Refused::Retry);
                 if !waited {
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(Duration::from_secs(5));

@@ -80,7 +80,10 @@ pub fn expected_size<'a>(
             data_offsets: (offset, offset + n),
         };
         offset += n;
-        header.insert(name.to_owned(), serde_json::to_value(info).expect("plain data"));
+        header.insert(
+            name.to_owned(),
+            serde_json::to_value(info).expect("plain data"),
+        );
     }
     let json = serde_json::to_string(&header).expect("plain data").len();
     (8 + json.div_ceil(8) * 8 + offset) as u64
@@ -270,21 +273,35 @@ mod tests {
     fn expected_size_is_the_written_size() {
         let dir = tempfile::tempdir().unwrap();
         let named = vec![
-            ("b.weight".to_string(), Tensor::ones([3, 5], (Kind::Float, Device::Cpu))),
-            ("a.norm".to_string(), Tensor::ones([7], (Kind::Float, Device::Cpu))),
-            ("model.layers.10.x".to_string(), Tensor::ones([2, 2, 2], (Kind::Float, Device::Cpu))),
+            (
+                "b.weight".to_string(),
+                Tensor::ones([3, 5], (Kind::Float, Device::Cpu)),
+            ),
+            (
+                "a.norm".to_string(),
+                Tensor::ones([7], (Kind::Float, Device::Cpu)),
+            ),
+            (
+                "model.layers.10.x".to_string(),
+                Tensor::ones([2, 2, 2], (Kind::Float, Device::Cpu)),
+            ),
         ];
         for dtype in [PayloadDtype::Fp32, PayloadDtype::Bf16] {
             let path = dir.path().join("p.safetensors");
             let (size, _) = write(&path, &named, dtype).unwrap();
             let shapes: Vec<(String, Vec<i64>)> =
                 named.iter().map(|(n, t)| (n.clone(), t.size())).collect();
-            let expected =
-                expected_size(shapes.iter().map(|(n, s)| (n.as_str(), s.as_slice())), dtype);
+            let expected = expected_size(
+                shapes.iter().map(|(n, s)| (n.as_str(), s.as_slice())),
+                dtype,
+            );
             assert_eq!(size, expected, "{dtype:?}");
             let back = read(&path).unwrap();
             assert_eq!(back.len(), 3);
-            assert_eq!(back.iter().find(|(n, _)| n == "a.norm").unwrap().1.kind(), wire_kind(dtype));
+            assert_eq!(
+                back.iter().find(|(n, _)| n == "a.norm").unwrap().1.kind(),
+                wire_kind(dtype)
+            );
         }
     }
 }

@@ -39,7 +39,9 @@ pub fn of_round_error(e: &RoundError) -> Status {
 
 /// The refusal a status carries, if any.
 pub fn of_status(s: &Status) -> Option<Refusal> {
-    Refusal::decode(s.details()).ok().filter(|_| !s.details().is_empty())
+    Refusal::decode(s.details())
+        .ok()
+        .filter(|_| !s.details().is_empty())
 }
 
 /// The refusal kind of a status (`None` for statuses without one, e.g. transport errors).

@@ -361,7 +361,11 @@ fn copy_verified(from: &Path, to: &Path, xxh3: u64) -> Result<()> {
     let (_, got) = payload::digest(&tmp)?;
     if got != xxh3 {
         let _ = std::fs::remove_file(&tmp);
-        anyhow::bail!("the copy {} does not match {}", tmp.display(), from.display());
+        anyhow::bail!(
+            "the copy {} does not match {}",
+            tmp.display(),
+            from.display()
+        );
     }
     std::fs::rename(&tmp, to).with_context(|| format!("cannot write {}", to.display()))?;
     spes_data::shard::sync_dir(to)?;
@@ -617,7 +621,11 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
                     .and_then(|named| model.load(&named, &path.display().to_string()))
                     .is_ok();
             if loaded {
-                tracing::info!("resuming after round {} from {}", newest.round, path.display());
+                tracing::info!(
+                    "resuming after round {} from {}",
+                    newest.round,
+                    path.display()
+                );
                 let global = snapshot(&model);
                 return Ok(Opened {
                     model,
@@ -695,12 +703,18 @@ fn rules_of(cfg: &RunConfig) -> RoundRules {
             AggregateRule::Median => Combine::Median,
         },
         max_update_rms: (s.max_update_factor > 0.0)
-            .then(|| s.max_update_factor * s.sync_steps as f64 * cfg.train.lr),
+            .then_some(s.max_update_factor * s.sync_steps as f64 * cfg.train.lr),
     }
 }
 
 /// The metrics line of a closed round, before scoring.
-fn round_record(r: &RoundReport, tokens: u64, io: &RoundIo, aggregation_s: f64, round_s: f64) -> serde_json::Value {
+fn round_record(
+    r: &RoundReport,
+    tokens: u64,
+    io: &RoundIo,
+    aggregation_s: f64,
+    round_s: f64,
+) -> serde_json::Value {
     let merges: Vec<_> = r
         .merges
         .iter()
@@ -746,7 +760,13 @@ fn run_closer(
                 let t0 = Instant::now();
                 let report = coord.close(now);
                 let global = shallow(coord.global().0);
-                Some((report, global, coord.scope().clone(), coord.gone().clone(), t0.elapsed().as_secs_f64()))
+                Some((
+                    report,
+                    global,
+                    coord.scope().clone(),
+                    coord.gone().clone(),
+                    t0.elapsed().as_secs_f64(),
+                ))
             } else {
                 None
             }
@@ -793,8 +813,16 @@ fn run_closer(
                     .merge_alpha
                     .map(|a| format!(", merged {} experts with α {a:.4}", report.merges.len()))
                     .unwrap_or_default(),
-                if report.evicted.is_empty() { String::new() } else { format!(", evicted {:?}", report.evicted) },
-                if report.joined.is_empty() { String::new() } else { format!(", admitted {:?}", report.joined) },
+                if report.evicted.is_empty() {
+                    String::new()
+                } else {
+                    format!(", evicted {:?}", report.evicted)
+                },
+                if report.joined.is_empty() {
+                    String::new()
+                } else {
+                    format!(", admitted {:?}", report.joined)
+                },
             );
             let _ = scorer.send(ScoreJob {
                 step: report.step,
@@ -816,7 +844,12 @@ fn run_closer(
 }
 
 /// Scores and logs published rounds in order, on its own thread.
-fn run_scorer(s: Arc<State>, eval: Option<Evaluator>, jobs: mpsc::Receiver<ScoreJob>, mut metrics: MetricsLog) {
+fn run_scorer(
+    s: Arc<State>,
+    eval: Option<Evaluator>,
+    jobs: mpsc::Receiver<ScoreJob>,
+    mut metrics: MetricsLog,
+) {
     for mut job in jobs {
         if let Some(e) = &eval {
             if let Err(err) = e.score(&job.global, job.step, &mut job.record) {
@@ -915,7 +948,11 @@ pub async fn serve(
             gone: &BTreeSet::new(),
             record: record.clone(),
         })?;
-        let _ = score_tx.send(ScoreJob { step: 0, global: opened.global, record });
+        let _ = score_tx.send(ScoreJob {
+            step: 0,
+            global: opened.global,
+            record,
+        });
     } else if logged.as_ref().is_none_or(|l| l.round < published_round) {
         // Crashed after publishing, before logging: log the round again from the restart point.
         let record = state.progress.lock().unwrap().record.clone();

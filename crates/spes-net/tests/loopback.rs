@@ -249,7 +249,11 @@ fn bad_input_is_rejected_and_the_round_still_completes() {
             })
             .await
             .unwrap_err();
-        assert!(e.message().contains("peer 7 is not a member"), "{}", e.message());
+        assert!(
+            e.message().contains("peer 7 is not a member"),
+            "{}",
+            e.message()
+        );
 
         let mut c = raw_client(&url, &cred(0)).await;
         let mut shape = copy(&good);
@@ -317,7 +321,12 @@ fn bad_input_is_rejected_and_the_round_still_completes() {
     check_rounds(&cfg, &seen, 1, false);
     server.finish();
     let lines = metrics(&dir.join("server"));
-    assert_eq!(lines[1]["rejected"].as_array().unwrap().len(), 4, "{}", lines[1]);
+    assert_eq!(
+        lines[1]["rejected"].as_array().unwrap().len(),
+        4,
+        "{}",
+        lines[1]
+    );
     assert_eq!(lines[1]["peers"], serde_json::json!([0, 1]));
     assert!(std::fs::read_dir(dir.join("server/incoming"))
         .unwrap()
@@ -477,7 +486,12 @@ fn an_acknowledged_upload_survives_a_server_restart() {
     let tmp = tempfile::tempdir().unwrap();
     let data = data(tmp.path());
     // All-ones is far from the global model: this test is about durability, not the bound.
-    let cfg = config(&data, "spes", 2, &["train.max_steps=2", "sync.max_update_factor=0"]);
+    let cfg = config(
+        &data,
+        "spes",
+        2,
+        &["train.max_steps=2", "sync.max_update_factor=0"],
+    );
     let out = tmp.path().join("server");
     let first = Server::start(cfg.clone(), &out, None);
     let (addr, url) = (first.addr, first.url());

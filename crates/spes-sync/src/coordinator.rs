@@ -52,7 +52,11 @@ pub enum RoundError {
         "peer {peer} is held by a live node (heartbeat {age_s:.1} s ago): stop that node, or wait \
          {wait_s:.0} s for its lease to expire"
     )]
-    PeerTaken { peer: usize, age_s: f64, wait_s: f64 },
+    PeerTaken {
+        peer: usize,
+        age_s: f64,
+        wait_s: f64,
+    },
     #[error("peer {peer} is out of range: this run's peer ids are 0..{max}")]
     OutOfRange { peer: usize, max: usize },
     #[error("peer {peer} cannot join: {members} nodes already hold one of the {max} experts each")]
@@ -134,7 +138,15 @@ impl Coordinator {
         let leases = scope
             .members()
             .into_iter()
-            .map(|p| (p, Lease { session: 0, renewed: now }))
+            .map(|p| {
+                (
+                    p,
+                    Lease {
+                        session: 0,
+                        renewed: now,
+                    },
+                )
+            })
             .collect();
         Coordinator {
             agg: Aggregator::new(scope, rules.combine),
@@ -344,10 +356,17 @@ impl Coordinator {
     /// rounds, publishes, evicts and admits members, and opens the next round at `now`.
     pub fn close(&mut self, now: f64) -> RoundReport {
         let scope = self.scope().clone();
-        let agg = std::mem::replace(&mut self.agg, Aggregator::new(scope.clone(), self.rules.combine));
+        let agg = std::mem::replace(
+            &mut self.agg,
+            Aggregator::new(scope.clone(), self.rules.combine),
+        );
         let peers: Vec<usize> = agg.uploaded().iter().copied().collect();
         let members = scope.members();
-        let missing = members.iter().filter(|p| !peers.contains(p)).copied().collect();
+        let missing = members
+            .iter()
+            .filter(|p| !peers.contains(p))
+            .copied()
+            .collect();
         let mut global = agg.finish(&self.layout, &self.global);
         let step = self.round * self.rules.sync_steps;
         let mut merge_alpha = self.rules.merge.and_then(|m| m.alpha(step));
@@ -366,9 +385,9 @@ impl Coordinator {
         }
 
         let expired = |p: &usize| {
-            self.leases.get(p).is_none_or(|l| {
-                now - l.renewed >= self.rules.lease_s + self.rules.evict_after_s
-            })
+            self.leases
+                .get(p)
+                .is_none_or(|l| now - l.renewed >= self.rules.lease_s + self.rules.evict_after_s)
         };
         let mut evicted: Vec<usize> = members.iter().filter(|p| expired(p)).copied().collect();
         if evicted.len() == members.len() {

@@ -194,7 +194,10 @@ mod tests {
         assert_eq!(r, o.rebalance(&BTreeSet::from([0, 2, 3])).unwrap());
         // Peer 7 joins: it takes the surplus of the fullest members, nothing else moves.
         let j = r.rebalance(&BTreeSet::from([0, 2, 3, 7])).unwrap();
-        let counts: Vec<usize> = [0, 2, 3, 7].iter().map(|&p| j.experts_of(p).len()).collect();
+        let counts: Vec<usize> = [0, 2, 3, 7]
+            .iter()
+            .map(|&p| j.experts_of(p).len())
+            .collect();
         assert_eq!(counts, vec![4, 4, 4, 4]);
         let moved = (0..16).filter(|&x| j.owner_of(x) != r.owner_of(x)).count();
         assert_eq!(moved, 4);

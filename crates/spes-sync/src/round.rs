@@ -148,7 +148,10 @@ pub fn validate(
             ));
         }
         if !matches!(t.kind(), Kind::Float | Kind::BFloat16) {
-            return Err(format!("tensor `{name}` is {:?}, expected f32 or bf16", t.kind()));
+            return Err(format!(
+                "tensor `{name}` is {:?}, expected f32 or bf16",
+                t.kind()
+            ));
         }
         let t = t.to_kind(Kind::Float);
         if !bool::try_from(t.isfinite().all()).unwrap_or(false) {
@@ -159,7 +162,7 @@ pub fn validate(
             let rms = |x: &Tensor| x.square().mean(Kind::Double).sqrt().double_value(&[]);
             let change = rms(&(&t - &current));
             let allowed = bound + BF16_SLACK * rms(&current);
-            if !(change <= allowed) {
+            if change.is_nan() || change > allowed {
                 return Err(format!(
                     "tensor `{name}` moved by RMS {change:.3e} from the global model, more than \
                      the {allowed:.3e} that sync.max_update_factor allows"
@@ -265,7 +268,9 @@ fn robust(all: &[Tensor], combine: Combine) -> Tensor {
     let n = all.len();
     let trim = match combine {
         Combine::Mean => 0,
-        Combine::TrimmedMean { fraction } => ((fraction * n as f64).floor() as usize).min((n - 1) / 2),
+        Combine::TrimmedMean { fraction } => {
+            ((fraction * n as f64).floor() as usize).min((n - 1) / 2)
+        }
         Combine::Median => (n - 1) / 2,
     };
     tch::no_grad(|| {

@@ -176,11 +176,17 @@ fn the_update_bound_refuses_uploads_that_move_too_far() {
     let mut far = copy(&honest);
     far[2].1 = &far[2].1 + 1.0;
     let e = validate(&layout, &scope, 0, &far, &global, Some(0.05)).unwrap_err();
-    assert!(e.contains(&far[2].0) && e.contains("max_update_factor"), "{e}");
+    assert!(
+        e.contains(&far[2].0) && e.contains("max_update_factor"),
+        "{e}"
+    );
     let mut huge = copy(&honest);
     huge[0].1 = huge[0].1.fill(3e38);
     assert!(validate(&layout, &scope, 0, &huge, &global, Some(0.05)).is_err());
-    assert!(validate(&layout, &scope, 0, &far, &global, None).is_ok(), "unchecked");
+    assert!(
+        validate(&layout, &scope, 0, &far, &global, None).is_ok(),
+        "unchecked"
+    );
 }
 
 #[test]
@@ -207,7 +213,10 @@ fn robust_rules_ignore_one_outlier() {
     for (p, v) in [1.0, 2.0, 5.0, 100.0].iter().enumerate() {
         agg.add(&layout, p, upload(&layout, &scope, p, *v)).unwrap();
     }
-    assert_eq!(scalar(get(&agg.finish(&layout, &snapshot(&m)), "lm_head.weight")), 3.5);
+    assert_eq!(
+        scalar(get(&agg.finish(&layout, &snapshot(&m)), "lm_head.weight")),
+        3.5
+    );
 }
 
 #[test]
@@ -291,11 +300,25 @@ fn rules() -> RoundRules {
 
 fn coordinator(m: &MoeModel, peers: usize, rules: RoundRules, now: f64) -> Coordinator {
     let scope = Scope::Spes(Ownership::resolve(&[], 4, peers).unwrap());
-    Coordinator::new(Layout::of(m), scope, rules, snapshot(m), 0, BTreeSet::new(), now)
+    Coordinator::new(
+        Layout::of(m),
+        scope,
+        rules,
+        snapshot(m),
+        0,
+        BTreeSet::new(),
+        now,
+    )
 }
 
 /// Uploads `value` for `peer` under the coordinator's open round and ownership.
-fn up(c: &mut Coordinator, layout: &Layout, peer: usize, value: f64, now: f64) -> Result<(), RoundError> {
+fn up(
+    c: &mut Coordinator,
+    layout: &Layout,
+    peer: usize,
+    value: f64,
+    now: f64,
+) -> Result<(), RoundError> {
     let u = upload(layout, c.scope(), peer, value);
     let round = c.round();
     c.upload(peer, 100 + peer as u64, round, u, now)
@@ -313,7 +336,10 @@ fn coordinator_closes_on_all_live_peers_or_timeout_and_rejects_stale_rounds() {
     up(&mut c, &layout, 0, 1.0, 101.0).unwrap();
     c.join(1, 101, false, 102.0).unwrap();
     assert!(!c.ready(104.9), "node 1 is live and has not uploaded");
-    assert!(c.ready(105.0), "timeout counts from the round's opening, not the first upload");
+    assert!(
+        c.ready(105.0),
+        "timeout counts from the round's opening, not the first upload"
+    );
     up(&mut c, &layout, 1, 2.0, 102.5).unwrap();
     assert!(c.ready(102.5));
     let r = c.close(103.0);
@@ -346,7 +372,10 @@ fn coordinator_closes_on_all_live_peers_or_timeout_and_rejects_stale_rounds() {
     let before = scalar(get(c.global().0, &expert_tensor_name(0, 3, "up_proj")));
     let r = c.close(105.6);
     assert_eq!(r.missing, vec![1]);
-    assert!(r.evicted.is_empty(), "expired, but not for evict_after_s yet");
+    assert!(
+        r.evicted.is_empty(),
+        "expired, but not for evict_after_s yet"
+    );
     assert!((r.merge_alpha.unwrap() - 0.08).abs() < 1e-12);
     assert_eq!(r.merges.len(), 4);
     assert_eq!(scalar(get(c.global().0, "lm_head.weight")), 5.0);
@@ -361,7 +390,15 @@ fn coordinator_closes_on_all_live_peers_or_timeout_and_rejects_stale_rounds() {
 fn dead_nodes_are_evicted_and_their_experts_adopted_and_joiners_admitted() {
     let m = model(1, 4);
     let layout = Layout::of(&m);
-    let mut c = coordinator(&m, 2, RoundRules { merge: None, ..rules() }, 0.0);
+    let mut c = coordinator(
+        &m,
+        2,
+        RoundRules {
+            merge: None,
+            ..rules()
+        },
+        0.0,
+    );
     c.join(0, 100, false, 0.0).unwrap();
     c.join(1, 101, false, 0.0).unwrap();
     // Node 1 dies at t=0. Node 0 keeps uploading; at t=13 node 1's lease has been expired for
@@ -369,19 +406,38 @@ fn dead_nodes_are_evicted_and_their_experts_adopted_and_joiners_admitted() {
     up(&mut c, &layout, 0, 1.0, 13.5).unwrap();
     let r = c.close(13.5);
     assert_eq!((r.evicted.clone(), r.missing.clone()), (vec![1], vec![1]));
-    assert_eq!(r.owners, vec![0, 0, 1, 1], "round 1 was still trained under the old map");
+    assert_eq!(
+        r.owners,
+        vec![0, 0, 1, 1],
+        "round 1 was still trained under the old map"
+    );
     assert_eq!(c.scope().members(), BTreeSet::from([0]));
     assert_eq!(c.gone(), &BTreeSet::from([1]));
     // A second process with node 0's id is refused while node 0 is live.
     let e = c.join(0, 999, false, 14.0).unwrap_err();
     assert!(matches!(e, RoundError::PeerTaken { peer: 0, .. }), "{e:?}");
-    assert!(e.to_string().contains("peer 0 is held by a live node"), "{e}");
+    assert!(
+        e.to_string().contains("peer 0 is held by a live node"),
+        "{e}"
+    );
     // A stranger needs --join; peer 3 joins and becomes a member from round 3.
-    assert_eq!(c.join(3, 300, false, 14.0), Err(RoundError::NotMember { peer: 3 }));
-    assert_eq!(c.join(3, 300, true, 14.0), Ok(Standing::Joining { from: 3 }));
-    assert_eq!(c.join(9, 1, true, 14.0), Err(RoundError::OutOfRange { peer: 9, max: 4 }));
+    assert_eq!(
+        c.join(3, 300, false, 14.0),
+        Err(RoundError::NotMember { peer: 3 })
+    );
+    assert_eq!(
+        c.join(3, 300, true, 14.0),
+        Ok(Standing::Joining { from: 3 })
+    );
+    assert_eq!(
+        c.join(9, 1, true, 14.0),
+        Err(RoundError::OutOfRange { peer: 9, max: 4 })
+    );
     // The evicted node comes back: it is admitted like a joiner, without --join.
-    assert_eq!(c.join(1, 101, false, 14.0), Ok(Standing::Joining { from: 3 }));
+    assert_eq!(
+        c.join(1, 101, false, 14.0),
+        Ok(Standing::Joining { from: 3 })
+    );
     up(&mut c, &layout, 0, 2.0, 15.0).unwrap();
     assert!(c.ready(15.0), "joiners are not waited for");
     let r = c.close(15.0);
@@ -422,13 +478,24 @@ fn a_run_whose_nodes_all_died_admits_a_joiner_at_once_and_evicts_the_dead_later(
 fn a_non_finite_aggregate_is_never_published() {
     let m = model(1, 4);
     let layout = Layout::of(&m);
-    let mut c = coordinator(&m, 2, RoundRules { merge: None, ..rules() }, 0.0);
+    let mut c = coordinator(
+        &m,
+        2,
+        RoundRules {
+            merge: None,
+            ..rules()
+        },
+        0.0,
+    );
     // Each upload is finite, but the fp32 sum of the two overflows.
     up(&mut c, &layout, 0, 3e38, 1.0).unwrap();
     up(&mut c, &layout, 1, 3e38, 1.0).unwrap();
     let before = snapshot(&m);
     let r = c.close(1.0);
-    assert!(r.discarded.as_deref().unwrap_or("").contains("not finite"), "{r:?}");
+    assert!(
+        r.discarded.as_deref().unwrap_or("").contains("not finite"),
+        "{r:?}"
+    );
     assert_eq!(c.global().1, 1, "the round still closes");
     for ((n, a), (_, b)) in before.iter().zip(c.global().0) {
         assert!(a.equal(b), "`{n}` changed");

@@ -219,9 +219,8 @@ pub async fn upload_with(
     path: &Path,
     header: PayloadHeader,
 ) -> Result<UploadReply, tonic::Status> {
-    let stream = tokio_stream::StreamExt::filter_map(payload::send(path, header, |_| {}), |r| {
-        r.ok()
-    });
+    let stream =
+        tokio_stream::StreamExt::filter_map(payload::send(path, header, |_| {}), |r| r.ok());
     client.upload(stream).await.map(|r| r.into_inner())
 }
 

@@ -1,0 +1,369 @@
+//! The chaos test: a real server and real nodes (processes of the `spes` binary) on 127.0.0.1.
+//! Crash points (`SPES_FAULT`, read only because this test sets it) SIGKILL one node mid-
+//! training, one mid-upload, one mid-download and the server mid-publish; each is restarted. One
+//! node leaves for good after round 3 and a new one joins once round 4 is out. What is asserted
+//! holds for any timing: the run finishes, every round is published once, every expert has one
+//! owner in every round, the eviction and the join are in the metrics, and every live node ends
+//! bit-identical to the final published model. Bounded: the whole run must end within 240 s.
+
+use std::collections::BTreeMap;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+const NODES: usize = 4;
+const MAX_STEPS: u64 = 32;
+const SYNC_STEPS: u64 = 2;
+const EXPERTS: usize = 8;
+const SECRET: &str = "chaos-test-secret";
+
+struct Proc {
+    name: String,
+    args: Vec<String>,
+    fault: Option<&'static str>,
+    restart: bool,
+    child: Option<Child>,
+    killed: bool,
+    restarted: bool,
+    exit: Option<ExitStatus>,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn spawn(&mut self) {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_spes"));
+        cmd.args(&self.args).env_remove("SPES_FAULT");
+        if let (Some(f), false) = (self.fault, self.restarted) {
+            cmd.env("SPES_FAULT", f);
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        cmd.stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .stdin(Stdio::null());
+        self.child = Some(cmd.spawn().unwrap());
+    }
+
+    /// Restarts a process its crash point killed; records a final exit otherwise.
+    fn poll(&mut self) {
+        let Some(child) = self.child.as_mut() else {
+            return;
+        };
+        let Some(status) = child.try_wait().unwrap() else {
+            return;
+        };
+        self.child = None;
+        if status.signal() == Some(9) && !self.killed {
+            self.killed = true;
+            if self.restart {
+                self.restarted = true;
+                self.spawn();
+                return;
+            }
+        }
+        self.exit = Some(status);
+    }
+
+    fn running(&self) -> bool {
+        self.child.is_some()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn rounds_logged(server: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(server.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+fn tensors(path: &Path) -> BTreeMap<String, tch::Tensor> {
+    tch::Tensor::read_safetensors(path)
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+#[test]
+fn chaos_crashes_restarts_a_departure_and_a_join() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let data = spes_data::testing::shakespeare(dir, 120000);
+    let config = dir.join("chaos.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[model]
+preset = "tiny"
+vocab_size = 512
+d_model = 32
+n_layers = 2
+n_heads = 2
+head_dim = 16
+n_kv_heads = 2
+n_experts = {EXPERTS}
+expert_hidden = 32
+context_length = 32
+
+[data]
+path = "{}"
+
+[train]
+max_steps = {MAX_STEPS}
+batch_size = 4
+seq_len = 32
+lr = 3e-3
+warmup_steps = 2
+log_every = 100
+eval_batches = 2
+
+[sync]
+mode = "spes"
+nodes = {NODES}
+sync_steps = {SYNC_STEPS}
+merge_every = 4
+merge_until = 12
+merge_top_k = 2
+round_timeout_s = 60
+lease_s = 1.5
+evict_after_s = 1
+"#,
+            data.display()
+        ),
+    )
+    .unwrap();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, SECRET).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let server_out = dir.join("server");
+    let common = |role: &str| -> Vec<String> {
+        let mut a = vec![
+            role.to_string(),
+            "--config".into(),
+            config.display().to_string(),
+        ];
+        a.extend(["--device", "cpu", "--threads", "1"].map(String::from));
+        a
+    };
+    let node = |peer: usize, fault: Option<&'static str>, restart: bool, join: bool| {
+        let cred = dir.join(format!("node-{peer}.credential"));
+        std::fs::write(&cred, spes_net::auth::credential(SECRET, peer)).unwrap();
+        let mut args = common("node");
+        args.extend([
+            "--server".into(),
+            url.clone(),
+            "--out".into(),
+            dir.join(format!("node-{peer}")).display().to_string(),
+            "--credential-file".into(),
+            cred.display().to_string(),
+            "--progress".into(),
+            "quiet".into(),
+        ]);
+        if join {
+            args.push("--join".into());
+        }
+        Proc {
+            name: format!("node {peer}"),
+            args,
+            fault,
+            restart,
+            child: None,
+            killed: false,
+            restarted: false,
+            exit: None,
+            log: dir.join(format!("node-{peer}.log")),
+        }
+    };
+    let mut server_args = common("server");
+    server_args.extend([
+        "--listen".into(),
+        format!("127.0.0.1:{port}"),
+        "--out".into(),
+        server_out.display().to_string(),
+        "--secret-file".into(),
+        secret.display().to_string(),
+        "--linger-s".into(),
+        "20".into(),
+    ]);
+    let mut procs = vec![
+        Proc {
+            name: "server".into(),
+            args: server_args,
+            fault: Some("publish@4"),
+            restart: true,
+            child: None,
+            killed: false,
+            restarted: false,
+            exit: None,
+            log: dir.join("server.log"),
+        },
+        node(0, Some("train@5"), true, false),
+        node(1, Some("upload@2"), true, false),
+        node(2, Some("download@3"), true, false),
+        // Leaves for good during round 4, after uploading round 3.
+        node(3, Some("train@7"), false, false),
+    ];
+    for p in &mut procs {
+        p.spawn();
+    }
+    let mut joiner: Option<Proc> = None;
+    let started = Instant::now();
+    loop {
+        for p in procs.iter_mut().chain(joiner.iter_mut()) {
+            p.poll();
+        }
+        if joiner.is_none() && rounds_logged(&server_out).iter().any(|r| r["round"] == 4) {
+            let mut j = node(4, None, false, true);
+            j.spawn();
+            joiner = Some(j);
+        }
+        let all_done = procs.iter().chain(joiner.iter()).all(|p| !p.running()) && joiner.is_some();
+        if all_done {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(240) {
+            for p in procs.iter().chain(joiner.iter()) {
+                eprintln!(
+                    "--- {} ---\n{}",
+                    p.name,
+                    std::fs::read_to_string(&p.log).unwrap_or_default()
+                );
+            }
+            panic!("the chaos run did not finish within 240 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let joiner = joiner.unwrap();
+    let show = |p: &Proc| std::fs::read_to_string(&p.log).unwrap_or_default();
+    println!(
+        "chaos run finished in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+
+    // Every crash point fired, and every restarted role and the joiner finished cleanly.
+    for p in &procs {
+        assert!(
+            p.killed,
+            "{} was not killed at its crash point:\n{}",
+            p.name,
+            show(p)
+        );
+    }
+    for p in procs.iter().filter(|p| p.restart).chain([&joiner]) {
+        assert!(p.exit.unwrap().success(), "{} failed:\n{}", p.name, show(p));
+    }
+
+    // Every round is published (logged) exactly once, in order.
+    let final_round = MAX_STEPS / SYNC_STEPS;
+    let lines = rounds_logged(&server_out);
+    let rounds: Vec<u64> = lines.iter().map(|l| l["round"].as_u64().unwrap()).collect();
+    assert_eq!(
+        rounds,
+        (0..=final_round).collect::<Vec<_>>(),
+        "{}",
+        show(&procs[0])
+    );
+
+    // Every expert has exactly one owner, a member, in every round; node 3 is evicted and its
+    // experts adopted; node 4 joins and trains.
+    let mut evicted = None;
+    let mut joined = None;
+    for l in &lines[1..] {
+        let owners: Vec<u64> = l["owners"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o.as_u64().unwrap())
+            .collect();
+        let members: Vec<u64> = l["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o.as_u64().unwrap())
+            .collect();
+        assert_eq!(owners.len(), EXPERTS, "{l}");
+        for o in &owners {
+            assert!(
+                members.contains(o),
+                "round {}: owner {o} is not a member",
+                l["round"]
+            );
+        }
+        for m in &members {
+            assert!(
+                owners.contains(m),
+                "round {}: member {m} owns nothing",
+                l["round"]
+            );
+        }
+        if l["evicted"] == serde_json::json!([3]) {
+            evicted = l["round"].as_u64();
+        }
+        if l["joined"]
+            .as_array()
+            .is_some_and(|j| j.contains(&serde_json::json!(4)))
+        {
+            joined = l["round"].as_u64();
+        }
+    }
+    let (evicted, joined) = (
+        evicted.expect("node 3 is evicted"),
+        joined.expect("node 4 joins"),
+    );
+    println!(
+        "killed and restarted: {}; node 3 evicted at round {evicted}; node 4 admitted at round {joined}",
+        procs.iter().filter(|p| p.restarted).map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
+    );
+    for l in &lines[1..] {
+        let r = l["round"].as_u64().unwrap();
+        let members = &l["members"];
+        if r > evicted {
+            assert!(!members.as_array().unwrap().contains(&serde_json::json!(3)));
+        }
+        if r > joined {
+            assert!(members.as_array().unwrap().contains(&serde_json::json!(4)));
+            assert!(
+                l["peers"]
+                    .as_array()
+                    .unwrap()
+                    .contains(&serde_json::json!(4)),
+                "node 4 uploads round {r}"
+            );
+        }
+    }
+
+    // Every live node ends bit-identical to the final published model.
+    let global = tensors(&server_out.join(format!("global/round-{final_round:06}.safetensors")));
+    for peer in [0, 1, 2, 4] {
+        let ck = dir.join(format!(
+            "node-{peer}/checkpoints/step-{MAX_STEPS}/model.safetensors"
+        ));
+        let local = tensors(&ck);
+        assert_eq!(local.len(), global.len());
+        for (name, g) in &global {
+            assert!(
+                local[name].equal(g),
+                "node {peer}: `{name}` differs from the published model"
+            );
+        }
+    }
+}
