@@ -635,6 +635,7 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
                 });
             }
             st.rounds.pop();
+            st.record = json!({});
             tracing::error!(
                 "{} is missing or corrupt; falling back to the round before it",
                 path.display()

@@ -534,3 +534,53 @@ fn an_acknowledged_upload_survives_a_server_restart() {
         "pending uploads cleared after publishing"
     );
 }
+
+#[test]
+fn a_corrupt_newest_round_falls_back_and_the_node_follows_the_rollback() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(&data, "spes", 1, &["train.max_steps=8"]);
+    let out = tmp.path().join("server");
+    let first = Server::start(cfg.clone(), &out, None);
+    let (addr, url) = (first.addr, first.url());
+    tch::set_num_threads(1);
+    let mut node = Node::connect(node_options(&cfg, &url, 0, tmp.path())).unwrap();
+    for round in 1..=3 {
+        let upload = node.train_round().unwrap();
+        assert_eq!(node.sync(&upload).unwrap(), round);
+    }
+    assert_eq!(first.stop().rounds, 3);
+    // The newest round's file rots on disk; the server resumes from round 2, every time.
+    let newest = out.join("global/round-000003.safetensors");
+    let mut bytes = std::fs::read(&newest).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&newest, bytes).unwrap();
+    for _ in 0..3 {
+        let s = Server::start_on(&addr.to_string(), cfg.clone(), &out, None);
+        assert_eq!(s.stop().rounds, 2);
+        let state: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("server.json")).unwrap())
+                .unwrap();
+        let rounds = state["rounds"].as_array().unwrap();
+        assert_eq!(rounds.last().unwrap()["round"], 2, "{state}");
+        assert_eq!(rounds.last().unwrap()["tokens"], 2 * 2 * 4 * 32);
+    }
+    // The node, which holds round 3, is told the server collects round 3 again: it takes round
+    // 2 and trains on to the end.
+    let last = Server::start_on(&addr.to_string(), cfg.clone(), &out, None);
+    let summary = node.run().unwrap();
+    assert_eq!(summary.steps, 8);
+    let done = last.finish();
+    assert_eq!(done.rounds, 4);
+    assert_eq!(
+        done.tokens,
+        4 * 2 * 4 * 32,
+        "the token count is right after the restarts"
+    );
+    let rounds: Vec<u64> = metrics(&out)
+        .iter()
+        .map(|l| l["round"].as_u64().unwrap())
+        .collect();
+    assert_eq!(rounds, vec![0, 1, 2, 3, 4], "each round logged once");
+}

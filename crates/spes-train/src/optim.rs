@@ -321,4 +321,74 @@ mod tests {
             "{g:?}"
         );
     }
+
+    fn param(name: &str, values: &[f32]) -> (Param, Tensor) {
+        let w = Tensor::from_slice(values).set_requires_grad(true);
+        let p = Param {
+            name: name.into(),
+            role: Role::Shared,
+            tensor: w.shallow_clone(),
+        };
+        (p, w)
+    }
+
+    /// A node adopts tensor `c` and releases `a`: `b` keeps its moments, `c` starts fresh with
+    /// its own bias correction (its first step equals a brand-new optimizer's first step), `a`
+    /// loses its state; the checkpointed state round-trips that.
+    #[test]
+    fn retarget_keeps_moments_and_starts_adopted_tensors_fresh() {
+        let cfg = TrainConfig::default();
+        let (pa, a) = param("a", &[1.0, 2.0]);
+        let (pb, b) = param("b", &[3.0]);
+        let (pc, c) = param("c", &[0.5, -0.5]);
+        let loss = |ts: &[&Tensor]| {
+            let total: Tensor = ts.iter().map(|t| (*t * *t).sum(Kind::Float)).sum();
+            total.backward();
+        };
+        let mut opt = AdamW::new(vec![pa, pb], &cfg);
+        for _ in 0..3 {
+            opt.zero_grad();
+            loss(&[&a, &b]);
+            opt.step(0.01);
+        }
+        let b_moments: Vec<Tensor> = opt.state()[2..4].iter().map(|(_, t)| t.copy()).collect();
+        let r = opt.retarget(vec![
+            Param {
+                name: "b".into(),
+                role: Role::Shared,
+                tensor: b.shallow_clone(),
+            },
+            pc,
+        ]);
+        assert_eq!(
+            r,
+            Retarget {
+                kept: 1,
+                fresh: vec!["c".into()],
+                dropped: vec!["a".into()]
+            }
+        );
+        let state = opt.state();
+        assert!(state[0].1.equal(&b_moments[0]) && state[1].1.equal(&b_moments[1]));
+        assert_eq!(state[4].0, "started.c");
+        assert_eq!(state[4].1.int64_value(&[]), 3);
+        assert_eq!(opt.param_names().collect::<Vec<_>>(), vec!["b", "c"]);
+
+        let (pf, fresh) = param("c", &[0.5, -0.5]);
+        let mut reference = AdamW::new(vec![pf], &cfg);
+        for o in [&mut opt, &mut reference] {
+            o.zero_grad();
+        }
+        loss(&[&b, &c]);
+        opt.step(0.01);
+        loss(&[&fresh]);
+        reference.step(0.01);
+        assert!(c.equal(&fresh), "{c:?} vs {fresh:?}");
+
+        let (pb2, _) = param("b", &[0.0]);
+        let (pc2, _) = param("c", &[0.0, 0.0]);
+        let mut back = AdamW::new(vec![pb2, pc2], &cfg);
+        back.load_state(opt.state(), opt.steps, "test").unwrap();
+        assert_eq!(back.started, vec![0, 3]);
+    }
 }
