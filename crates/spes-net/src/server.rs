@@ -245,11 +245,8 @@ impl State {
             bytes,
             xxh3: format!("{xxh3:016x}"),
             tokens: p.tokens,
-            owners: match p.next {
-                Scope::Spes(o) => o.owners().to_vec(),
-                Scope::Diloco { .. } => Vec::new(),
-            },
-            members: p.next.members().into_iter().collect(),
+            owners: scope_lists(p.next).0,
+            members: scope_lists(p.next).1,
         };
         {
             let mut st = self.progress.lock().unwrap();
@@ -282,6 +279,37 @@ impl State {
             .rejected
             .push(format!("peer {peer} round {round}: {}", status.message()));
         status
+    }
+
+    /// Joins or renews `peer`'s lease. If that admitted it into the open round at once (no
+    /// node was live), the newest round's record of who trains next is updated and persisted,
+    /// so fetches and a restarted server see the new members.
+    fn join(
+        &self,
+        peer: usize,
+        session: u64,
+        join: bool,
+    ) -> Result<(Standing, Scope, u64), Status> {
+        let mut coord = self.coord.lock().unwrap();
+        let before = coord.scope().members();
+        let standing = coord
+            .join(peer, session, join, self.now())
+            .map_err(|e| refusal::of_round_error(&e))?;
+        let scope = coord.scope().clone();
+        let published = coord.global().1;
+        if scope.members() != before {
+            let mut st = self.progress.lock().unwrap();
+            if let Some(newest) = st.rounds.last_mut().filter(|r| r.round == published) {
+                (newest.owners, newest.members) = scope_lists(&scope);
+                let written = serde_json::to_string_pretty(&*st)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|text| write_atomic(&self.out.join(STATE_FILE), text.as_bytes()));
+                if let Err(e) = written {
+                    tracing::error!("cannot record the new members: {e:#}");
+                }
+            }
+        }
+        Ok((standing, scope, published))
     }
 
     /// The kept published round `round`, if still on disk.
@@ -327,6 +355,15 @@ impl State {
             self.cfg.sync.payload_dtype,
         )
     }
+}
+
+/// A scope as persisted: `owners[e]` (empty in DiLoCo mode) and the members.
+fn scope_lists(scope: &Scope) -> (Vec<usize>, Vec<usize>) {
+    let owners = match scope {
+        Scope::Spes(o) => o.owners().to_vec(),
+        Scope::Diloco { .. } => Vec::new(),
+    };
+    (owners, scope.members().into_iter().collect())
 }
 
 fn round_path(out: &Path, round: u64) -> PathBuf {
@@ -389,13 +426,7 @@ impl Spes for Service {
         let s = &self.state;
         let peer = authorize(&req, req.get_ref().peer)?;
         let r = req.get_ref();
-        let mut coord = s.coord.lock().unwrap();
-        let standing = coord
-            .join(peer, r.session, r.join, s.now())
-            .map_err(|e| refusal::of_round_error(&e))?;
-        let scope = coord.scope().clone();
-        let published_round = coord.global().1;
-        drop(coord);
+        let (standing, scope, published_round) = s.join(peer, r.session, r.join)?;
         let owned = (0..s.cfg.model.n_experts)
             .filter(|&e| {
                 standing == Standing::Member
@@ -425,12 +456,9 @@ impl Spes for Service {
     ) -> Result<Response<HeartbeatReply>, Status> {
         let s = &self.state;
         let peer = authorize(&req, req.get_ref().peer)?;
-        let mut coord = s.coord.lock().unwrap();
-        let standing = coord
-            .join(peer, req.get_ref().session, false, s.now())
-            .map_err(|e| refusal::of_round_error(&e))?;
+        let (standing, _, published_round) = s.join(peer, req.get_ref().session, false)?;
         Ok(Response::new(HeartbeatReply {
-            published_round: coord.global().1,
+            published_round,
             member_from: standing_from(standing),
         }))
     }
@@ -938,9 +966,9 @@ pub async fn serve(
     });
     let (score_tx, score_rx) = mpsc::channel();
     if opened.fresh {
-        let record = json!({"round": 0, "step": 0, "tokens": 0,
-            "members": scope.members(), "owners": match &scope {
-                Scope::Spes(o) => o.owners().to_vec(), Scope::Diloco { .. } => Vec::new() }});
+        let (owners, members) = scope_lists(&scope);
+        let record =
+            json!({"round": 0, "step": 0, "tokens": 0, "members": members, "owners": owners});
         state.publish(&Publication {
             round: 0,
             global: &opened.global,

@@ -15,7 +15,7 @@ use std::time::Duration;
 fn rounds_after_a_node_dies_close_within_its_lease_and_it_is_evicted() {
     let tmp = tempfile::tempdir().unwrap();
     let data = data(tmp.path());
-    let lease = 3.0;
+    let lease = 5.0;
     let cfg = config(
         &data,
         "spes",
@@ -193,4 +193,47 @@ fn a_black_holed_connection_is_detected_and_retried_within_30_s() {
     );
     node.run().unwrap();
     server.finish();
+}
+
+#[test]
+fn a_new_node_restarts_a_run_whose_nodes_all_died() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(
+        &data,
+        "spes",
+        2,
+        &[
+            "train.max_steps=8",
+            "sync.lease_s=1",
+            "sync.evict_after_s=1",
+        ],
+    );
+    let out = tmp.path().join("server");
+    let server = Server::start(cfg.clone(), &out, None);
+    // Nodes 0 and 1 never come; once their leases have run out, node 5 joins and is admitted
+    // into the open round at once, then trains the whole run alone.
+    std::thread::sleep(Duration::from_millis(1500));
+    tch::set_num_threads(1);
+    let summary = Node::connect(spes_net::NodeOptions {
+        join: true,
+        ..node_options(&cfg, &server.url(), 5, tmp.path())
+    })
+    .unwrap()
+    .run()
+    .unwrap();
+    assert_eq!(summary.steps, 8);
+    assert_eq!(server.finish().rounds, 4);
+    let lines = metrics(&out);
+    assert_eq!(lines[1]["peers"], serde_json::json!([5]));
+    assert!(lines[1]["members"]
+        .as_array()
+        .unwrap()
+        .contains(&serde_json::json!(5)));
+    let last = lines.last().unwrap();
+    assert_eq!(
+        last["owners"],
+        serde_json::json!([5, 5, 5, 5, 5, 5, 5, 5]),
+        "{last}"
+    );
 }

@@ -422,11 +422,11 @@ fn dead_nodes_are_evicted_and_their_experts_adopted_and_joiners_admitted() {
     );
     // A stranger needs --join; peer 3 joins and becomes a member from round 3.
     assert_eq!(
-        c.join(3, 300, false, 14.0),
+        c.join(3, 103, false, 14.0),
         Err(RoundError::NotMember { peer: 3 })
     );
     assert_eq!(
-        c.join(3, 300, true, 14.0),
+        c.join(3, 103, true, 14.0),
         Ok(Standing::Joining { from: 3 })
     );
     assert_eq!(
