@@ -45,7 +45,7 @@ fn prepare_data(out: &Path) -> Result<PathBuf> {
 fn secret_files(out: &Path, nodes: usize) -> Result<(PathBuf, Vec<PathBuf>)> {
     let path = out.join("secret");
     if !path.exists() {
-        spes_data::shard::write_secret(&path, crate::new_secret()?.as_bytes())?;
+        spes_data::shard::write_secret(&path, crate::new_secret().as_bytes())?;
     }
     let secret = spes_net::auth::read_token(&path)?;
     let credentials = (0..nodes)

@@ -72,9 +72,9 @@ fn secret_from(file: Option<&Path>, env: &str) -> Result<Option<String>> {
 }
 
 /// 32 random bytes from the OS-seeded CSPRNG, as hex: a run secret.
-pub(crate) fn new_secret() -> Result<String> {
+pub(crate) fn new_secret() -> String {
     let bytes: [u8; 32] = rand::random();
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
@@ -712,7 +712,7 @@ fn run(cli: Cli) -> Result<()> {
                     out.display()
                 );
             }
-            spes_data::shard::write_secret(&out, new_secret()?.as_bytes())?;
+            spes_data::shard::write_secret(&out, new_secret().as_bytes())?;
             println!("wrote {} (owner-only): give it to `spes server --secret-file` and make node credentials with `spes credential`", out.display());
         }
         Command::Credential {

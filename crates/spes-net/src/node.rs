@@ -87,6 +87,8 @@ pub struct Node {
     pub trainer: Trainer,
     /// `owned[e]`: this node trains expert e in the current round (all of them in DiLoCo).
     owned: Vec<bool>,
+    /// The exact size of a published model on the wire; a server announcing another is refused.
+    global_bytes: u64,
     session: u64,
     /// Set by the heartbeat task when another process took this peer id.
     lost: Arc<Mutex<Option<String>>>,
@@ -217,6 +219,35 @@ fn session_of(out: &Path) -> Result<u64> {
     Ok(s)
 }
 
+/// Joins (or rejoins) the run as `peer`, retrying through outages.
+fn join_run(
+    rt: &tokio::runtime::Runtime,
+    client: &Client,
+    patience: Duration,
+    peer: usize,
+    session: u64,
+    join: bool,
+) -> Result<JoinReply, Status> {
+    retry(rt, patience, "join", || {
+        let mut c = client.clone();
+        let req = JoinRequest {
+            peer: peer as u32,
+            session,
+            join,
+        };
+        async move { c.join(call(req)).await }
+    })
+    .map(|r| r.into_inner())
+}
+
+/// Whether a node owning the experts marked in `owned` trains a parameter of this role.
+fn trains(owned: &[bool], role: Role) -> bool {
+    match role {
+        Role::Shared => true,
+        Role::Expert { index, .. } => owned[index],
+    }
+}
+
 /// Holds `<out>/lock` exclusively, so two nodes never share an output directory.
 fn lock_out(out: &Path) -> Result<std::fs::File> {
     let path = out.join("lock");
@@ -254,20 +285,8 @@ impl Node {
         let rt = tokio::runtime::Runtime::new()?;
         let client = rt.block_on(connect_client(&opts))?;
         let patience = Duration::from_secs_f64(opts.patience_s);
-        let join = opts.join;
-        let reply = retry(&rt, patience, "join", || {
-            let mut c = client.clone();
-            async move {
-                c.join(call(JoinRequest {
-                    peer: peer as u32,
-                    session,
-                    join,
-                }))
-                .await
-            }
-        })
-        .map_err(|e| explain(e, &opts.server))?
-        .into_inner();
+        let reply = join_run(&rt, &client, patience, peer, session, opts.join)
+            .map_err(|e| explain(e, &opts.server))?;
         let server_cfg =
             RunConfig::parse(&reply.config_toml, &[]).context("the server's config")?;
         check_compatible(&opts.cfg, &server_cfg)?;
@@ -300,6 +319,16 @@ impl Node {
             _ => ProgressBar::hidden(),
         };
         let n_experts = cfg.model.n_experts;
+        let shapes: Vec<(String, Vec<i64>)> = trainer
+            .model
+            .params()
+            .into_iter()
+            .map(|p| (p.name, p.tensor.size()))
+            .collect();
+        let global_bytes = payload::expected_size(
+            shapes.iter().map(|(n, s)| (n.as_str(), s.as_slice())),
+            cfg.sync.payload_dtype,
+        );
         let mut node = Node {
             peer,
             out: opts.out,
@@ -307,6 +336,7 @@ impl Node {
             client,
             trainer,
             owned: vec![false; n_experts],
+            global_bytes,
             session,
             lost: Arc::new(Mutex::new(None)),
             _lock: lock,
@@ -381,11 +411,7 @@ impl Node {
         if owned == self.owned && self.trainer.opt.param_names().next().is_some() {
             return;
         }
-        let mask = owned.clone();
-        let r = self.trainer.set_trainable(move |role| match role {
-            Role::Shared => true,
-            Role::Expert { index, .. } => mask[index],
-        });
+        let r = self.trainer.set_trainable(|role| trains(&owned, role));
         let experts: Vec<usize> = (0..owned.len()).filter(|&e| owned[e]).collect();
         if !r.fresh.is_empty() || !r.dropped.is_empty() {
             tracing::info!(
@@ -422,20 +448,15 @@ impl Node {
 
     /// Joins again (after an eviction) and waits until this node is a member.
     fn rejoin(&mut self) -> Result<()> {
-        let (peer, session, client) = (self.peer as u32, self.session, self.client.clone());
-        let reply = retry(&self.rt, self.patience, "join", || {
-            let mut c = client.clone();
-            async move {
-                c.join(call(JoinRequest {
-                    peer,
-                    session,
-                    join: false,
-                }))
-                .await
-            }
-        })
-        .map_err(|e| explain(e, "the server"))?
-        .into_inner();
+        let reply = join_run(
+            &self.rt,
+            &self.client,
+            self.patience,
+            self.peer,
+            self.session,
+            false,
+        )
+        .map_err(|e| explain(e, "the server"))?;
         let from = if reply.member_from > 0 {
             reply.member_from
         } else {
@@ -461,16 +482,9 @@ impl Node {
             .model
             .params()
             .into_iter()
-            .filter(|p| self.trains(p.role))
+            .filter(|p| trains(&self.owned, p.role))
             .map(|p| (p.name, p.tensor.detach()))
             .collect()
-    }
-
-    fn trains(&self, role: Role) -> bool {
-        match role {
-            Role::Shared => true,
-            Role::Expert { index, .. } => self.owned[index],
-        }
     }
 
     fn set_decayed_lb(&mut self) {
@@ -631,7 +645,7 @@ impl Node {
     /// ownership).
     fn fetch_and_load(&mut self, round: Option<u64>) -> Result<PayloadHeader> {
         let dest = self.out.join("global.safetensors.part");
-        let (peer, client) = (self.peer, self.client.clone());
+        let (peer, client, size) = (self.peer, self.client.clone(), self.global_bytes);
         let d = dest.clone();
         let fetched = retry(&self.rt, self.patience, "fetch", || {
             let mut c = client.clone();
@@ -646,6 +660,12 @@ impl Node {
                 req.set_timeout(FETCH_WAIT + CALL_TIMEOUT);
                 let mut stream = c.fetch(req).await?.into_inner();
                 let header = payload::read_header(&mut stream, IDLE).await?;
+                if header.total_bytes != size {
+                    return Err(Status::invalid_argument(format!(
+                        "the server announces a {}-byte model; this model takes exactly {size}",
+                        header.total_bytes
+                    )));
+                }
                 fault::point("download", header.round);
                 payload::receive_body(&mut stream, &d, &header, IDLE).await?;
                 Ok(header)

@@ -1,5 +1,5 @@
 //! `spes server`: a gRPC shell around the spes-sync [`Coordinator`], in three parts.
-//! [`open`] loads the restart point (falling back to the previous round if the newest file is
+//! [`open_state`] loads the restart point (falling back to the previous round if the newest file is
 //! corrupt) or creates θ⁰. The round closer, a thread, closes rounds when every live node
 //! uploaded or the round timed out, publishes each model durably (retrying on failure), then
 //! announces it; scoring runs on another thread, after the announcement. [`serve`] sets up tonic
@@ -27,8 +27,7 @@ use spes_data::shard::write_atomic;
 use spes_data::ValWindows;
 use spes_model::MoeModel;
 use spes_sync::{
-    Combine, Coordinator, Layout, MergeSchedule, Named, Ownership, RoundReport, RoundRules, Scope,
-    Standing,
+    Combine, Coordinator, Layout, MergeSchedule, Named, RoundReport, RoundRules, Scope, Standing,
 };
 use spes_train::trainer::MetricsLog;
 use spes_train::{AggregateRule, Mode, RunConfig};
@@ -108,19 +107,6 @@ struct PublishedRound {
     members: Vec<usize>,
 }
 
-impl PublishedRound {
-    /// The scope of the round after this one.
-    fn next_scope(&self) -> Result<Scope> {
-        Ok(if self.owners.is_empty() {
-            Scope::Diloco {
-                members: self.members.iter().copied().collect(),
-            }
-        } else {
-            Scope::Spes(Ownership::from_owners(self.owners.clone())?)
-        })
-    }
-}
-
 /// The restart point, rewritten atomically after each published round.
 #[derive(Serialize, Deserialize)]
 struct ServerState {
@@ -139,6 +125,14 @@ const FORMAT_VERSION: u32 = 2;
 impl ServerState {
     fn newest(&self) -> &PublishedRound {
         self.rounds.last().expect("round 0 is always published")
+    }
+
+    /// Writes `<out>/server.json` atomically.
+    fn save(&self, out: &Path) -> Result<()> {
+        write_atomic(
+            &out.join(STATE_FILE),
+            serde_json::to_string_pretty(self)?.as_bytes(),
+        )
     }
 }
 
@@ -245,8 +239,8 @@ impl State {
             bytes,
             xxh3: format!("{xxh3:016x}"),
             tokens: p.tokens,
-            owners: scope_lists(p.next).0,
-            members: scope_lists(p.next).1,
+            owners: p.next.owners(),
+            members: p.next.members().into_iter().collect(),
         };
         {
             let mut st = self.progress.lock().unwrap();
@@ -256,10 +250,7 @@ impl State {
             st.rounds.drain(..excess);
             st.gone = p.gone.iter().copied().collect();
             st.record = p.record.clone();
-            write_atomic(
-                &self.out.join(STATE_FILE),
-                serde_json::to_string_pretty(&*st)?.as_bytes(),
-            )?;
+            st.save(&self.out)?;
         }
         if p.round >= 2 {
             let _ = std::fs::remove_file(self.round_path(p.round - 2));
@@ -300,11 +291,9 @@ impl State {
         if scope.members() != before {
             let mut st = self.progress.lock().unwrap();
             if let Some(newest) = st.rounds.last_mut().filter(|r| r.round == published) {
-                (newest.owners, newest.members) = scope_lists(&scope);
-                let written = serde_json::to_string_pretty(&*st)
-                    .map_err(anyhow::Error::from)
-                    .and_then(|text| write_atomic(&self.out.join(STATE_FILE), text.as_bytes()));
-                if let Err(e) = written {
+                newest.owners = scope.owners();
+                newest.members = scope.members().into_iter().collect();
+                if let Err(e) = st.save(&self.out) {
                     tracing::error!("cannot record the new members: {e:#}");
                 }
             }
@@ -355,15 +344,6 @@ impl State {
             self.cfg.sync.payload_dtype,
         )
     }
-}
-
-/// A scope as persisted: `owners[e]` (empty in DiLoCo mode) and the members.
-fn scope_lists(scope: &Scope) -> (Vec<usize>, Vec<usize>) {
-    let owners = match scope {
-        Scope::Spes(o) => o.owners().to_vec(),
-        Scope::Diloco { .. } => Vec::new(),
-    };
-    (owners, scope.members().into_iter().collect())
 }
 
 fn round_path(out: &Path, round: u64) -> PathBuf {
@@ -610,7 +590,7 @@ impl State {
     }
 }
 
-/// What [`open`] found or made.
+/// What [`open_state`] found or made.
 struct Opened {
     model: MoeModel,
     global: Named,
@@ -668,7 +648,7 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
                 "{} is missing or corrupt; falling back to the round before it",
                 path.display()
             );
-            write_atomic(&state_path, serde_json::to_string_pretty(&st)?.as_bytes())?;
+            st.save(&opts.out)?;
         }
         anyhow::bail!(
             "{}: no published round is intact; move --out aside to start over",
@@ -909,7 +889,7 @@ pub async fn serve(
     let layout = Layout::of(&opened.model);
     let (scope, published_round, gone) = match opened.progress.rounds.last() {
         Some(newest) => (
-            newest.next_scope()?,
+            Scope::from_lists(&newest.owners, &newest.members)?,
             newest.round,
             opened.progress.gone.iter().copied().collect(),
         ),
@@ -966,9 +946,8 @@ pub async fn serve(
     });
     let (score_tx, score_rx) = mpsc::channel();
     if opened.fresh {
-        let (owners, members) = scope_lists(&scope);
-        let record =
-            json!({"round": 0, "step": 0, "tokens": 0, "members": members, "owners": owners});
+        let record = json!({"round": 0, "step": 0, "tokens": 0,
+            "members": scope.members(), "owners": scope.owners()});
         state.publish(&Publication {
             round: 0,
             global: &opened.global,

@@ -422,10 +422,7 @@ impl Coordinator {
             step,
             peers,
             missing,
-            owners: match &scope {
-                Scope::Spes(o) => o.owners().to_vec(),
-                Scope::Diloco { .. } => Vec::new(),
-            },
+            owners: scope.owners(),
             members: members.into_iter().collect(),
             merge_alpha,
             merges,

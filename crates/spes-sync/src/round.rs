@@ -68,6 +68,26 @@ impl Scope {
         matches!((self, role), (Scope::Diloco { .. }, _) | (_, Role::Shared))
     }
 
+    /// `owners()[e]`: the member owning expert e (empty in DiLoCo mode, where all train all).
+    pub fn owners(&self) -> Vec<usize> {
+        match self {
+            Scope::Spes(o) => o.owners().to_vec(),
+            Scope::Diloco { .. } => Vec::new(),
+        }
+    }
+
+    /// The scope that [`Scope::owners`] and [`Scope::members`] describe (as sent or persisted):
+    /// SPES when there are owners, else DiLoCo over `members`.
+    pub fn from_lists(owners: &[usize], members: &[usize]) -> Result<Scope> {
+        Ok(if owners.is_empty() {
+            Scope::Diloco {
+                members: members.iter().copied().collect(),
+            }
+        } else {
+            Scope::Spes(Ownership::from_owners(owners.to_vec())?)
+        })
+    }
+
     /// The same rule over other members (SPES: ownership rebalanced, see [`Ownership::rebalance`]).
     pub fn with_members(&self, members: &BTreeSet<usize>) -> Result<Scope> {
         Ok(match self {
