@@ -18,9 +18,12 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use serde_json::json;
 use spes_model::{MoeModel, Role};
+use spes_sync::delta;
 use spes_sync::Named;
 use spes_train::trainer::MetricsLog;
+use spes_train::Wire;
 use spes_train::{checkpoint, Mode, RunConfig, Trainer};
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -82,13 +85,21 @@ pub struct NodeSummary {
 pub struct Node {
     peer: usize,
     out: PathBuf,
-    rt: tokio::runtime::Runtime,
-    client: Client,
+    /// Owns the runtime that `link` and the heartbeat task run on.
+    _rt: tokio::runtime::Runtime,
+    link: Link,
     pub trainer: Trainer,
     /// `owned[e]`: this node trains expert e in the current round (all of them in DiLoCo).
     owned: Vec<bool>,
-    /// The exact size of a published model on the wire; a server announcing another is refused.
-    global_bytes: u64,
+    /// Delta wire: the last loaded global model's trained tensors, in fp32.
+    base: Option<Base>,
+    /// Delta wire: the deltas of the last upload that a later load needs (own experts, or all
+    /// of them with overlap), by name.
+    sent: HashMap<String, Tensor>,
+    expert_names: HashSet<String>,
+    /// Overlap: the upload and fetch running while training goes on.
+    pending: Option<Pending>,
+    round_compute_s: f64,
     session: u64,
     /// Set by the heartbeat task when another process took this peer id.
     lost: Arc<Mutex<Option<String>>>,
@@ -96,7 +107,6 @@ pub struct Node {
     progress: Progress,
     bar: ProgressBar,
     log: MetricsLog,
-    patience: Duration,
     bytes_up: u64,
     bytes_down: u64,
     window: (u64, f64),
@@ -221,7 +231,7 @@ fn session_of(out: &Path) -> Result<u64> {
 
 /// Joins (or rejoins) the run as `peer`, retrying through outages.
 fn join_run(
-    rt: &tokio::runtime::Runtime,
+    rt: &tokio::runtime::Handle,
     client: &Client,
     patience: Duration,
     peer: usize,
@@ -266,6 +276,172 @@ fn lock_out(out: &Path) -> Result<std::fs::File> {
     Ok(f)
 }
 
+/// The last loaded global model's trained tensors (fp32, on the node's device), and its round.
+struct Base {
+    round: u64,
+    values: HashMap<String, Tensor>,
+}
+
+impl Base {
+    /// Copies the trainable tensors of `model`, which holds round `round` exactly.
+    fn of(model: &MoeModel, round: u64) -> Base {
+        Base {
+            round,
+            values: model
+                .trainable_params()
+                .into_iter()
+                .map(|p| (p.name, p.tensor.detach().copy()))
+                .collect(),
+        }
+    }
+}
+
+/// What to fetch.
+#[derive(Clone, Copy, Debug)]
+struct Ask {
+    /// `None`: the newest round.
+    round: Option<u64>,
+    have_previous: bool,
+    skip_own: bool,
+}
+
+impl Ask {
+    fn newest() -> Ask {
+        Ask {
+            round: None,
+            have_previous: false,
+            skip_own: false,
+        }
+    }
+}
+
+/// How an upload and the fetch after it went.
+enum Exchange {
+    Fetched {
+        header: PayloadHeader,
+        path: PathBuf,
+        up: u64,
+    },
+    UploadRefused(Status),
+    FetchFailed {
+        status: Status,
+        up: u64,
+    },
+}
+
+/// An upload and fetch running on another thread (overlap), and when it started.
+struct Pending {
+    thread: std::thread::JoinHandle<Exchange>,
+    started: Instant,
+    round: u64,
+}
+
+/// The node's side of the network: the client and what its calls need. Cloneable, so the
+/// overlap thread can run an exchange while the node trains.
+#[derive(Clone)]
+struct Link {
+    handle: tokio::runtime::Handle,
+    client: Client,
+    peer: usize,
+    session: u64,
+    patience: Duration,
+    out: PathBuf,
+    /// The exact size of a whole fp32 model on the wire; a server announcing another is refused.
+    full_bytes: u64,
+    /// The most a delta may take: every tensor in bf16, with room for the parts' headers.
+    delta_max: u64,
+}
+
+impl Link {
+    /// Uploads the file at `path` for `round`.
+    fn upload(&self, round: u64, path: &Path, size: u64, xxh3: u64) -> Result<(), Status> {
+        let header = PayloadHeader {
+            peer: self.peer as u32,
+            round,
+            total_bytes: size,
+            parts: vec![payload::part(size, xxh3)],
+            session: self.session,
+            ..Default::default()
+        };
+        let client = self.client.clone();
+        retry(&self.handle, self.patience, "upload", || {
+            let (mut c, path, header) = (client.clone(), path.to_owned(), header.clone());
+            async move {
+                let stream = payload::send(vec![path], header, move |i| {
+                    if i == 0 {
+                        fault::point("upload", round);
+                    }
+                });
+                let stream = tokio_stream::StreamExt::filter_map(stream, |r| r.ok());
+                c.upload(stream).await
+            }
+        })
+        .map(|_| ())
+    }
+
+    /// Fetches a round (waiting for it) into `<out>/global.safetensors.part`.
+    fn fetch(&self, ask: &Ask) -> Result<(PayloadHeader, PathBuf), Status> {
+        let dest = self.out.join("global.safetensors.part");
+        let (peer, client, full, delta_max) = (
+            self.peer,
+            self.client.clone(),
+            self.full_bytes,
+            self.delta_max,
+        );
+        let d = dest.clone();
+        let ask = *ask;
+        let header = retry(&self.handle, self.patience, "fetch", || {
+            let mut c = client.clone();
+            let d = d.clone();
+            async move {
+                let mut req = Request::new(FetchRequest {
+                    peer: peer as u32,
+                    round: ask.round.unwrap_or(0),
+                    newest: ask.round.is_none(),
+                    wait_ms: FETCH_WAIT.as_millis() as u32,
+                    have_previous: ask.have_previous,
+                    skip_own: ask.skip_own,
+                });
+                req.set_timeout(FETCH_WAIT + CALL_TIMEOUT);
+                let mut stream = c.fetch(req).await?.into_inner();
+                let header = payload::read_header(&mut stream, IDLE).await?;
+                let fits = if header.delta {
+                    ask.have_previous && header.total_bytes <= delta_max
+                } else {
+                    header.total_bytes == full
+                };
+                if !fits {
+                    return Err(Status::invalid_argument(format!(
+                        "the server announces a {}-byte {}; this model takes exactly {full} \
+                         bytes in fp32 and at most {delta_max} as a delta",
+                        header.total_bytes,
+                        if header.delta { "delta" } else { "model" },
+                    )));
+                }
+                fault::point("download", header.round);
+                payload::receive_body(&mut stream, &d, &header, IDLE).await?;
+                Ok(header)
+            }
+        })?;
+        Ok((header, dest))
+    }
+
+    /// Uploads round `round`, then fetches it as `ask` says.
+    fn exchange(&self, round: u64, path: &Path, size: u64, xxh3: u64, ask: Ask) -> Exchange {
+        let sent = self.upload(round, path, size, xxh3);
+        let _ = std::fs::remove_file(path);
+        let up = match sent {
+            Ok(()) => size,
+            Err(s) if refusal::kind(&s) == Some(Refused::Duplicate) => 0,
+            Err(s) => return Exchange::UploadRefused(s),
+        };
+        match self.fetch(&ask) {
+            Ok((header, path)) => Exchange::Fetched { header, path, up },
+            Err(status) => Exchange::FetchFailed { status, up },
+        }
+    }
+}
+
 impl Node {
     /// Connects, joins, and brings a fresh or resumed trainer to the newest published model
     /// (or, for a node joining a running run, to the round it becomes a member from).
@@ -285,7 +461,7 @@ impl Node {
         let rt = tokio::runtime::Runtime::new()?;
         let client = rt.block_on(connect_client(&opts))?;
         let patience = Duration::from_secs_f64(opts.patience_s);
-        let reply = join_run(&rt, &client, patience, peer, session, opts.join)
+        let reply = join_run(rt.handle(), &client, patience, peer, session, opts.join)
             .map_err(|e| explain(e, &opts.server))?;
         let server_cfg =
             RunConfig::parse(&reply.config_toml, &[]).context("the server's config")?;
@@ -325,25 +501,44 @@ impl Node {
             .into_iter()
             .map(|p| (p.name, p.tensor.size()))
             .collect();
-        let global_bytes = payload::expected_size(
-            shapes.iter().map(|(n, s)| (n.as_str(), s.as_slice())),
-            cfg.sync.payload_dtype,
-        );
+        let entries = || shapes.iter().map(|(n, s)| (n.as_str(), s.as_slice()));
+        let full_bytes = payload::expected_size(entries(), Kind::Float);
+        let delta_max = 2 * payload::expected_size(entries(), Kind::BFloat16);
+        let expert_names = trainer
+            .model
+            .params()
+            .into_iter()
+            .filter(|p| matches!(p.role, Role::Expert { .. }))
+            .map(|p| p.name)
+            .collect();
+        let link = Link {
+            handle: rt.handle().clone(),
+            client,
+            peer,
+            session,
+            patience,
+            out: opts.out.clone(),
+            full_bytes,
+            delta_max,
+        };
         let mut node = Node {
             peer,
             out: opts.out,
-            rt,
-            client,
+            _rt: rt,
+            link,
             trainer,
             owned: vec![false; n_experts],
-            global_bytes,
+            base: None,
+            sent: HashMap::new(),
+            expert_names,
+            pending: None,
+            round_compute_s: 0.0,
             session,
             lost: Arc::new(Mutex::new(None)),
             _lock: lock,
             progress: opts.progress,
             bar,
             log,
-            patience,
             bytes_up: 0,
             bytes_down: 0,
             window: (0, 0.0),
@@ -372,6 +567,52 @@ impl Node {
             .map(|e| reply.owned_experts.contains(&(e as u32)))
             .collect();
         self.set_owned(owned);
+        if self.trainer.cfg.sync.wire == Wire::Bf16Delta {
+            if !self.trainer.cfg.sync.overlap && self.trainer.step.is_multiple_of(h) {
+                // Saved right after loading round `at`: the trained tensors are that round's.
+                self.base = Some(Base::of(&self.trainer.model, at));
+            } else {
+                self.fetch_base(at)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes round `round`'s trained tensors as the delta base, keeping the weights (which
+    /// hold progress made since that round).
+    fn fetch_base(&mut self, round: u64) -> Result<()> {
+        let ask = Ask {
+            round: Some(round),
+            have_previous: false,
+            skip_own: false,
+        };
+        let (header, path) = match self.link.fetch(&ask) {
+            Ok(f) => f,
+            Err(s) if s.code() == Code::NotFound => {
+                tracing::warn!(
+                    "node {}: {}; taking the newest model",
+                    self.peer,
+                    s.message()
+                );
+                let header = self.fetch_and_load(None)?;
+                return self.follow(&header);
+            }
+            Err(s) => return Err(explain(s, "the server")),
+        };
+        let named = payload::read_parts(&path, &header.parts);
+        let _ = std::fs::remove_file(&path);
+        let mut named: HashMap<String, Tensor> = named?.into_iter().collect();
+        let mut values = HashMap::new();
+        for p in self.trainer.model.trainable_params() {
+            let t = named
+                .remove(&p.name)
+                .with_context(|| format!("round {round} from the server lacks `{}`", p.name))?;
+            values.insert(
+                p.name,
+                t.to_device(self.trainer.device).to_kind(Kind::Float),
+            );
+        }
+        self.base = Some(Base { round, values });
         Ok(())
     }
 
@@ -381,10 +622,10 @@ impl Node {
         let (peer, session, client, lost) = (
             self.peer as u32,
             self.session,
-            self.client.clone(),
+            self.link.client.clone(),
             self.lost.clone(),
         );
-        self.rt.spawn(async move {
+        self.link.handle.spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
                 let mut c = client.clone();
@@ -412,6 +653,26 @@ impl Node {
             return;
         }
         let r = self.trainer.set_trainable(|role| trains(&owned, role));
+        if let Some(base) = &mut self.base {
+            let overlap = self.trainer.cfg.sync.overlap;
+            for p in self.trainer.model.params() {
+                let now = p.tensor.requires_grad();
+                match (base.values.contains_key(&p.name), now) {
+                    // A newly trained tensor was frozen: it holds the global value.
+                    (false, true) => {
+                        base.values.insert(p.name, p.tensor.detach().copy());
+                    }
+                    // A dropped one goes back to the global value (overlap progress is lost).
+                    (true, false) => {
+                        let b = base.values.remove(&p.name).expect("present");
+                        if overlap {
+                            tch::no_grad(|| p.tensor.shallow_clone().copy_(&b));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
         let experts: Vec<usize> = (0..owned.len()).filter(|&e| owned[e]).collect();
         if !r.fresh.is_empty() || !r.dropped.is_empty() {
             tracing::info!(
@@ -449,9 +710,9 @@ impl Node {
     /// Joins again (after an eviction) and waits until this node is a member.
     fn rejoin(&mut self) -> Result<()> {
         let reply = join_run(
-            &self.rt,
-            &self.client,
-            self.patience,
+            &self.link.handle,
+            &self.link.client,
+            self.link.patience,
             self.peer,
             self.session,
             false,
@@ -524,6 +785,7 @@ impl Node {
             }
             self.window.0 += s.tokens;
             self.window.1 += s.seconds;
+            self.round_compute_s += s.seconds;
             let step = self.trainer.step;
             fault::point("train", step);
             if step.is_multiple_of(log_every) || step.is_multiple_of(h) {
@@ -535,10 +797,57 @@ impl Node {
                 self.report(record, format!("loss {:.3} | {tps:.0} tok/s", s.loss));
             }
             self.bar.set_position(step);
-            if step.is_multiple_of(h) {
-                return Ok(self.upload_tensors());
+            if self
+                .pending
+                .as_ref()
+                .is_some_and(|p| p.thread.is_finished())
+            {
+                self.settle_pending()?;
+            }
+            if self.trainer.step.is_multiple_of(h) {
+                // The previous round must be in before this one's delta is taken from it.
+                let before = self.trainer.step;
+                if self.pending.is_some() {
+                    self.settle_pending()?;
+                }
+                if self.trainer.step == before {
+                    return Ok(self.upload_tensors());
+                }
             }
         }
+    }
+
+    /// Overlap: uploads and fetches the round that ends now on another thread while this one
+    /// trains on; the result is applied when it is in ([`Node::train_round`]).
+    fn start_sync(&mut self, upload: &Named) -> Result<()> {
+        self.check_lost()?;
+        let round = self.trainer.step / self.trainer.cfg.sync.sync_steps;
+        let (path, size, xxh3) = self.write_upload(upload)?;
+        let ask = self.fetch_ask(round);
+        let link = self.link.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("sync-{round}"))
+            .spawn(move || link.exchange(round, &path, size, xxh3, ask))?;
+        self.pending = Some(Pending {
+            thread,
+            started: Instant::now(),
+            round,
+        });
+        Ok(())
+    }
+
+    /// Waits for the overlapped exchange (if still running) and applies it.
+    fn settle_pending(&mut self) -> Result<()> {
+        let Some(p) = self.pending.take() else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        let exchange = p
+            .thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("node {}: the sync thread panicked", self.peer))?;
+        self.settle(exchange, p.round, p.started, t.elapsed().as_secs_f64())?;
+        Ok(())
     }
 
     fn report(&self, mut record: serde_json::Value, message: String) {
@@ -553,50 +862,97 @@ impl Node {
         }
     }
 
+    /// The wire form of `upload` (the tensors this node trains, as values): whole fp32 tensors,
+    /// or bf16 deltas from the last global model, kept in `self.sent` as the round needs them.
+    /// Writes it to `<out>/upload.safetensors`; returns the file's size and checksum.
+    fn write_upload(&mut self, upload: &Named) -> Result<(PathBuf, u64, u64)> {
+        let path = self.out.join("upload.safetensors");
+        let (size, xxh3) = match &self.base {
+            Some(base) if self.trainer.cfg.sync.wire == Wire::Bf16Delta => {
+                let keep_all = self.trainer.cfg.sync.overlap;
+                let mut wire = Vec::with_capacity(upload.len());
+                self.sent.clear();
+                for (name, t) in upload {
+                    let b = base.values.get(name).with_context(|| {
+                        format!("node {}: no base copy of trained `{name}`", self.peer)
+                    })?;
+                    let d = delta::encode(t, b);
+                    if keep_all || self.expert_names.contains(name) {
+                        self.sent.insert(name.clone(), d.shallow_clone());
+                    }
+                    wire.push((name.clone(), d));
+                }
+                payload::write(&path, &wire, Kind::BFloat16)?
+            }
+            _ => payload::write(&path, upload, Kind::Float)?,
+        };
+        Ok((path, size, xxh3))
+    }
+
     /// Uploads `upload` for the round that ends at the current step, then loads the aggregate
     /// (or whatever round the server says to load). Returns the round now loaded.
     pub fn sync(&mut self, upload: &Named) -> Result<u64> {
+        self.check_lost()?;
+        let t0 = Instant::now();
+        let round = self.trainer.step / self.trainer.cfg.sync.sync_steps;
+        let (path, size, xxh3) = self.write_upload(upload)?;
+        let ask = self.fetch_ask(round);
+        let exchange = self.link.exchange(round, &path, size, xxh3, ask);
+        self.settle(exchange, round, t0, t0.elapsed().as_secs_f64())
+    }
+
+    fn check_lost(&self) -> Result<()> {
         if let Some(why) = self.lost.lock().unwrap().clone() {
             bail!(
                 "node {}: another process took this peer id: {why}",
                 self.peer
             );
         }
-        let t0 = Instant::now();
-        let h = self.trainer.cfg.sync.sync_steps;
-        let round = self.trainer.step / h;
-        let path = self.out.join("upload.safetensors");
-        let (size, xxh3) = payload::write(&path, upload, self.trainer.cfg.sync.payload_dtype)?;
-        let header = PayloadHeader {
-            peer: self.peer as u32,
-            round,
-            total_bytes: size,
-            xxh3,
-            session: self.session,
-            owners: Vec::new(),
-            members: Vec::new(),
-        };
-        let client = self.client.clone();
-        let sent = retry(&self.rt, self.patience, "upload", || {
-            let (mut c, path, header) = (client.clone(), path.clone(), header.clone());
-            async move {
-                let stream = payload::send(&path, header, move |i| {
-                    if i == 0 {
-                        fault::point("upload", round);
-                    }
-                });
-                let stream = tokio_stream::StreamExt::filter_map(stream, |r| r.ok());
-                c.upload(stream).await
+        Ok(())
+    }
+
+    /// How to fetch round `round`: as a delta if this node holds round − 1 exactly.
+    fn fetch_ask(&self, round: u64) -> Ask {
+        let have_previous = self.base.as_ref().is_some_and(|b| b.round + 1 == round);
+        Ask {
+            round: Some(round),
+            have_previous,
+            skip_own: have_previous && self.trainer.cfg.sync.skip_own_experts,
+        }
+    }
+
+    /// Acts on how an upload and fetch went: loads the fetched round, or whatever round the
+    /// server's refusal names; then follows the round's ownership and checkpoints.
+    fn settle(
+        &mut self,
+        exchange: Exchange,
+        round: u64,
+        t0: Instant,
+        waited_s: f64,
+    ) -> Result<u64> {
+        let (up, target) = match exchange {
+            Exchange::Fetched { header, path, up } => {
+                self.bytes_up += up;
+                let down = header.total_bytes;
+                self.load(&header, &path)?;
+                self.follow(&header)?;
+                return self.finish_sync(t0, waited_s, up, down);
             }
-        });
-        let _ = std::fs::remove_file(&path);
-        let target = match sent {
-            Ok(_) => {
-                self.bytes_up += size;
-                Some(round)
+            Exchange::FetchFailed { status, up } => {
+                self.bytes_up += up;
+                if status.code() == Code::NotFound {
+                    tracing::warn!(
+                        "node {}: {}; taking the newest model",
+                        self.peer,
+                        status.message()
+                    );
+                    (up, None)
+                } else {
+                    return Err(explain(status, "the server"));
+                }
             }
-            Err(s) => match (refusal::kind(&s), refusal::of_status(&s)) {
-                (Some(Refused::Duplicate), _) => Some(round),
+            Exchange::UploadRefused(s) => match (refusal::kind(&s), refusal::of_status(&s)) {
+                (Some(Refused::Duplicate), _) => (0, Some(round)),
                 (Some(Refused::Closed), Some(r)) => {
                     tracing::warn!(
                         "node {}: {}; loading round {}",
@@ -604,7 +960,7 @@ impl Node {
                         s.message(),
                         r.round
                     );
-                    Some(r.round)
+                    (0, Some(r.round))
                 }
                 (Some(Refused::NotOpen), Some(r)) if r.round <= round => {
                     tracing::warn!(
@@ -612,67 +968,56 @@ impl Node {
                         self.peer,
                         r.round
                     );
-                    None
+                    (0, None)
                 }
                 (Some(Refused::NotMember), _) => {
                     tracing::warn!("node {}: {}", self.peer, s.message());
                     self.rejoin()?;
-                    return self.finish_sync(t0, size, 0);
+                    return self.finish_sync(t0, waited_s, 0, 0);
                 }
                 _ => return Err(explain(s, "the server")),
             },
         };
+        // This node's upload did not count (or its fate is unknown): its own experts come back
+        // from the server too.
+        self.sent.clear();
         let header = self.fetch_and_load(target)?;
         self.follow(&header)?;
-        self.finish_sync(t0, size, header.total_bytes)
+        let waited_s = waited_s + t0.elapsed().as_secs_f64();
+        self.finish_sync(t0, waited_s, up, header.total_bytes)
     }
 
-    fn finish_sync(&mut self, t0: Instant, up: u64, down: u64) -> Result<u64> {
-        let loaded = self.trainer.step / self.trainer.cfg.sync.sync_steps;
+    fn finish_sync(&mut self, t0: Instant, waited_s: f64, up: u64, down: u64) -> Result<u64> {
+        let h = self.trainer.cfg.sync.sync_steps;
+        let loaded = self
+            .base
+            .as_ref()
+            .map(|b| b.round)
+            .unwrap_or(self.trainer.step / h);
         self.trainer
             .save_checkpoint(&self.out.join("checkpoints"))?;
         let record = json!({
             "event": "sync", "step": self.trainer.step, "round": loaded, "bytes_up": up,
-            "bytes_down": down, "sync_s": t0.elapsed().as_secs_f64(),
+            "bytes_down": down, "sync_s": t0.elapsed().as_secs_f64(), "wait_s": waited_s,
+            "compute_s": std::mem::take(&mut self.round_compute_s),
         });
         self.log.write(record.clone())?;
         self.report(record, format!("synced round {loaded}"));
         Ok(loaded)
     }
 
-    /// Fetches round `round` (waiting for it) or the newest and loads it; the trainer's step
-    /// becomes that round's last step. Returns the payload's header (with the next round's
-    /// ownership).
+    /// Fetches round `round` (waiting for it) or the newest and loads it; without overlap the
+    /// trainer's step becomes that round's last step. Returns the payload's header (with the
+    /// next round's ownership).
     fn fetch_and_load(&mut self, round: Option<u64>) -> Result<PayloadHeader> {
-        let dest = self.out.join("global.safetensors.part");
-        let (peer, client, size) = (self.peer, self.client.clone(), self.global_bytes);
-        let d = dest.clone();
-        let fetched = retry(&self.rt, self.patience, "fetch", || {
-            let mut c = client.clone();
-            let d = d.clone();
-            async move {
-                let mut req = Request::new(FetchRequest {
-                    peer: peer as u32,
-                    round: round.unwrap_or(0),
-                    newest: round.is_none(),
-                    wait_ms: FETCH_WAIT.as_millis() as u32,
-                });
-                req.set_timeout(FETCH_WAIT + CALL_TIMEOUT);
-                let mut stream = c.fetch(req).await?.into_inner();
-                let header = payload::read_header(&mut stream, IDLE).await?;
-                if header.total_bytes != size {
-                    return Err(Status::invalid_argument(format!(
-                        "the server announces a {}-byte model; this model takes exactly {size}",
-                        header.total_bytes
-                    )));
-                }
-                fault::point("download", header.round);
-                payload::receive_body(&mut stream, &d, &header, IDLE).await?;
-                Ok(header)
-            }
-        });
-        let header = match fetched {
-            Ok(h) => h,
+        let mut ask = match round {
+            Some(r) => self.fetch_ask(r),
+            None => Ask::newest(),
+        };
+        // Only a counted upload is published verbatim; otherwise take the own experts too.
+        ask.skip_own &= !self.sent.is_empty();
+        let (header, path) = match self.link.fetch(&ask) {
+            Ok(f) => f,
             // The server keeps only recent rounds; a node that fell behind takes the newest.
             Err(s) if s.code() == Code::NotFound && round.is_some() => {
                 tracing::warn!(
@@ -684,25 +1029,134 @@ impl Node {
             }
             Err(s) => return Err(explain(s, "the server")),
         };
-        let named = payload::read(&dest)?;
-        let _ = std::fs::remove_file(&dest);
-        let source = format!("global model of round {}", header.round);
-        self.trainer.model.load(&named, &source)?;
-        self.trainer.step = header.round * self.trainer.cfg.sync.sync_steps;
-        self.bytes_down += header.total_bytes;
+        self.load(&header, &path)?;
         Ok(header)
+    }
+
+    /// Loads a fetched payload: a whole model, or a delta applied to the fp32 base this node
+    /// keeps (bit-identical to the server's model, see spes-sync's `delta`). With overlap, the
+    /// progress made since the upload is kept on top: θ ← global + (θ_now − θ_uploaded).
+    fn load(&mut self, header: &PayloadHeader, path: &Path) -> Result<()> {
+        let named = payload::read_parts(path, &header.parts);
+        let _ = std::fs::remove_file(path);
+        let named = named?;
+        let source = format!("round {} from the server", header.round);
+        let h = self.trainer.cfg.sync.sync_steps;
+        let keep_progress =
+            self.trainer.cfg.sync.overlap && self.trainer.step > header.round * h && header.delta;
+        if header.delta {
+            self.apply_delta(header, named, keep_progress, &source)?;
+        } else {
+            self.trainer.model.load(&named, &source)?;
+            drop(named);
+            self.base = (self.trainer.cfg.sync.wire == Wire::Bf16Delta)
+                .then(|| Base::of(&self.trainer.model, header.round));
+        }
+        self.sent.clear();
+        if !keep_progress {
+            self.trainer.step = header.round * h;
+        }
+        self.bytes_down += header.total_bytes;
+        Ok(())
+    }
+
+    fn apply_delta(
+        &mut self,
+        header: &PayloadHeader,
+        named: Named,
+        keep_progress: bool,
+        source: &str,
+    ) -> Result<()> {
+        let base = self
+            .base
+            .as_mut()
+            .filter(|b| b.round + 1 == header.round)
+            .with_context(|| {
+                format!(
+                    "{source}: a delta, but this node does not hold round {}",
+                    header.round.saturating_sub(1)
+                )
+            })?;
+        let params = self.trainer.model.params();
+        let mut deltas: HashMap<String, Tensor> = HashMap::with_capacity(named.len());
+        for (name, d) in named {
+            let p = params
+                .iter()
+                .find(|p| p.name == name)
+                .with_context(|| format!("{source}: unknown tensor `{name}`"))?;
+            if d.size() != p.tensor.size() || d.kind() != Kind::BFloat16 {
+                bail!(
+                    "{source}: `{name}` is {:?} {:?}, expected a bf16 delta of shape {:?}",
+                    d.kind(),
+                    d.size(),
+                    p.tensor.size()
+                );
+            }
+            deltas.insert(name, d);
+        }
+        if header.skipped_own {
+            for (name, d) in &self.sent {
+                if self.expert_names.contains(name) {
+                    deltas
+                        .entry(name.clone())
+                        .or_insert_with(|| d.shallow_clone());
+                }
+            }
+        }
+        tch::no_grad(|| -> Result<()> {
+            for p in &params {
+                let d = deltas.get(&p.name);
+                let mut theta = p.tensor.shallow_clone();
+                match base.values.get_mut(&p.name) {
+                    Some(b) => {
+                        let progress = if keep_progress {
+                            let sent = self.sent.get(&p.name).with_context(|| {
+                                format!("{source}: no uploaded delta of `{}` kept", p.name)
+                            })?;
+                            Some(&theta - delta::apply(b, sent))
+                        } else {
+                            None
+                        };
+                        if let Some(d) = d {
+                            delta::apply_(b, d);
+                        }
+                        theta.copy_(b);
+                        if let Some(pr) = progress {
+                            let _ = theta.g_add_(&pr);
+                        }
+                    }
+                    None => {
+                        if let Some(d) = d {
+                            delta::apply_(&mut theta, d);
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        base.round = header.round;
+        Ok(())
     }
 
     /// Trains and syncs until `max_steps`, tells the server, then writes `<out>/summary.json`.
     pub fn run(mut self) -> Result<NodeSummary> {
-        while self.trainer.step < self.trainer.cfg.train.max_steps {
+        let (max, overlap) = (
+            self.trainer.cfg.train.max_steps,
+            self.trainer.cfg.sync.overlap,
+        );
+        while self.trainer.step < max {
             let upload = self.train_round()?;
-            self.sync(&upload)?;
+            // The last round is always waited for, so every node ends on the final model.
+            if overlap && self.trainer.step < max {
+                self.start_sync(&upload)?;
+            } else {
+                self.sync(&upload)?;
+            }
         }
         self.bar.finish_and_clear();
-        let (peer, client) = (self.peer, self.client.clone());
+        let (peer, client) = (self.peer, self.link.client.clone());
         // Best effort: a server already gone has nothing left to wait for.
-        let said = retry(&self.rt, Duration::from_secs(10), "done", || {
+        let said = retry(&self.link.handle, Duration::from_secs(10), "done", || {
             let mut c = client.clone();
             async move { c.done(call(DoneRequest { peer: peer as u32 })).await }
         });
@@ -743,7 +1197,7 @@ impl Node {
 
 /// Runs `call` until it succeeds, fails for good, or `patience` ran out on transient errors.
 fn retry<T, F, Fut>(
-    rt: &tokio::runtime::Runtime,
+    rt: &tokio::runtime::Handle,
     patience: Duration,
     what: &str,
     mut call: F,

@@ -1,13 +1,14 @@
-//! Wire payloads: named tensors as a safetensors file, streamed in 1 MiB chunks behind a header
-//! that carries the size and xxh3 checksum. Both sides stream through files on disk, so neither
-//! holds a whole payload in memory as protobuf messages. A receiver reads the header first, so
-//! it can refuse a payload before any of its data arrives, and cuts a stream that goes idle.
+//! Wire payloads: one or more safetensors files ("parts") streamed back to back in 1 MiB chunks
+//! behind a header that carries each part's size and xxh3 checksum. Both sides stream through
+//! files on disk, so neither holds a whole payload in memory as protobuf messages. A writer
+//! hashes while it writes, so a file is never read back to be checksummed. A receiver reads the
+//! header first, so it can refuse a payload before any of its data arrives, and cuts a stream
+//! that goes idle.
 
-use crate::proto::{chunk::Part, Chunk, PayloadHeader};
+use crate::proto::{chunk::Part as ChunkPart, Chunk, Part, PayloadHeader};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, TensorInfo};
-use spes_train::PayloadDtype;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tch::{Device, Kind, Tensor};
@@ -22,60 +23,29 @@ pub const CHUNK_BYTES: usize = 1 << 20;
 /// The largest gRPC message a peer may send: a full chunk plus framing.
 pub const MAX_MESSAGE_BYTES: usize = CHUNK_BYTES + 64 * 1024;
 
-fn wire_kind(dtype: PayloadDtype) -> Kind {
-    match dtype {
-        PayloadDtype::Fp32 => Kind::Float,
-        PayloadDtype::Bf16 => Kind::BFloat16,
+fn st_dtype(kind: Kind) -> (Dtype, usize) {
+    match kind {
+        Kind::BFloat16 => (Dtype::BF16, 2),
+        _ => (Dtype::F32, 4),
     }
 }
 
-/// Writes tensors as safetensors in the wire dtype through a temp file that is fsynced and
-/// renamed into place (with its directory fsynced). Returns the file's size and xxh3.
-pub fn write(path: &Path, named: &[(String, Tensor)], dtype: PayloadDtype) -> Result<(u64, u64)> {
-    let kind = wire_kind(dtype);
-    let converted: Vec<(String, Tensor)> = named
-        .iter()
-        .map(|(n, t)| {
-            (
-                n.clone(),
-                t.to_device(Device::Cpu).to_kind(kind).contiguous(),
-            )
-        })
-        .collect();
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    Tensor::write_safetensors(&converted, &tmp)
-        .with_context(|| format!("cannot write payload {}", tmp.display()))?;
-    std::fs::File::open(&tmp)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("cannot sync {}", tmp.display()))?;
-    let digest = digest(&tmp)?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
-    spes_data::shard::sync_dir(path).with_context(|| format!("cannot sync {}", path.display()))?;
-    Ok(digest)
-}
-
-/// The exact size of the safetensors file [`write`] makes for tensors of these names and
-/// shapes: 8 bytes of header length, the JSON header padded to 8 bytes, then the data.
-pub fn expected_size<'a>(
+/// The safetensors header (length prefix, JSON padded to 8 bytes) of tensors with these names
+/// and shapes, all of `kind` (f32 or bf16), with data in name order; and the data's length.
+fn header_of<'a>(
     entries: impl IntoIterator<Item = (&'a str, &'a [i64])>,
-    dtype: PayloadDtype,
-) -> u64 {
-    let (st_dtype, elt) = match dtype {
-        PayloadDtype::Fp32 => (Dtype::F32, 4),
-        PayloadDtype::Bf16 => (Dtype::BF16, 2),
-    };
-    // Every tensor has the same dtype, so the file orders them by name, as this map does.
-    let mut header = serde_json::Map::new();
-    let mut offset = 0usize;
+    kind: Kind,
+) -> (Vec<u8>, u64) {
+    let (dtype, elt) = st_dtype(kind);
     let mut sorted: Vec<(&str, &[i64])> = entries.into_iter().collect();
     sorted.sort();
+    let mut header = serde_json::Map::new();
+    let mut offset = 0usize;
     for (name, shape) in sorted {
         let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
         let n = shape.iter().product::<usize>() * elt;
         let info = TensorInfo {
-            dtype: st_dtype,
+            dtype,
             shape,
             data_offsets: (offset, offset + n),
         };
@@ -85,8 +55,81 @@ pub fn expected_size<'a>(
             serde_json::to_value(info).expect("plain data"),
         );
     }
-    let json = serde_json::to_string(&header).expect("plain data").len();
-    (8 + json.div_ceil(8) * 8 + offset) as u64
+    let mut json = serde_json::to_vec(&header).expect("plain data");
+    json.resize(json.len().div_ceil(8) * 8, b' ');
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend(json);
+    (out, offset as u64)
+}
+
+/// The exact size of the safetensors file [`write`] makes for tensors of these names and
+/// shapes in `kind` (f32 or bf16).
+pub fn expected_size<'a>(
+    entries: impl IntoIterator<Item = (&'a str, &'a [i64])>,
+    kind: Kind,
+) -> u64 {
+    let (header, data) = header_of(entries, kind);
+    header.len() as u64 + data
+}
+
+/// A writer that hashes what passes through it.
+struct Hashing<W> {
+    inner: W,
+    hasher: xxhash_rust::xxh3::Xxh3,
+    bytes: u64,
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Writes tensors as safetensors of `kind` (f32 or bf16; each tensor converted on its own, so
+/// at most one tensor is copied at a time) through a temp file that is fsynced and renamed into
+/// place (with its directory fsynced). Returns the file's size and xxh3, hashed while writing.
+pub fn write(path: &Path, named: &[(String, Tensor)], kind: Kind) -> Result<(u64, u64)> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let shapes: Vec<(String, Vec<i64>)> =
+        named.iter().map(|(n, t)| (n.clone(), t.size())).collect();
+    let (header, _) = header_of(shapes.iter().map(|(n, s)| (n.as_str(), s.as_slice())), kind);
+    let mut order: Vec<&(String, Tensor)> = named.iter().collect();
+    order.sort_by(|a, b| a.0.cmp(&b.0));
+    let write = || -> std::io::Result<(u64, u64)> {
+        let file = std::fs::File::create(&tmp)?;
+        let mut w = Hashing {
+            inner: std::io::BufWriter::with_capacity(CHUNK_BYTES, file),
+            hasher: xxhash_rust::xxh3::Xxh3::new(),
+            bytes: 0,
+        };
+        w.write_all(&header)?;
+        for (_, t) in order {
+            let t = t.to_device(Device::Cpu).to_kind(kind).contiguous();
+            let len = t.numel() * st_dtype(kind).1;
+            // Safety: `t` is a contiguous CPU tensor of `len` bytes, alive for this borrow.
+            let bytes = unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, len) };
+            w.write_all(bytes)?;
+        }
+        w.flush()?;
+        let (bytes, digest) = (w.bytes, w.hasher.digest());
+        w.inner
+            .into_inner()
+            .map_err(|e| e.into_error())?
+            .sync_all()?;
+        Ok((bytes, digest))
+    };
+    let digest = write().with_context(|| format!("cannot write payload {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    spes_data::shard::sync_dir(path).with_context(|| format!("cannot sync {}", path.display()))?;
+    Ok(digest)
 }
 
 /// Decodes a safetensors payload of f32 or bf16 tensors. Any malformed input is an error,
@@ -115,15 +158,38 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
     Ok(out)
 }
 
-/// Reads a payload file (memory-mapped) as named f32-or-bf16 CPU tensors.
-pub fn read(path: &Path) -> Result<Vec<(String, Tensor)>> {
+fn map(path: &Path) -> Result<memmap2::Mmap> {
     let file =
         std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     // Safety: the file is private to this process (received or written by it) and not
     // modified while mapped.
-    let map = unsafe { memmap2::Mmap::map(&file) }
-        .with_context(|| format!("cannot map {}", path.display()))?;
-    decode(&map).with_context(|| format!("payload {}", path.display()))
+    unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))
+}
+
+/// Reads a payload file (memory-mapped) as named f32-or-bf16 CPU tensors.
+pub fn read(path: &Path) -> Result<Vec<(String, Tensor)>> {
+    decode(&map(path)?).with_context(|| format!("payload {}", path.display()))
+}
+
+/// Reads a received multi-part payload (memory-mapped): every part's tensors, in part order.
+pub fn read_parts(path: &Path, parts: &[Part]) -> Result<Vec<(String, Tensor)>> {
+    let map = map(path)?;
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    for (i, p) in parts.iter().enumerate() {
+        let end = at.saturating_add(p.bytes as usize).min(map.len());
+        out.extend(
+            decode(&map[at..end])
+                .with_context(|| format!("payload {} part {i}", path.display()))?,
+        );
+        at = end;
+    }
+    Ok(out)
+}
+
+/// The header's part for a file of this size and checksum.
+pub fn part(bytes: u64, xxh3: u64) -> Part {
+    Part { bytes, xxh3 }
 }
 
 /// Size and xxh3-64 of a file.
@@ -144,42 +210,46 @@ pub fn digest(path: &Path) -> Result<(u64, u64)> {
     Ok((total, hasher.digest()))
 }
 
-/// Streams `path` as `header` followed by data chunks; `after_chunk(i)` runs once chunk `i`
-/// is queued. A read error ends the stream early, which the receiver sees as a size mismatch.
+/// Streams the files `paths` back to back as `header` (which lists them as parts) followed by
+/// data chunks; `after_chunk(i)` runs once chunk `i` is queued. A read error ends the stream
+/// early, which the receiver sees as a size mismatch.
 pub fn send(
-    path: &Path,
+    paths: Vec<PathBuf>,
     header: PayloadHeader,
     after_chunk: impl Fn(usize) + Send + 'static,
 ) -> ReceiverStream<Result<Chunk, Status>> {
-    let path = path.to_owned();
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     tokio::task::spawn_blocking(move || {
         let first = Chunk {
-            part: Some(Part::Header(header)),
+            part: Some(ChunkPart::Header(header)),
         };
         if tx.blocking_send(Ok(first)).is_err() {
             return;
         }
-        let Ok(mut f) = std::fs::File::open(&path) else {
-            let _ = tx.blocking_send(Err(Status::internal("payload file vanished")));
-            return;
-        };
         let mut buf = vec![0u8; CHUNK_BYTES];
-        for i in 0.. {
-            match f.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => {
-                    let chunk = Chunk {
-                        part: Some(Part::Data(buf[..n].to_vec())),
-                    };
-                    if tx.blocking_send(Ok(chunk)).is_err() {
+        let mut i = 0;
+        for path in paths {
+            let Ok(mut f) = std::fs::File::open(&path) else {
+                let _ = tx.blocking_send(Err(Status::internal("payload file vanished")));
+                return;
+            };
+            loop {
+                match f.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        let chunk = Chunk {
+                            part: Some(ChunkPart::Data(buf[..n].to_vec())),
+                        };
+                        if tx.blocking_send(Ok(chunk)).is_err() {
+                            return;
+                        }
+                        after_chunk(i);
+                        i += 1;
+                    }
+                    Err(e) => {
+                        let _ = tx.blocking_send(Err(Status::internal(format!("read error: {e}"))));
                         return;
                     }
-                    after_chunk(i);
-                }
-                Err(e) => {
-                    let _ = tx.blocking_send(Err(Status::internal(format!("read error: {e}"))));
-                    return;
                 }
             }
         }
@@ -200,21 +270,33 @@ where
     }
 }
 
-/// Reads the header that starts a payload stream, waiting at most `idle`.
+/// Reads the header that starts a payload stream, waiting at most `idle`. Its parts must add
+/// up to its total.
 pub async fn read_header<S>(stream: &mut S, idle: Duration) -> Result<PayloadHeader, Status>
 where
     S: tokio_stream::Stream<Item = Result<Chunk, Status>> + Unpin,
 {
     match next_chunk(stream, idle).await? {
         Some(Chunk {
-            part: Some(Part::Header(h)),
-        }) => Ok(h),
+            part: Some(ChunkPart::Header(h)),
+        }) => {
+            let sum = h
+                .parts
+                .iter()
+                .try_fold(0u64, |acc, p| acc.checked_add(p.bytes));
+            if sum != Some(h.total_bytes) {
+                return Err(Status::invalid_argument(
+                    "the header's parts do not add up to its total_bytes",
+                ));
+            }
+            Ok(h)
+        }
         _ => Err(Status::invalid_argument("payload must start with a header")),
     }
 }
 
-/// Receives the data chunks after `header` into `dest`, checking size and checksum; empty
-/// chunks and gaps longer than `idle` end it with an error.
+/// Receives the data chunks after `header` into `dest`, checking the size and every part's
+/// checksum; empty chunks and gaps longer than `idle` end it with an error.
 pub async fn receive_body<S>(
     stream: &mut S,
     dest: &Path,
@@ -226,14 +308,34 @@ where
 {
     let io = |e: std::io::Error| Status::internal(format!("cannot write {}: {e}", dest.display()));
     let mut file = tokio::fs::File::create(dest).await.map_err(io)?;
+    let parts = &header.parts;
+    // The part being received (`parts.len()`: all done), its bytes so far and their hash.
+    let mut idx = 0usize;
+    let mut in_part = 0u64;
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
     let mut received = 0u64;
+    // Ends every part that is complete (zero-byte parts at once), checking its hash.
+    let close_full = |idx: &mut usize, in_part: &mut u64, hasher: &mut xxhash_rust::xxh3::Xxh3| {
+        while *idx < parts.len() && *in_part == parts[*idx].bytes {
+            if hasher.digest() != parts[*idx].xxh3 {
+                return Err(Status::invalid_argument(format!(
+                    "payload part {}: checksum mismatch",
+                    *idx
+                )));
+            }
+            *hasher = xxhash_rust::xxh3::Xxh3::new();
+            *in_part = 0;
+            *idx += 1;
+        }
+        Ok(())
+    };
+    close_full(&mut idx, &mut in_part, &mut hasher)?;
     while let Some(chunk) = next_chunk(stream, idle).await? {
         match chunk.part {
-            Some(Part::Data(bytes)) if bytes.is_empty() => {
+            Some(ChunkPart::Data(bytes)) if bytes.is_empty() => {
                 return Err(Status::invalid_argument("empty data chunk"))
             }
-            Some(Part::Data(bytes)) => {
+            Some(ChunkPart::Data(bytes)) => {
                 received += bytes.len() as u64;
                 if received > header.total_bytes {
                     return Err(Status::invalid_argument(format!(
@@ -241,7 +343,14 @@ where
                         header.total_bytes
                     )));
                 }
-                hasher.update(&bytes);
+                let mut rest = &bytes[..];
+                while !rest.is_empty() && idx < parts.len() {
+                    let take = rest.len().min((parts[idx].bytes - in_part) as usize);
+                    hasher.update(&rest[..take]);
+                    in_part += take as u64;
+                    rest = &rest[take..];
+                    close_full(&mut idx, &mut in_part, &mut hasher)?;
+                }
                 file.write_all(&bytes).await.map_err(io)?;
             }
             _ => {
@@ -252,14 +361,11 @@ where
         }
     }
     file.flush().await.map_err(io)?;
-    if received != header.total_bytes {
+    if received != header.total_bytes || idx < parts.len() {
         return Err(Status::invalid_argument(format!(
             "payload truncated: {received} of {} bytes arrived",
             header.total_bytes
         )));
-    }
-    if hasher.digest() != header.xxh3 {
-        return Err(Status::invalid_argument("payload checksum mismatch"));
     }
     file.sync_all().await.map_err(io)?;
     Ok(())
@@ -286,9 +392,10 @@ mod tests {
                 Tensor::ones([2, 2, 2], (Kind::Float, Device::Cpu)),
             ),
         ];
-        for dtype in [PayloadDtype::Fp32, PayloadDtype::Bf16] {
+        for dtype in [Kind::Float, Kind::BFloat16] {
             let path = dir.path().join("p.safetensors");
-            let (size, _) = write(&path, &named, dtype).unwrap();
+            let (size, xxh3) = write(&path, &named, dtype).unwrap();
+            assert_eq!(digest(&path).unwrap(), (size, xxh3));
             let shapes: Vec<(String, Vec<i64>)> =
                 named.iter().map(|(n, t)| (n.clone(), t.size())).collect();
             let expected = expected_size(
@@ -300,7 +407,15 @@ mod tests {
             assert_eq!(back.len(), 3);
             assert_eq!(
                 back.iter().find(|(n, _)| n == "a.norm").unwrap().1.kind(),
-                wire_kind(dtype)
+                dtype
+            );
+            let ones = back.iter().find(|(n, _)| n == "b.weight").unwrap();
+            assert_eq!(
+                ones.1
+                    .to_kind(Kind::Float)
+                    .sum(Kind::Float)
+                    .double_value(&[]),
+                15.0
             );
         }
     }

@@ -27,10 +27,11 @@ use spes_data::shard::write_atomic;
 use spes_data::ValWindows;
 use spes_model::MoeModel;
 use spes_sync::{
-    Combine, Coordinator, Layout, MergeSchedule, Named, RoundReport, RoundRules, Scope, Standing,
+    Combine, Coordinator, Layout, MergeSchedule, Named, RoundDelta, RoundReport, RoundRules, Scope,
+    Standing,
 };
 use spes_train::trainer::MetricsLog;
-use spes_train::{AggregateRule, Mode, RunConfig};
+use spes_train::{AggregateRule, Mode, RunConfig, Wire};
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -105,6 +106,27 @@ struct PublishedRound {
     /// Who trains what in the round after this one (`owners` empty in DiLoCo mode).
     owners: Vec<usize>,
     members: Vec<usize>,
+    /// Delta wire: the round's bf16 deltas from the round before, as files a fetch streams.
+    #[serde(default)]
+    parts: Vec<DeltaPart>,
+}
+
+/// One file of a round's published delta.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct DeltaPart {
+    file: String,
+    bytes: u64,
+    xxh3: String,
+    /// The peer whose own upload (its experts) this part holds verbatim; `None`: the rest.
+    own: Option<usize>,
+}
+
+fn hex_of(x: u64) -> String {
+    format!("{x:016x}")
+}
+
+fn parse_hex(x: &str) -> u64 {
+    u64::from_str_radix(x, 16).unwrap_or_default()
 }
 
 /// The restart point, rewritten atomically after each published round.
@@ -208,6 +230,8 @@ struct Publication<'a> {
     tokens: u64,
     gone: &'a BTreeSet<usize>,
     record: serde_json::Value,
+    /// Delta wire: what the round publishes (none for round 0).
+    delta: Option<&'a RoundDelta>,
 }
 
 impl State {
@@ -223,7 +247,12 @@ impl State {
     /// round's pending uploads. Safe to retry after a failure.
     fn publish(&self, p: &Publication) -> Result<()> {
         let path = self.round_path(p.round);
-        let (bytes, xxh3) = payload::write(&path, p.global, self.cfg.sync.payload_dtype)?;
+        let parts = match p.delta {
+            Some(d) => self.write_delta(p.round, d)?,
+            None => Vec::new(),
+        };
+        // The whole fp32 model: the restart point, and what a node without round − 1 fetches.
+        let (bytes, xxh3) = payload::write(&path, p.global, tch::Kind::Float)?;
         fault::point("publish", p.round);
         let every = self.cfg.sync.checkpoint_every_rounds;
         if p.round.is_multiple_of(every) || p.round == self.final_round {
@@ -237,10 +266,11 @@ impl State {
             round: p.round,
             file: path.file_name().unwrap().to_string_lossy().to_string(),
             bytes,
-            xxh3: format!("{xxh3:016x}"),
+            xxh3: hex_of(xxh3),
             tokens: p.tokens,
             owners: p.next.owners(),
             members: p.next.members().into_iter().collect(),
+            parts,
         };
         {
             let mut st = self.progress.lock().unwrap();
@@ -253,10 +283,50 @@ impl State {
             st.save(&self.out)?;
         }
         if p.round >= 2 {
-            let _ = std::fs::remove_file(self.round_path(p.round - 2));
+            remove_round_files(&self.out, p.round - 2);
         }
         remove_pending(&self.out, |r| r <= p.round);
         Ok(())
+    }
+
+    /// Writes a round's delta as one part per peer whose experts it publishes verbatim, and
+    /// one part with everything else.
+    fn write_delta(&self, round: u64, d: &RoundDelta) -> Result<Vec<DeltaPart>> {
+        let own_of: std::collections::HashMap<&str, usize> = d
+            .verbatim
+            .iter()
+            .flat_map(|(&p, names)| names.iter().map(move |n| (n.as_str(), p)))
+            .collect();
+        let mut groups: Vec<(Option<usize>, Named)> = vec![(None, Vec::new())];
+        groups.extend(d.verbatim.keys().map(|&p| (Some(p), Vec::new())));
+        for (name, t) in &d.delta {
+            let own = own_of.get(name.as_str()).copied();
+            let g = groups
+                .iter_mut()
+                .find(|(o, _)| *o == own)
+                .expect("a group per owner");
+            g.1.push((name.clone(), t.shallow_clone()));
+        }
+        groups
+            .into_iter()
+            .map(|(own, named)| {
+                let file = match own {
+                    None => format!("round-{round:06}.delta.safetensors"),
+                    Some(p) => format!("round-{round:06}.own-{p}.safetensors"),
+                };
+                let (bytes, xxh3) = payload::write(
+                    &self.out.join("global").join(&file),
+                    &named,
+                    tch::Kind::BFloat16,
+                )?;
+                Ok(DeltaPart {
+                    file,
+                    bytes,
+                    xxh3: hex_of(xxh3),
+                    own,
+                })
+            })
+            .collect()
     }
 
     fn reject(&self, peer: u32, round: u64, status: Status) -> Status {
@@ -341,14 +411,35 @@ impl State {
                 .iter()
                 .filter(|(_, role, _)| scope.uploads(peer, *role))
                 .map(|(n, _, s)| (n.as_str(), s.as_slice())),
-            self.cfg.sync.payload_dtype,
+            self.upload_kind(),
         )
+    }
+
+    /// The element type of uploads: bf16 deltas or whole fp32 tensors.
+    fn upload_kind(&self) -> tch::Kind {
+        match self.cfg.sync.wire {
+            Wire::Bf16Delta => tch::Kind::BFloat16,
+            Wire::Fp32 => tch::Kind::Float,
+        }
     }
 }
 
 fn round_path(out: &Path, round: u64) -> PathBuf {
     out.join("global")
         .join(format!("round-{round:06}.safetensors"))
+}
+
+/// Removes a round's model and delta files.
+fn remove_round_files(out: &Path, round: u64) {
+    let prefix = format!("round-{round:06}.");
+    let Ok(entries) = std::fs::read_dir(out.join("global")) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// Removes pending uploads whose round matches `drop`.
@@ -475,21 +566,41 @@ impl Spes for Service {
                 *s.published.borrow()
             )));
         };
+        // A delta only for a node that holds the round before it, exactly.
+        let as_delta = r.have_previous && round == r.round && !meta.parts.is_empty();
+        let skip = |p: &DeltaPart| r.skip_own && p.own == Some(peer);
+        let (files, parts, skipped_own) = if as_delta {
+            let sent: Vec<&DeltaPart> = meta.parts.iter().filter(|p| !skip(p)).collect();
+            (
+                sent.iter()
+                    .map(|p| s.out.join("global").join(&p.file))
+                    .collect(),
+                sent.iter()
+                    .map(|p| payload::part(p.bytes, parse_hex(&p.xxh3)))
+                    .collect(),
+                meta.parts.iter().any(skip),
+            )
+        } else {
+            (
+                vec![s.round_path(round)],
+                vec![payload::part(meta.bytes, parse_hex(&meta.xxh3))],
+                false,
+            )
+        };
+        let parts: Vec<crate::proto::Part> = parts;
         let header = PayloadHeader {
             peer: peer as u32,
             round,
-            total_bytes: meta.bytes,
-            xxh3: u64::from_str_radix(&meta.xxh3, 16).unwrap_or_default(),
+            total_bytes: parts.iter().map(|p| p.bytes).sum(),
+            parts,
             session: 0,
             owners: meta.owners.iter().map(|&o| o as u32).collect(),
             members: meta.members.iter().map(|&m| m as u32).collect(),
+            delta: as_delta,
+            skipped_own,
         };
-        s.io.lock().unwrap().bytes_out += meta.bytes;
-        Ok(Response::new(payload::send(
-            &s.round_path(round),
-            header,
-            |_| {},
-        )))
+        s.io.lock().unwrap().bytes_out += header.total_bytes;
+        Ok(Response::new(payload::send(files, header, |_| {})))
     }
 
     async fn done(&self, req: Request<DoneRequest>) -> Result<Response<DoneReply>, Status> {
@@ -623,7 +734,7 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
             let path = opts.out.join("global").join(&newest.file);
             let intact = payload::digest(&path)
                 .ok()
-                .is_some_and(|(_, x)| format!("{x:016x}") == newest.xxh3);
+                .is_some_and(|(_, x)| hex_of(x) == newest.xxh3);
             let loaded = intact
                 && payload::read(&path)
                     .and_then(|named| model.load(&named, &path.display().to_string()))
@@ -713,6 +824,7 @@ fn rules_of(cfg: &RunConfig) -> RoundRules {
         },
         max_update_rms: (s.max_update_factor > 0.0)
             .then_some(s.max_update_factor * s.sync_steps as f64 * cfg.train.lr),
+        delta: s.wire == Wire::Bf16Delta,
     }
 }
 
@@ -769,9 +881,14 @@ fn run_closer(
                 let t0 = Instant::now();
                 let report = coord.close(now);
                 let global = shallow(coord.global().0);
+                let delta = coord.delta().map(|d| RoundDelta {
+                    delta: shallow(&d.delta),
+                    verbatim: d.verbatim.clone(),
+                });
                 Some((
                     report,
                     global,
+                    delta,
                     coord.scope().clone(),
                     coord.gone().clone(),
                     t0.elapsed().as_secs_f64(),
@@ -780,7 +897,7 @@ fn run_closer(
                 None
             }
         };
-        if let Some((report, global, next, gone, aggregation_s)) = closed {
+        if let Some((report, global, delta, next, gone, aggregation_s)) = closed {
             let tokens = s.progress.lock().unwrap().newest().tokens
                 + report.peers.len() as u64 * s.cfg.sync.sync_steps * s.cfg.tokens_per_step();
             let io = {
@@ -798,6 +915,7 @@ fn run_closer(
                 tokens,
                 gone: &gone,
                 record: record.clone(),
+                delta: delta.as_ref(),
             };
             let mut pause = Duration::from_millis(500);
             while let Err(e) = s.publish(&publication) {
@@ -955,6 +1073,7 @@ pub async fn serve(
             tokens: 0,
             gone: &BTreeSet::new(),
             record: record.clone(),
+            delta: None,
         })?;
         let _ = score_tx.send(ScoreJob {
             step: 0,

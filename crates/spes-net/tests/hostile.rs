@@ -117,7 +117,7 @@ fn hostile_inputs_are_refused_and_leave_the_model_unchanged() {
 
         // Headers that lie about the size: refused before any data is read.
         let path = dir.join("good.safetensors");
-        let (size, xxh3) = payload::write(&path, &good, spes_train::PayloadDtype::Fp32).unwrap();
+        let (size, xxh3) = payload::write(&path, &good, tch::Kind::Float).unwrap();
         let t0 = Instant::now();
         let lie = header_for(0, 1, 10 << 30, xxh3);
         let e = c0.upload(stream_of(lie, 64, false)).await.unwrap_err();
@@ -238,7 +238,7 @@ fn the_payload_decoder_and_validator_never_panic() {
     let cfg = config(&data, "spes", 2, &[]);
     let good = upload_of(&cfg, 0, |t| t.copy());
     let path = tmp.path().join("good.safetensors");
-    payload::write(&path, &good, spes_train::PayloadDtype::Bf16).unwrap();
+    payload::write(&path, &good, tch::Kind::BFloat16).unwrap();
     let valid = std::fs::read(&path).unwrap();
     let model = spes_model::MoeModel::new(&cfg.model, tch::Device::Cpu).unwrap();
     let layout = spes_sync::Layout::of(&model);

@@ -7,7 +7,7 @@ use spes_model::{MoeModel, Role};
 use spes_net::proto::JoinRequest;
 use spes_net::{payload, Node, NodeOptions};
 use spes_sync::Named;
-use spes_train::{PayloadDtype, RunConfig};
+use spes_train::RunConfig;
 use std::path::Path;
 use std::sync::mpsc;
 use tch::{Device, Kind, Tensor};
@@ -275,9 +275,9 @@ fn bad_input_is_rejected_and_the_round_still_completes() {
 
         // A payload whose bytes do not match the announced checksum.
         let path = dir.join("good.safetensors");
-        let (size, _) = payload::write(&path, &good, PayloadDtype::Fp32).unwrap();
+        let (size, _) = payload::write(&path, &good, Kind::Float).unwrap();
         let mut header = header_for(0, 1, size, 1);
-        header.xxh3 ^= 0xdead;
+        header.parts[0].xxh3 ^= 0xdead;
         let e = upload_with(&mut c, &path, header).await.unwrap_err();
         assert!(e.message().contains("checksum"), "{}", e.message());
     });
@@ -439,45 +439,130 @@ fn a_restarted_server_resumes_and_nodes_ride_out_the_outage() {
     }
 }
 
+/// The node's sync records (`<out>/node-P/metrics.jsonl`).
+fn syncs(dir: &Path, peer: usize) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join(format!("node-{peer}/metrics.jsonl")))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["event"] == "sync")
+        .collect()
+}
+
 #[test]
-fn bf16_payloads_halve_the_traffic_and_keep_nodes_identical() {
+fn bf16_deltas_keep_server_and_nodes_bit_identical_and_skip_own_experts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(&data, "spes", 2, &["sync.wire=bf16_delta"]);
+    let server = Server::start(cfg.clone(), &tmp.path().join("server"), None);
+    let seen = run_nodes(&cfg, &server.url(), tmp.path(), 3);
+    server.finish();
+    for round in 1..=3 {
+        let this: Vec<&Seen> = seen.iter().filter(|s| s.round == round).collect();
+        for ((n, a), (_, b)) in this[0].after_sync.iter().zip(&this[1].after_sync) {
+            assert!(a.equal(b), "round {round}: `{n}` differs between the nodes");
+        }
+    }
+    // The nodes hold the server's fp32 model of the last round bit for bit.
+    let published =
+        payload::read(&tmp.path().join("server/global/round-000003.safetensors")).unwrap();
+    let last = &seen.iter().find(|s| s.round == 3).unwrap().after_sync;
+    for (name, t) in last {
+        let p = &published.iter().find(|(n, _)| n == name).unwrap().1;
+        assert_eq!(p.kind(), Kind::Float);
+        assert!(t.equal(p), "`{name}` differs from the server's round 3");
+    }
+    // Only changes were rounded to bf16, never the fp32 masters.
+    let head = &last.iter().find(|(n, _)| n == "lm_head.weight").unwrap().1;
+    assert!(!head.equal(&head.to_kind(Kind::BFloat16).to_kind(Kind::Float)));
+    let model = MoeModel::new(&cfg.model, Device::Cpu).unwrap();
+    let total: u64 = model.params().iter().map(|p| p.tensor.numel() as u64).sum();
+    for s in seen.iter().filter(|s| s.round == 1) {
+        let values: u64 = s.upload.iter().map(|(_, t)| t.numel() as u64).sum();
+        let own_experts = values
+            - model
+                .params()
+                .iter()
+                .filter(|p| p.role == Role::Shared)
+                .map(|p| p.tensor.numel() as u64)
+                .sum::<u64>();
+        for (i, sync) in syncs(tmp.path(), s.peer).iter().enumerate() {
+            let (up, down) = (
+                sync["bytes_up"].as_u64().unwrap(),
+                sync["bytes_down"].as_u64().unwrap(),
+            );
+            assert!(
+                up >= 2 * values && up < 2 * values + 64 * 1024,
+                "peer {} round {}: {up} bytes up for {values} bf16 values",
+                s.peer,
+                i + 1
+            );
+            // Everything in bf16 except this node's own experts, which it already holds.
+            let expect = 2 * (total - own_experts);
+            assert!(
+                down >= expect && down < expect + 64 * 1024,
+                "peer {} round {}: {down} bytes down, expected about {expect}",
+                s.peer,
+                i + 1
+            );
+        }
+    }
+}
+
+#[test]
+fn overlapped_nodes_train_through_the_sync_and_end_on_the_final_model() {
     let tmp = tempfile::tempdir().unwrap();
     let data = data(tmp.path());
     let cfg = config(
         &data,
         "spes",
         2,
-        &["train.max_steps=2", "sync.payload_dtype=bf16"],
+        &[
+            "sync.wire=bf16_delta",
+            "sync.overlap=true",
+            "train.max_steps=8",
+        ],
     );
     let server = Server::start(cfg.clone(), &tmp.path().join("server"), None);
-    let seen = run_nodes(&cfg, &server.url(), tmp.path(), 1);
-    server.finish();
-    for ((n, a), (_, b)) in seen[0].after_sync.iter().zip(&seen[1].after_sync) {
-        assert!(a.equal(b), "`{n}` differs between the nodes");
+    let threads: Vec<_> = (0..2)
+        .map(|peer| {
+            let opts = node_options(&cfg, &server.url(), peer, tmp.path());
+            std::thread::spawn(move || {
+                tch::set_num_threads(1);
+                let node = Node::connect(opts).unwrap();
+                node.run().unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap().steps, 8);
     }
-    let shared = seen[0]
-        .after_sync
-        .iter()
-        .find(|(n, _)| n == "lm_head.weight")
-        .unwrap()
-        .1
-        .shallow_clone();
-    assert!(
-        shared.equal(&shared.to_kind(Kind::BFloat16).to_kind(Kind::Float)),
-        "bf16 on the wire"
-    );
-    for s in &seen {
-        let summary: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(tmp.path().join(format!("node-{}/summary.json", s.peer)))
-                .unwrap(),
-        )
-        .unwrap();
-        let values: u64 = s.upload.iter().map(|(_, t)| t.numel() as u64).sum();
-        let up = summary["bytes_up"].as_u64().unwrap();
-        assert!(
-            up >= 2 * values && up < 2 * values + 64 * 1024,
-            "{up} bytes for {values} bf16 values"
-        );
+    let summary = server.finish();
+    assert_eq!(summary.rounds, 4);
+    // Rounds 1–3 were applied mid-round (after the upload, training went on); the last one is
+    // waited for, so every node ends on the published model.
+    let published =
+        payload::read(&tmp.path().join("server/global/round-000004.safetensors")).unwrap();
+    for peer in 0..2 {
+        let ck =
+            spes_train::checkpoint::latest(&tmp.path().join(format!("node-{peer}/checkpoints")))
+                .unwrap()
+                .unwrap();
+        let trainer = spes_train::Trainer::resume_as_saved(cfg.clone(), Device::Cpu, &ck).unwrap();
+        for p in trainer.model.params() {
+            let g = &published.iter().find(|(n, _)| *n == p.name).unwrap().1;
+            assert!(
+                p.tensor.equal(g),
+                "peer {peer}: `{}` differs from round 4",
+                p.name
+            );
+        }
+        let steps: Vec<u64> = syncs(tmp.path(), peer)
+            .iter()
+            .map(|s| s["step"].as_u64().unwrap())
+            .collect();
+        assert_eq!(steps.len(), 4, "peer {peer}: {steps:?}");
+        assert_eq!(*steps.last().unwrap(), 8);
     }
 }
 

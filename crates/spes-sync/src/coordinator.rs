@@ -8,12 +8,14 @@
 //! has been expired for `evict_after_s` are evicted and nodes that asked to join are admitted;
 //! the next round's ownership is rebalanced over the new members ([`Scope::with_members`]).
 
+use crate::delta::{self, RoundDelta};
 use crate::round::{
     merge_experts, validate, Aggregator, Combine, Layout, MergeEvent, MergeSchedule, Named, Scope,
 };
 use serde::Serialize;
-use std::collections::{BTreeMap, BTreeSet};
-use tch::Kind;
+use spes_model::Role;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use tch::{Kind, Tensor};
 use thiserror::Error;
 
 /// When rounds close, who stays a member, and what happens at closing.
@@ -34,6 +36,9 @@ pub struct RoundRules {
     pub combine: Combine,
     /// Largest RMS change of an uploaded tensor from the global model; `None`: unchecked.
     pub max_update_rms: Option<f64>,
+    /// Uploads are bf16 deltas from the global model and rounds publish bf16 deltas
+    /// ([`crate::delta`]); else uploads and rounds are whole fp32 tensors.
+    pub delta: bool,
 }
 
 /// Why the coordinator refused a call. The server maps each to one gRPC status whose details
@@ -120,6 +125,12 @@ pub struct Coordinator {
     joining: BTreeSet<usize>,
     /// Evicted peers; one that comes back is admitted again like a joiner.
     gone: BTreeSet<usize>,
+    /// Position of each parameter in `layout` and `global`.
+    index: HashMap<String, usize>,
+    /// Delta mode: this round's uploaded expert deltas by owner, to publish them verbatim.
+    raw: HashMap<String, (usize, Tensor)>,
+    /// Delta mode: what the last closed round published.
+    last_delta: Option<RoundDelta>,
 }
 
 impl Coordinator {
@@ -148,8 +159,17 @@ impl Coordinator {
                 )
             })
             .collect();
+        let index = layout
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, (n, _, _))| (n.clone(), i))
+            .collect();
         Coordinator {
             agg: Aggregator::new(scope, rules.combine),
+            index,
+            raw: HashMap::new(),
+            last_delta: None,
             layout,
             rules,
             round: published + 1,
@@ -322,6 +342,12 @@ impl Coordinator {
         now: f64,
     ) -> Result<(), RoundError> {
         self.check_upload(peer, session, round, now)?;
+        let invalid = |reason| RoundError::Invalid { peer, reason };
+        let (tensors, raw) = if self.rules.delta {
+            self.rebuild(tensors).map_err(invalid)?
+        } else {
+            (tensors, Vec::new())
+        };
         validate(
             &self.layout,
             self.scope(),
@@ -330,13 +356,49 @@ impl Coordinator {
             &self.global,
             self.rules.max_update_rms,
         )
-        .map_err(|reason| RoundError::Invalid { peer, reason })?;
+        .map_err(invalid)?;
         self.agg
             .add(&self.layout, peer, tensors)
-            .map_err(|e| RoundError::Invalid {
-                peer,
-                reason: e.to_string(),
-            })
+            .map_err(|e| invalid(e.to_string()))?;
+        for (name, d) in raw {
+            self.raw.insert(name, (peer, d));
+        }
+        Ok(())
+    }
+
+    /// Delta mode: turns an upload of bf16 deltas into values `global + delta` (for
+    /// [`validate`] and the aggregator), and returns the deltas of its experts as sent.
+    fn rebuild(&self, upload: Named) -> Result<(Named, Vec<(String, Tensor)>), String> {
+        let mut values = Vec::with_capacity(upload.len());
+        let mut raw = Vec::new();
+        for (name, d) in upload {
+            let Some(&i) = self.index.get(&name) else {
+                return Err(format!("holds unknown tensor `{name}`"));
+            };
+            let (_, role, shape) = &self.layout.entries[i];
+            if d.kind() != Kind::BFloat16 {
+                return Err(format!(
+                    "tensor `{name}` is {:?}, expected a bf16 delta (sync.wire = \"bf16_delta\")",
+                    d.kind()
+                ));
+            }
+            if d.size() != *shape {
+                return Err(format!(
+                    "tensor `{name}` has shape {:?}, expected {shape:?}",
+                    d.size()
+                ));
+            }
+            values.push((name.clone(), delta::apply(&self.global[i].1, &d)));
+            if matches!(role, Role::Expert { .. }) && matches!(self.scope(), Scope::Spes(_)) {
+                raw.push((name, d));
+            }
+        }
+        Ok((values, raw))
+    }
+
+    /// Delta mode: what the last closed round published (`None` before any close).
+    pub fn delta(&self) -> Option<&RoundDelta> {
+        self.last_delta.as_ref()
     }
 
     /// When the open round closes by timeout (if anyone uploaded by then).
@@ -377,9 +439,20 @@ impl Coordinator {
         let discarded = first_non_finite(&global).map(|name| {
             format!("the aggregate of `{name}` is not finite; the previous model was kept")
         });
+        let raw = std::mem::take(&mut self.raw);
         if discarded.is_some() {
             merge_alpha = None;
             merges.clear();
+            self.last_delta = self.rules.delta.then(RoundDelta::default);
+        } else if self.rules.delta {
+            let verbatim = if merges.is_empty() {
+                raw
+            } else {
+                HashMap::new()
+            };
+            let (next, published) = publish_delta(&self.global, global, verbatim);
+            self.global = next;
+            self.last_delta = Some(published);
         } else {
             self.global = global;
         }
@@ -437,6 +510,37 @@ impl Coordinator {
 }
 
 /// The name of the first tensor holding a NaN or infinity.
+/// The next global model and what publishes it: `base + f32(Δ)` for every changed tensor,
+/// where Δ is the owner's upload for experts in `verbatim`, else `bf16(ideal − base)`.
+fn publish_delta(
+    base: &Named,
+    ideal: Named,
+    mut verbatim: HashMap<String, (usize, Tensor)>,
+) -> (Named, RoundDelta) {
+    let mut out = RoundDelta::default();
+    let next = ideal
+        .into_iter()
+        .zip(base)
+        .map(|((name, ideal), (_, base))| {
+            if let Some((peer, d)) = verbatim.remove(&name) {
+                let value = delta::apply(base, &d);
+                out.verbatim.entry(peer).or_default().push(name.clone());
+                out.delta.push((name.clone(), d));
+                return (name, value);
+            }
+            // The aggregator hands back the previous tensor itself when nobody changed it.
+            if ideal.data_ptr() == base.data_ptr() {
+                return (name, ideal);
+            }
+            let d = delta::encode(&ideal, base);
+            let value = delta::apply(base, &d);
+            out.delta.push((name.clone(), d));
+            (name, value)
+        })
+        .collect();
+    (next, out)
+}
+
 fn first_non_finite(named: &Named) -> Option<String> {
     named
         .iter()

@@ -1,6 +1,6 @@
 use spes_model::{expert_tensor_name, ModelConfig, MoeModel, NormPlacement, QkNorm, Role};
 use spes_sync::{
-    merge_experts, validate, Aggregator, Combine, Coordinator, Layout, MergeSchedule, Named,
+    delta, merge_experts, validate, Aggregator, Combine, Coordinator, Layout, MergeSchedule, Named,
     Ownership, RoundError, RoundRules, Scope, Standing,
 };
 use std::collections::BTreeSet;
@@ -295,6 +295,7 @@ fn rules() -> RoundRules {
         }),
         combine: Combine::Mean,
         max_update_rms: None,
+        delta: false,
     }
 }
 
@@ -500,4 +501,149 @@ fn a_non_finite_aggregate_is_never_published() {
     for ((n, a), (_, b)) in before.iter().zip(c.global().0) {
         assert!(a.equal(b), "`{n}` changed");
     }
+}
+
+/// A node's view in the delta test: its fp32 model, bit-identical to the coordinator's.
+fn apply_published(node: &mut Named, published: &spes_sync::RoundDelta, own: &Named) {
+    for (name, t) in node.iter_mut() {
+        let d = published
+            .delta
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, d)| d.shallow_clone())
+            // An own expert published verbatim: the node applies what it sent.
+            .or_else(|| {
+                own.iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, d)| d.shallow_clone())
+            });
+        if let Some(d) = d {
+            *t = delta::apply(t, &d);
+        }
+    }
+}
+
+#[test]
+fn bf16_deltas_keep_server_and_nodes_bit_identical_and_masters_unrounded() {
+    let m = model(2, 4);
+    let layout = Layout::of(&m);
+    let mut r = rules();
+    r.delta = true;
+    r.merge = Some(MergeSchedule {
+        every: 20,
+        alpha0: 0.1,
+        until: 100,
+        top_k: 2,
+    });
+    let mut c = coordinator(&m, 2, r, 0.0);
+    let mut nodes = vec![snapshot(&m), snapshot(&m)];
+    tch::manual_seed(7);
+    for round in 1..=4u64 {
+        let now = round as f64;
+        let mut own_sent: Vec<Named> = Vec::new();
+        for (peer, node) in nodes.iter().enumerate() {
+            c.join(peer, 100 + peer as u64, false, now).unwrap();
+            // "Training": a small fp32 change of every tensor this node uploads.
+            let trained: Named = node
+                .iter()
+                .zip(&layout.entries)
+                .filter(|(_, (_, role, _))| c.scope().uploads(peer, *role))
+                .map(|((n, t), _)| (n.clone(), t + t.randn_like() * 1e-3))
+                .collect();
+            let wire: Named = trained
+                .iter()
+                .map(|(n, t)| (n.clone(), delta::encode(t, get(node, n))))
+                .collect();
+            let experts: Named = wire
+                .iter()
+                .filter(|(n, _)| n.contains(".experts."))
+                .map(|(n, d)| (n.clone(), d.shallow_clone()))
+                .collect();
+            own_sent.push(experts);
+            c.upload(peer, 100 + peer as u64, round, wire, now).unwrap();
+        }
+        let report = c.close(now + 0.5);
+        let published = c.delta().expect("delta mode publishes a delta");
+        let merged = !report.merges.is_empty();
+        assert_eq!(merged, round % 2 == 0, "merges at steps 20 and 40");
+        if merged {
+            assert!(
+                published.verbatim.is_empty(),
+                "a merge re-encodes every expert"
+            );
+        } else {
+            assert_eq!(
+                published.verbatim.keys().copied().collect::<Vec<_>>(),
+                vec![0, 1]
+            );
+        }
+        for (peer, node) in nodes.iter_mut().enumerate() {
+            // Nodes leave their own experts out of the download when published verbatim.
+            let skip = published.verbatim.contains_key(&peer);
+            let mut view = spes_sync::RoundDelta {
+                delta: published
+                    .delta
+                    .iter()
+                    .filter(|(n, _)| !(skip && published.verbatim[&peer].contains(n)))
+                    .map(|(n, d)| (n.clone(), d.shallow_clone()))
+                    .collect(),
+                verbatim: Default::default(),
+            };
+            let own = if skip {
+                copy(&own_sent[peer])
+            } else {
+                Vec::new()
+            };
+            apply_published(node, &view, &own);
+            view.delta.clear();
+            for ((name, a), (_, b)) in node.iter().zip(c.global().0) {
+                assert!(
+                    a.equal(b),
+                    "round {round}: peer {peer}'s `{name}` differs from the server's"
+                );
+                assert_eq!(a.kind(), Kind::Float);
+            }
+        }
+    }
+    // The fp32 masters carry more than bf16 precision: rounding them would change them.
+    let g = c.global().0;
+    let embed = get(g, "model.embed_tokens.weight");
+    assert!(!embed
+        .to_kind(Kind::BFloat16)
+        .to_kind(Kind::Float)
+        .equal(embed));
+    assert!(c.delta().unwrap().bytes() > 0);
+}
+
+#[test]
+fn a_delta_upload_must_be_bf16_of_the_right_shape() {
+    let m = model(1, 4);
+    let layout = Layout::of(&m);
+    let mut r = rules();
+    r.delta = true;
+    let mut c = coordinator(&m, 2, r, 0.0);
+    let fp32 = upload(&layout, c.scope(), 0, 0.0);
+    let e = c.upload(0, 100, 1, fp32, 0.0).unwrap_err();
+    assert!(e.to_string().contains("expected a bf16 delta"), "{e}");
+    let mut wrong: Named = upload(&layout, c.scope(), 0, 0.0)
+        .into_iter()
+        .map(|(n, t)| (n, t.to_kind(Kind::BFloat16)))
+        .collect();
+    wrong[0].1 = Tensor::zeros([3], (Kind::BFloat16, Device::Cpu));
+    let e = c.upload(0, 100, 1, wrong, 0.0).unwrap_err();
+    assert!(e.to_string().contains("has shape"), "{e}");
+    // A zero delta of everything this node owns is accepted and changes nothing it owns.
+    let zero: Named = upload(&layout, c.scope(), 0, 0.0)
+        .into_iter()
+        .map(|(n, t)| (n, t.to_kind(Kind::BFloat16)))
+        .collect();
+    c.upload(0, 100, 1, zero, 0.0).unwrap();
+    let before = snapshot(&m);
+    c.close(1.0);
+    let g = c.global().0;
+    let name = expert_tensor_name(0, 0, "up_proj");
+    assert!(get(g, &name).equal(get(&before, &name)));
+    // Node 1 did not upload: its experts did not change and are not published at all.
+    let other = expert_tensor_name(0, 3, "up_proj");
+    assert!(!c.delta().unwrap().delta.iter().any(|(n, _)| *n == other));
 }

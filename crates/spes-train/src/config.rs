@@ -29,12 +29,16 @@ pub enum Mode {
     Diloco,
 }
 
-/// Element type of tensors on the wire. The server always accumulates in fp32.
+/// What travels between nodes and the server. The server always aggregates in fp32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PayloadDtype {
+#[serde(rename_all = "snake_case")]
+pub enum Wire {
+    /// Whole fp32 tensors both ways.
     Fp32,
-    Bf16,
+    /// bf16 deltas from the last published model both ways, applied to an fp32 copy that the
+    /// server and every node keep bit-identical (spes-sync's `delta` module): half the bytes
+    /// of fp32, and fp32 master weights are never rounded.
+    Bf16Delta,
 }
 
 /// How the server combines the averaged (shared) parameters of a round's uploads.
@@ -61,7 +65,14 @@ pub struct SyncConfig {
     /// Explicit expert ownership: `ownership[p]` lists node p's expert indices (the same in every
     /// layer). Empty: contiguous blocks, node p owns `p·E/N .. (p+1)·E/N`.
     pub ownership: Vec<Vec<usize>>,
-    pub payload_dtype: PayloadDtype,
+    /// "bf16_delta" (default) or "fp32".
+    pub wire: Wire,
+    /// Delta wire: a node does not download back its own experts on rounds without a merge
+    /// (the server publishes them as the node sent them).
+    pub skip_own_experts: bool,
+    /// Keep training while a round is aggregated and downloaded, then apply the new global
+    /// model while keeping the progress made since the upload (delta wire only).
+    pub overlap: bool,
     /// Close a round this long after it opened with whoever uploaded (never with nobody).
     pub round_timeout_s: f64,
     /// A node is live while its newest heartbeat is younger than this; rounds do not wait for
@@ -101,7 +112,9 @@ impl Default for SyncConfig {
             nodes: 4,
             sync_steps: 100,
             ownership: Vec::new(),
-            payload_dtype: PayloadDtype::Fp32,
+            wire: Wire::Bf16Delta,
+            skip_own_experts: true,
+            overlap: false,
             round_timeout_s: 600.0,
             lease_s: 30.0,
             evict_after_s: 300.0,
@@ -309,6 +322,9 @@ impl RunConfig {
                     "sync.max_update_factor must be ≥ 0 (0 disables the check), got {}",
                     s.max_update_factor
                 );
+            }
+            if s.overlap && s.wire != Wire::Bf16Delta {
+                bail!("sync.overlap needs sync.wire = \"bf16_delta\" (it applies each round as a delta)");
             }
         }
         Ok(())

@@ -9,7 +9,5 @@ pub mod optim;
 pub mod task_hook;
 pub mod trainer;
 
-pub use config::{
-    AggregateRule, Mode, PayloadDtype, Precision, RunConfig, SyncConfig, TrainConfig,
-};
+pub use config::{AggregateRule, Mode, Precision, RunConfig, SyncConfig, TrainConfig, Wire};
 pub use trainer::{run, validation_loss, validation_stats, RunSummary, StepStats, Trainer};

@@ -59,6 +59,9 @@ nodes = {nodes}
 sync_steps = 2
 merge_every = 0
 round_timeout_s = 120
+# Whole fp32 tensors, so tests can check averages exactly and upload raw values;
+# the delta wire has its own tests.
+wire = "fp32"
 "#,
         data.display()
     );
@@ -206,10 +209,8 @@ pub fn header_for(peer: usize, round: u64, total_bytes: u64, xxh3: u64) -> Paylo
         peer: peer as u32,
         round,
         total_bytes,
-        xxh3,
-        session: 0,
-        owners: Vec::new(),
-        members: Vec::new(),
+        parts: vec![payload::part(total_bytes, xxh3)],
+        ..Default::default()
     }
 }
 
@@ -219,8 +220,10 @@ pub async fn upload_with(
     path: &Path,
     header: PayloadHeader,
 ) -> Result<UploadReply, tonic::Status> {
-    let stream =
-        tokio_stream::StreamExt::filter_map(payload::send(path, header, |_| {}), |r| r.ok());
+    let stream = tokio_stream::StreamExt::filter_map(
+        payload::send(vec![path.to_owned()], header, |_| {}),
+        |r| r.ok(),
+    );
     client.upload(stream).await.map(|r| r.into_inner())
 }
 
@@ -233,6 +236,6 @@ pub async fn upload_raw(
     named: &spes_sync::Named,
 ) -> Result<UploadReply, tonic::Status> {
     let path = dir.join(format!("raw-{peer}-{round}.safetensors"));
-    let (size, xxh3) = payload::write(&path, named, spes_train::PayloadDtype::Fp32).unwrap();
+    let (size, xxh3) = payload::write(&path, named, tch::Kind::Float).unwrap();
     upload_with(client, &path, header_for(peer, round, size, xxh3)).await
 }
