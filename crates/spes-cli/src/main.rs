@@ -332,8 +332,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Per-node memory and traffic of SPES vs DiLoCo for presets, and measured peak RSS of a
-    /// SPES node vs a DiLoCo node training `tiny` (each in its own process).
+    /// Per-node memory and traffic of SPES vs DiLoCo for presets, the server's measured
+    /// aggregation throughput (bytes of uploads per second, on the first preset), and measured
+    /// peak RSS of a SPES node vs a DiLoCo node training `tiny` (each in its own process).
     BenchSync {
         #[arg(long, value_delimiter = ',', default_value = "tiny,1b")]
         presets: Vec<String>,
@@ -342,6 +343,9 @@ enum Command {
         /// Bytes per value on the wire: 4 (fp32) or 2 (bf16).
         #[arg(long, default_value_t = 4)]
         wire_bytes: u64,
+        /// Rounds of the server-aggregation measurement (on the first preset).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
         /// Micro-batch of the measured steps.
         #[arg(long, default_value_t = 8)]
         batch_size: usize,
@@ -579,8 +583,10 @@ fn run(cli: Cli) -> Result<()> {
             wire_bytes,
             batch_size,
             seq_len,
+            rounds,
         } => {
             sync_bench::traffic_table(&presets, nodes, wire_bytes)?;
+            sync_bench::aggregation(&presets[0], nodes, rounds)?;
             sync_bench::measured_rss("tiny", nodes, batch_size, seq_len)?;
         }
         Command::Presets => {

@@ -96,3 +96,109 @@ pub fn measured_rss(preset: &str, nodes: usize, batch: usize, seq: usize) -> Res
     );
     Ok(())
 }
+
+/// Measures how fast a server takes uploads in: each node's payload is read from disk
+/// (memory-mapped), validated and folded in, then the round closes (merge off) — the server's
+/// whole path for a round. Prints bytes of uploads per second for both wires.
+pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
+    use spes_sync::{Combine, Coordinator, Layout, Ownership, RoundRules, Scope};
+    let cfg = ModelConfig::preset(preset)?;
+    if nodes == 0 || nodes > cfg.n_experts {
+        bail!(
+            "--nodes must be in 1..={} for preset {preset}",
+            cfg.n_experts
+        );
+    }
+    tch::manual_seed(0);
+    let model = spes_model::MoeModel::new(&cfg, tch::Device::Cpu)?;
+    let layout = Layout::of(&model);
+    let global: spes_sync::Named = model
+        .params()
+        .into_iter()
+        .map(|p| (p.name, p.tensor.detach().copy()))
+        .collect();
+    let scope = Scope::Spes(Ownership::resolve(&[], cfg.n_experts, nodes)?);
+    let dir = tempfile::tempdir()?;
+    println!();
+    println!("| {preset}, {nodes} nodes | wire | upload bytes / round | read + validate + fold + close | throughput |");
+    println!("|---|---|---|---|---|");
+    for delta in [true, false] {
+        let kind = if delta {
+            tch::Kind::BFloat16
+        } else {
+            tch::Kind::Float
+        };
+        let mut paths = Vec::new();
+        let mut bytes = 0u64;
+        for peer in 0..nodes {
+            let upload: spes_sync::Named = layout
+                .entries
+                .iter()
+                .zip(&global)
+                .filter(|((_, role, _), _)| scope.uploads(peer, *role))
+                .map(|((name, _, _), (_, g))| {
+                    let change = g.randn_like() * 1e-4;
+                    (name.clone(), if delta { change } else { g + change })
+                })
+                .collect();
+            let path = dir.path().join(format!("{peer}.safetensors"));
+            let (size, _) = spes_net::payload::write(&path, &upload, kind)?;
+            bytes += size;
+            paths.push(path);
+        }
+        let rules = RoundRules {
+            sync_steps: 100,
+            timeout_s: 1e9,
+            lease_s: 1e9,
+            evict_after_s: 1e9,
+            merge: None,
+            combine: Combine::Mean,
+            max_update_rms: Some(1.0),
+            delta,
+        };
+        let mut coord = Coordinator::new(
+            layout.clone(),
+            scope.clone(),
+            rules,
+            global
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect(),
+            0,
+            Default::default(),
+            0.0,
+        );
+        let mut times = Vec::new();
+        for round in 1..=rounds as u64 {
+            let t0 = std::time::Instant::now();
+            let (mut tr, mut tu) = (0.0, 0.0);
+            for (peer, path) in paths.iter().enumerate() {
+                let t = std::time::Instant::now();
+                let named = spes_net::payload::read(path)?;
+                tr += t.elapsed().as_secs_f64();
+                let t = std::time::Instant::now();
+                coord
+                    .upload(peer, 0, round, named, 0.0)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                tu += t.elapsed().as_secs_f64();
+            }
+            let t = std::time::Instant::now();
+            coord.close(0.0);
+            eprintln!(
+                "read {tr:.3} upload {tu:.3} close {:.3}",
+                t.elapsed().as_secs_f64()
+            );
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        println!(
+            "| | {} | {} | {:.3} s (median of {rounds}) | {:.2} GB/s |",
+            if delta { "bf16_delta" } else { "fp32" },
+            mib(bytes),
+            median,
+            bytes as f64 / median / 1e9
+        );
+    }
+    Ok(())
+}

@@ -1,13 +1,15 @@
 //! SPES over the network: the parameter server (`server`), the node (`node`), and what they
 //! share: per-peer credentials and TLS (`auth`), chunked, checksummed safetensors payloads
 //! (`payload`), the mapping of round refusals to gRPC statuses (`refusal`) and the crash points
-//! of the chaos test (`fault`). The SPES logic itself lives in spes-sync; this crate only moves
+//! of the chaos test (`fault`), and shaped loopback links to measure sync on (`link`). The SPES logic itself lives in spes-sync; this crate only moves
 //! tensors and keeps time.
 
 pub mod auth;
 pub mod fault;
+pub mod link;
 pub mod node;
 pub mod payload;
+pub mod plan;
 pub mod refusal;
 pub mod server;
 

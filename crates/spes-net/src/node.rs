@@ -846,7 +846,7 @@ impl Node {
             .thread
             .join()
             .map_err(|_| anyhow::anyhow!("node {}: the sync thread panicked", self.peer))?;
-        self.settle(exchange, p.round, p.started, t.elapsed().as_secs_f64())?;
+        self.settle(exchange, p.round, p.started, t)?;
         Ok(())
     }
 
@@ -898,7 +898,7 @@ impl Node {
         let (path, size, xxh3) = self.write_upload(upload)?;
         let ask = self.fetch_ask(round);
         let exchange = self.link.exchange(round, &path, size, xxh3, ask);
-        self.settle(exchange, round, t0, t0.elapsed().as_secs_f64())
+        self.settle(exchange, round, t0, t0)
     }
 
     fn check_lost(&self) -> Result<()> {
@@ -928,7 +928,7 @@ impl Node {
         exchange: Exchange,
         round: u64,
         t0: Instant,
-        waited_s: f64,
+        idle_from: Instant,
     ) -> Result<u64> {
         let (up, target) = match exchange {
             Exchange::Fetched { header, path, up } => {
@@ -936,7 +936,7 @@ impl Node {
                 let down = header.total_bytes;
                 self.load(&header, &path)?;
                 self.follow(&header)?;
-                return self.finish_sync(t0, waited_s, up, down);
+                return self.finish_sync(t0, idle_from, up, down);
             }
             Exchange::FetchFailed { status, up } => {
                 self.bytes_up += up;
@@ -973,7 +973,7 @@ impl Node {
                 (Some(Refused::NotMember), _) => {
                     tracing::warn!("node {}: {}", self.peer, s.message());
                     self.rejoin()?;
-                    return self.finish_sync(t0, waited_s, 0, 0);
+                    return self.finish_sync(t0, idle_from, 0, 0);
                 }
                 _ => return Err(explain(s, "the server")),
             },
@@ -983,11 +983,13 @@ impl Node {
         self.sent.clear();
         let header = self.fetch_and_load(target)?;
         self.follow(&header)?;
-        let waited_s = waited_s + t0.elapsed().as_secs_f64();
-        self.finish_sync(t0, waited_s, up, header.total_bytes)
+        self.finish_sync(t0, idle_from, up, header.total_bytes)
     }
 
-    fn finish_sync(&mut self, t0: Instant, waited_s: f64, up: u64, down: u64) -> Result<u64> {
+    /// Checkpoints and logs a sync: `sync_s` from the upload to the loaded model, `idle_s` the
+    /// time training stood still for it (checkpoint included), `compute_s` the round's steps.
+    fn finish_sync(&mut self, t0: Instant, idle_from: Instant, up: u64, down: u64) -> Result<u64> {
+        let sync_s = t0.elapsed().as_secs_f64();
         let h = self.trainer.cfg.sync.sync_steps;
         let loaded = self
             .base
@@ -998,7 +1000,7 @@ impl Node {
             .save_checkpoint(&self.out.join("checkpoints"))?;
         let record = json!({
             "event": "sync", "step": self.trainer.step, "round": loaded, "bytes_up": up,
-            "bytes_down": down, "sync_s": t0.elapsed().as_secs_f64(), "wait_s": waited_s,
+            "bytes_down": down, "sync_s": sync_s, "idle_s": idle_from.elapsed().as_secs_f64(),
             "compute_s": std::mem::take(&mut self.round_compute_s),
         });
         self.log.write(record.clone())?;

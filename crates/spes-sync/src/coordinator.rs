@@ -10,12 +10,12 @@
 
 use crate::delta::{self, RoundDelta};
 use crate::round::{
-    merge_experts, validate, Aggregator, Combine, Layout, MergeEvent, MergeSchedule, Named, Scope,
+    merge_experts, validate, validate_delta, Aggregator, Combine, Combined, Layout, MergeEvent,
+    MergeSchedule, Named, Scope,
 };
 use serde::Serialize;
-use spes_model::Role;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use tch::{Kind, Tensor};
+use std::collections::{BTreeMap, BTreeSet};
+use tch::Kind;
 use thiserror::Error;
 
 /// When rounds close, who stays a member, and what happens at closing.
@@ -125,10 +125,6 @@ pub struct Coordinator {
     joining: BTreeSet<usize>,
     /// Evicted peers; one that comes back is admitted again like a joiner.
     gone: BTreeSet<usize>,
-    /// Position of each parameter in `layout` and `global`.
-    index: HashMap<String, usize>,
-    /// Delta mode: this round's uploaded expert deltas by owner, to publish them verbatim.
-    raw: HashMap<String, (usize, Tensor)>,
     /// Delta mode: what the last closed round published.
     last_delta: Option<RoundDelta>,
 }
@@ -159,16 +155,8 @@ impl Coordinator {
                 )
             })
             .collect();
-        let index = layout
-            .entries
-            .iter()
-            .enumerate()
-            .map(|(i, (n, _, _))| (n.clone(), i))
-            .collect();
         Coordinator {
             agg: Aggregator::new(scope, rules.combine),
-            index,
-            raw: HashMap::new(),
             last_delta: None,
             layout,
             rules,
@@ -343,57 +331,16 @@ impl Coordinator {
     ) -> Result<(), RoundError> {
         self.check_upload(peer, session, round, now)?;
         let invalid = |reason| RoundError::Invalid { peer, reason };
-        let (tensors, raw) = if self.rules.delta {
-            self.rebuild(tensors).map_err(invalid)?
+        let (layout, scope, bound) = (&self.layout, self.scope(), self.rules.max_update_rms);
+        if self.rules.delta {
+            validate_delta(layout, scope, peer, &tensors, bound)
         } else {
-            (tensors, Vec::new())
-        };
-        validate(
-            &self.layout,
-            self.scope(),
-            peer,
-            &tensors,
-            &self.global,
-            self.rules.max_update_rms,
-        )
+            validate(layout, scope, peer, &tensors, &self.global, bound)
+        }
         .map_err(invalid)?;
         self.agg
             .add(&self.layout, peer, tensors)
-            .map_err(|e| invalid(e.to_string()))?;
-        for (name, d) in raw {
-            self.raw.insert(name, (peer, d));
-        }
-        Ok(())
-    }
-
-    /// Delta mode: turns an upload of bf16 deltas into values `global + delta` (for
-    /// [`validate`] and the aggregator), and returns the deltas of its experts as sent.
-    fn rebuild(&self, upload: Named) -> Result<(Named, Vec<(String, Tensor)>), String> {
-        let mut values = Vec::with_capacity(upload.len());
-        let mut raw = Vec::new();
-        for (name, d) in upload {
-            let Some(&i) = self.index.get(&name) else {
-                return Err(format!("holds unknown tensor `{name}`"));
-            };
-            let (_, role, shape) = &self.layout.entries[i];
-            if d.kind() != Kind::BFloat16 {
-                return Err(format!(
-                    "tensor `{name}` is {:?}, expected a bf16 delta (sync.wire = \"bf16_delta\")",
-                    d.kind()
-                ));
-            }
-            if d.size() != *shape {
-                return Err(format!(
-                    "tensor `{name}` has shape {:?}, expected {shape:?}",
-                    d.size()
-                ));
-            }
-            values.push((name.clone(), delta::apply(&self.global[i].1, &d)));
-            if matches!(role, Role::Expert { .. }) && matches!(self.scope(), Scope::Spes(_)) {
-                raw.push((name, d));
-            }
-        }
-        Ok((values, raw))
+            .map_err(|e| invalid(e.to_string()))
     }
 
     /// Delta mode: what the last closed round published (`None` before any close).
@@ -429,32 +376,28 @@ impl Coordinator {
             .filter(|p| !peers.contains(p))
             .copied()
             .collect();
-        let mut global = agg.finish(&self.layout, &self.global);
         let step = self.round * self.rules.sync_steps;
         let mut merge_alpha = self.rules.merge.and_then(|m| m.alpha(step));
-        let mut merges = match (merge_alpha, self.rules.merge) {
-            (Some(a), Some(m)) => merge_experts(&mut global, &self.layout, m.top_k, a),
-            _ => Vec::new(),
+        let (global, mut merges, published) = if self.rules.delta {
+            self.close_deltas(agg.finish_deltas(), merge_alpha)
+        } else {
+            let mut global = agg.finish(&self.layout, &self.global);
+            let merges = match (merge_alpha, self.rules.merge) {
+                (Some(a), Some(m)) => merge_experts(&mut global, &self.layout, m.top_k, a),
+                _ => Vec::new(),
+            };
+            (global, merges, None)
         };
         let discarded = first_non_finite(&global).map(|name| {
             format!("the aggregate of `{name}` is not finite; the previous model was kept")
         });
-        let raw = std::mem::take(&mut self.raw);
         if discarded.is_some() {
             merge_alpha = None;
             merges.clear();
             self.last_delta = self.rules.delta.then(RoundDelta::default);
-        } else if self.rules.delta {
-            let verbatim = if merges.is_empty() {
-                raw
-            } else {
-                HashMap::new()
-            };
-            let (next, published) = publish_delta(&self.global, global, verbatim);
-            self.global = next;
-            self.last_delta = Some(published);
         } else {
             self.global = global;
+            self.last_delta = published;
         }
 
         let expired = |p: &usize| {
@@ -510,35 +453,73 @@ impl Coordinator {
 }
 
 /// The name of the first tensor holding a NaN or infinity.
-/// The next global model and what publishes it: `base + f32(Δ)` for every changed tensor,
-/// where Δ is the owner's upload for experts in `verbatim`, else `bf16(ideal − base)`.
-fn publish_delta(
-    base: &Named,
-    ideal: Named,
-    mut verbatim: HashMap<String, (usize, Tensor)>,
-) -> (Named, RoundDelta) {
-    let mut out = RoundDelta::default();
-    let next = ideal
-        .into_iter()
-        .zip(base)
-        .map(|((name, ideal), (_, base))| {
-            if let Some((peer, d)) = verbatim.remove(&name) {
+impl Coordinator {
+    /// The delta wire's next global model, merges and published delta. Without a merge: each
+    /// averaged tensor's delta is its combined delta in bf16, each owned expert's is its
+    /// owner's upload verbatim. With one: experts are merged as values, and every changed
+    /// tensor's delta is `bf16(value − base)`. Either way the model is `base + f32(Δ)`.
+    fn close_deltas(
+        &self,
+        combined: Combined,
+        merge_alpha: Option<f64>,
+    ) -> (Named, Vec<MergeEvent>, Option<RoundDelta>) {
+        let Combined {
+            mut averaged,
+            mut owned,
+        } = combined;
+        let mut out = RoundDelta::default();
+        let Some((alpha, m)) = merge_alpha.zip(self.rules.merge) else {
+            let next = self
+                .global
+                .iter()
+                .map(|(name, base)| {
+                    let d = if let Some((peer, d)) = owned.remove(name) {
+                        out.verbatim.entry(peer).or_default().push(name.clone());
+                        d
+                    } else if let Some(d) = averaged.remove(name) {
+                        d.to_kind(Kind::BFloat16)
+                    } else {
+                        return (name.clone(), base.shallow_clone());
+                    };
+                    let value = delta::apply(base, &d);
+                    out.delta.push((name.clone(), d));
+                    (name.clone(), value)
+                })
+                .collect();
+            return (next, Vec::new(), Some(out));
+        };
+        let mut values: Named = self
+            .global
+            .iter()
+            .map(|(name, base)| {
+                let d = owned
+                    .remove(name)
+                    .map(|(_, d)| d)
+                    .or_else(|| averaged.remove(name));
+                let v = match d {
+                    Some(d) => delta::apply(base, &d),
+                    None => base.shallow_clone(),
+                };
+                (name.clone(), v)
+            })
+            .collect();
+        let merges = merge_experts(&mut values, &self.layout, m.top_k, alpha);
+        let next = values
+            .into_iter()
+            .zip(&self.global)
+            .map(|((name, value), (_, base))| {
+                // A tensor nobody changed is the base itself: nothing to publish.
+                if value.data_ptr() == base.data_ptr() {
+                    return (name, value);
+                }
+                let d = delta::encode(&value, base);
                 let value = delta::apply(base, &d);
-                out.verbatim.entry(peer).or_default().push(name.clone());
                 out.delta.push((name.clone(), d));
-                return (name, value);
-            }
-            // The aggregator hands back the previous tensor itself when nobody changed it.
-            if ideal.data_ptr() == base.data_ptr() {
-                return (name, ideal);
-            }
-            let d = delta::encode(&ideal, base);
-            let value = delta::apply(base, &d);
-            out.delta.push((name.clone(), d));
-            (name, value)
-        })
-        .collect();
-    (next, out)
+                (name, value)
+            })
+            .collect();
+        (next, merges, Some(out))
+    }
 }
 
 fn first_non_finite(named: &Named) -> Option<String> {

@@ -12,5 +12,6 @@ pub use coordinator::{Coordinator, RoundError, RoundReport, RoundRules, Standing
 pub use delta::RoundDelta;
 pub use ownership::Ownership;
 pub use round::{
-    merge_experts, validate, Aggregator, Combine, Layout, MergeEvent, MergeSchedule, Named, Scope,
+    merge_experts, validate, validate_delta, Aggregator, Combine, Combined, Layout, MergeEvent,
+    MergeSchedule, Named, Scope,
 };

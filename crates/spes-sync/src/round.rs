@@ -121,15 +121,24 @@ pub enum Combine {
     Median,
 }
 
-/// Accumulates the uploads of one round.
+/// Accumulates the uploads of one round: whole values, or (delta wire) bf16 deltas.
 pub struct Aggregator {
     scope: Scope,
     combine: Combine,
     sums: HashMap<String, Tensor>,
     /// Robust rules keep every upload of an averaged tensor until the round closes.
     kept: HashMap<String, Vec<Tensor>>,
-    owned: HashMap<String, Tensor>,
+    /// Tensors taken from their owner, as uploaded, with the owner.
+    owned: HashMap<String, (usize, Tensor)>,
     uploaded: BTreeSet<usize>,
+}
+
+/// A delta-wire round's combined uploads, before merging.
+pub struct Combined {
+    /// Averaged tensors: the combined delta, fp32.
+    pub averaged: HashMap<String, Tensor>,
+    /// Tensors taken from their owner: the owner and its bf16 delta, as sent.
+    pub owned: HashMap<String, (usize, Tensor)>,
 }
 
 /// Checks an upload against the layout, the round's scope and (if given) the bound on how far
@@ -143,6 +152,80 @@ pub fn validate(
     global: &Named,
     max_rms: Option<f64>,
 ) -> std::result::Result<(), String> {
+    check_entries(layout, scope, peer, upload, |i, name, t| {
+        if !matches!(t.kind(), Kind::Float | Kind::BFloat16) {
+            return Err(format!(
+                "tensor `{name}` is {:?}, expected f32 or bf16",
+                t.kind()
+            ));
+        }
+        let current = &global[i].1;
+        let t = t.to_kind(Kind::Float);
+        if !bool::try_from(t.isfinite().all()).unwrap_or(false) {
+            return Err(format!("tensor `{name}` holds non-finite values"));
+        }
+        if let Some(bound) = max_rms {
+            let current = current.to_kind(Kind::Float);
+            let change = rms(&(&t - &current));
+            let allowed = bound + BF16_SLACK * rms(&current);
+            if change.is_nan() || change > allowed {
+                return Err(too_far(name, change, allowed));
+            }
+        }
+        Ok(())
+    })
+}
+
+fn rms(x: &Tensor) -> f64 {
+    x.square().mean(Kind::Double).sqrt().double_value(&[])
+}
+
+fn too_far(name: &str, change: f64, allowed: f64) -> String {
+    format!(
+        "tensor `{name}` moved by RMS {change:.3e} from the global model, more than the \
+         {allowed:.3e} that sync.max_update_factor allows"
+    )
+}
+
+/// [`validate`] for an upload of bf16 deltas: each must be bf16, finite, and within `max_rms`
+/// (checked in one pass over the delta: its norm).
+pub fn validate_delta(
+    layout: &Layout,
+    scope: &Scope,
+    peer: usize,
+    upload: &Named,
+    max_rms: Option<f64>,
+) -> std::result::Result<(), String> {
+    check_entries(layout, scope, peer, upload, |_, name, d| {
+        if d.kind() != Kind::BFloat16 {
+            return Err(format!(
+                "tensor `{name}` is {:?}, expected a bf16 delta (sync.wire = \"bf16_delta\")",
+                d.kind()
+            ));
+        }
+        let norm = d.norm().to_kind(Kind::Double).double_value(&[]);
+        if !norm.is_finite() && !bool::try_from(d.isfinite().all()).unwrap_or(false) {
+            return Err(format!("tensor `{name}` holds non-finite values"));
+        }
+        if let Some(bound) = max_rms {
+            let change = norm / (d.numel().max(1) as f64).sqrt();
+            if !change.is_finite() || change > bound {
+                return Err(too_far(name, change, bound));
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Checks that an upload holds exactly the tensors `peer` uploads under `scope`, once each and
+/// of the layout's shapes; `check` judges each tensor's values.
+fn check_entries(
+    layout: &Layout,
+    scope: &Scope,
+    peer: usize,
+    upload: &Named,
+    mut check: impl FnMut(usize, &str, &Tensor) -> std::result::Result<(), String>,
+) -> std::result::Result<(), String> {
     let mut given: HashMap<&str, &Tensor> = HashMap::with_capacity(upload.len());
     for (name, t) in upload {
         if given.insert(name.as_str(), t).is_some() {
@@ -150,7 +233,7 @@ pub fn validate(
         }
     }
     let mut expected = 0;
-    for ((name, role, shape), (_, current)) in layout.entries.iter().zip(global) {
+    for (i, (name, role, shape)) in layout.entries.iter().enumerate() {
         if !scope.uploads(peer, *role) {
             if given.contains_key(name.as_str()) {
                 return Err(format!("holds `{name}`, which peer {peer} does not own"));
@@ -167,28 +250,7 @@ pub fn validate(
                 t.size()
             ));
         }
-        if !matches!(t.kind(), Kind::Float | Kind::BFloat16) {
-            return Err(format!(
-                "tensor `{name}` is {:?}, expected f32 or bf16",
-                t.kind()
-            ));
-        }
-        let t = t.to_kind(Kind::Float);
-        if !bool::try_from(t.isfinite().all()).unwrap_or(false) {
-            return Err(format!("tensor `{name}` holds non-finite values"));
-        }
-        if let Some(bound) = max_rms {
-            let current = current.to_kind(Kind::Float);
-            let rms = |x: &Tensor| x.square().mean(Kind::Double).sqrt().double_value(&[]);
-            let change = rms(&(&t - &current));
-            let allowed = bound + BF16_SLACK * rms(&current);
-            if change.is_nan() || change > allowed {
-                return Err(format!(
-                    "tensor `{name}` moved by RMS {change:.3e} from the global model, more than \
-                     the {allowed:.3e} that sync.max_update_factor allows"
-                ));
-            }
-        }
+        check(i, name, t)?;
     }
     if given.len() != expected {
         let unknown = given
@@ -237,20 +299,24 @@ impl Aggregator {
                 let Some(t) = given.remove(name) else {
                     continue;
                 };
-                let t = t.to_kind(Kind::Float);
                 if !self.scope.averaged(*role) {
-                    self.owned.insert(name.clone(), t);
+                    self.owned.insert(name.clone(), (peer, t));
                 } else if self.combine == Combine::Mean {
                     match self.sums.get_mut(name) {
+                        // Adds bf16 deltas into the fp32 sum in one pass.
                         Some(sum) => {
                             let _ = sum.g_add_(&t);
                         }
                         None => {
-                            self.sums.insert(name.clone(), t.copy());
+                            self.sums
+                                .insert(name.clone(), t.to_kind(Kind::Float).copy());
                         }
                     }
                 } else {
-                    self.kept.entry(name.clone()).or_default().push(t);
+                    self.kept
+                        .entry(name.clone())
+                        .or_default()
+                        .push(t.to_kind(Kind::Float));
                 }
             }
         });
@@ -272,14 +338,37 @@ impl Aggregator {
                     sum / n as f64
                 } else if let Some(all) = kept.remove(name) {
                     robust(&all, combine)
-                } else if let Some(t) = owned.remove(name) {
-                    t
+                } else if let Some((_, t)) = owned.remove(name) {
+                    t.to_kind(Kind::Float)
                 } else {
                     prev.shallow_clone()
                 };
                 (name.clone(), t)
             })
             .collect()
+    }
+}
+
+impl Aggregator {
+    /// The delta wire's close: the combined delta of every averaged tensor that was uploaded,
+    /// and the owners' deltas as sent.
+    pub fn finish_deltas(self) -> Combined {
+        let n = self.uploaded.len();
+        let combine = self.combine;
+        let mut averaged: HashMap<String, Tensor> = self
+            .sums
+            .into_iter()
+            .map(|(name, sum)| (name, sum / n as f64))
+            .collect();
+        averaged.extend(
+            self.kept
+                .into_iter()
+                .map(|(name, all)| (name, robust(&all, combine))),
+        );
+        Combined {
+            averaged,
+            owned: self.owned,
+        }
     }
 }
 
