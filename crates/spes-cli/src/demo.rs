@@ -2,13 +2,15 @@
 //! embedded corpus (Debian's BSD-licensed fortunes, 2.9 MB of English) with a fresh 8k BPE, then
 //! starts one `spes server` and N `spes node` processes on loopback (configs/spes-tiny.toml),
 //! shows every node's progress, and writes `summary.json`, `report.md` and plots.
-//! Interrupted, it stops every process; run again with the same `--out` to resume.
+//! Interrupted, it stops every process; run again with the same `--out` to resume. With
+//! `--link`, every node reaches the server through its own shaped link (spes-net's `link`).
 
 use crate::report;
 use anyhow::{bail, Context, Result};
-use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Value};
 use spes_data::{TokenizeOptions, TokenizerSource};
+use spes_net::link::{LinkSpec, RelaySet};
 use spes_train::RunConfig;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -21,7 +23,7 @@ const CORPUS: &[u8] = include_bytes!("../assets/default-corpus.jsonl.gz");
 const SPES_TINY: &str = include_str!("../../../configs/spes-tiny.toml");
 
 /// Tokenizes the embedded corpus into `<out>/data` unless already there.
-fn prepare_data(out: &Path) -> Result<PathBuf> {
+pub fn prepare_data(out: &Path) -> Result<PathBuf> {
     let data = out.join("data");
     if !data.join(spes_data::shard::MANIFEST).exists() {
         let corpus = out.join("default-corpus.jsonl.gz");
@@ -75,15 +77,36 @@ fn tail(path: &Path) -> String {
     lines[lines.len().saturating_sub(5)..].join("\n")
 }
 
-pub fn run(out: &Path, overrides: &[String], device: &str) -> Result<()> {
-    let started = Instant::now();
-    std::fs::create_dir_all(out.join("logs"))
-        .with_context(|| format!("cannot create {}", out.display()))?;
-    let data = prepare_data(out)?;
+/// The demo's config: the embedded configs/spes-tiny.toml on `data`, with `overrides`.
+pub fn config(data: &Path, overrides: &[String]) -> Result<RunConfig> {
     let mut all = vec![format!("data.path={}", data.display())];
     all.extend(overrides.iter().cloned());
-    let cfg = RunConfig::parse(SPES_TINY, &all).context("embedded configs/spes-tiny.toml")?;
-    let config_toml = toml::to_string(&cfg)?;
+    RunConfig::parse(SPES_TINY, &all).context("embedded configs/spes-tiny.toml")
+}
+
+/// Runs the demo: data, server and nodes, then `summary.json` and `report.md`.
+pub fn run(out: &Path, overrides: &[String], device: &str, link: Option<LinkSpec>) -> Result<()> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let data = prepare_data(out)?;
+    let cfg = config(&data, overrides)?;
+    let config_toml = launch(out, &cfg, device, link, true)?;
+    let nodes = cfg.sync.nodes;
+    report(out, nodes, started, &config_toml)
+}
+
+/// Starts one server and `cfg.sync.nodes` node processes under `out` (each node behind its own
+/// shaped link if `link` is given) and waits for all of them; returns the config as written.
+pub fn launch(
+    out: &Path,
+    cfg: &RunConfig,
+    device: &str,
+    link: Option<LinkSpec>,
+    show_progress: bool,
+) -> Result<String> {
+    std::fs::create_dir_all(out.join("logs"))
+        .with_context(|| format!("cannot create {}", out.display()))?;
+    let config_toml = toml::to_string(cfg)?;
     let config = out.join("config.toml");
     spes_data::shard::write_atomic(&config, config_toml.as_bytes())?;
     let nodes = cfg.sync.nodes;
@@ -116,7 +139,22 @@ pub fn run(out: &Path, overrides: &[String], device: &str) -> Result<()> {
             .spawn()
             .context("cannot start the server")?,
     )];
-    let bars = MultiProgress::new();
+    let bars = if show_progress {
+        MultiProgress::new()
+    } else {
+        MultiProgress::with_draw_target(ProgressDrawTarget::hidden())
+    };
+    // Relays run until every process is done.
+    let server_addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let relays = link
+        .map(|spec| RelaySet::start(spec, server_addr, nodes))
+        .transpose()?;
+    let node_urls: Vec<String> = (0..nodes)
+        .map(|i| match &relays {
+            Some(r) => format!("http://{}", r.addr(i)),
+            None => format!("http://{server_addr}"),
+        })
+        .collect();
     let style = ProgressStyle::with_template("{prefix:>7} [{bar:30}] {pos}/{len} {msg}")
         .expect("valid template")
         .progress_chars("=> ");
@@ -126,8 +164,7 @@ pub fn run(out: &Path, overrides: &[String], device: &str) -> Result<()> {
     let mut readers = Vec::new();
     for (peer, credential) in credentials.iter().enumerate() {
         let mut node = Command::new(&exe);
-        node.arg("node")
-            .args(["--server", &format!("http://127.0.0.1:{port}")]);
+        node.arg("node").args(["--server", &node_urls[peer]]);
         node.args(["--peer", &peer.to_string(), "--progress", "json"]);
         node.arg("--out").arg(out.join(format!("node-{peer}")));
         node.arg("--credential-file").arg(credential);
@@ -158,10 +195,7 @@ pub fn run(out: &Path, overrides: &[String], device: &str) -> Result<()> {
         children.push((format!("node-{peer}"), child));
     }
 
-    let interrupted = Arc::new(AtomicBool::new(false));
-    let flag = interrupted.clone();
-    ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
-        .context("cannot install the Ctrl-C handler")?;
+    let interrupted = interrupt_flag()?;
     let stop_all = |children: &mut Vec<(String, Child)>| {
         for (_, c) in children.iter_mut() {
             let _ = c.kill();
@@ -216,7 +250,25 @@ pub fn run(out: &Path, overrides: &[String], device: &str) -> Result<()> {
         let _ = r.join();
     }
     server_bar.finish();
+    drop(relays);
+    Ok(config_toml)
+}
 
+/// Set by Ctrl-C; the handler is installed once per process (a benchmark launches many runs).
+fn interrupt_flag() -> Result<Arc<AtomicBool>> {
+    static FLAG: std::sync::OnceLock<Arc<AtomicBool>> = std::sync::OnceLock::new();
+    if let Some(f) = FLAG.get() {
+        return Ok(f.clone());
+    }
+    let flag = Arc::new(AtomicBool::new(false));
+    let set = flag.clone();
+    ctrlc::set_handler(move || set.store(true, Ordering::SeqCst))
+        .context("cannot install the Ctrl-C handler")?;
+    Ok(FLAG.get_or_init(|| flag).clone())
+}
+
+/// Writes `summary.json` and `report.md` of a finished demo.
+fn report(out: &Path, nodes: usize, started: Instant, config_toml: &str) -> Result<()> {
     let rounds = report::read_jsonl(&out.join("server/metrics.jsonl"));
     let val = |r: Option<&Value>| r.and_then(|r| r["val_loss"].as_f64());
     let node_summaries: Vec<Value> = (0..nodes)
@@ -240,7 +292,7 @@ pub fn run(out: &Path, overrides: &[String], device: &str) -> Result<()> {
         &out.join("summary.json"),
         serde_json::to_string_pretty(&summary)?.as_bytes(),
     )?;
-    report::write(out, &summary, &config_toml)?;
+    report::write(out, &summary, config_toml)?;
     println!(
         "global validation loss {} -> {} nats/token in {:.0} s; report: {}",
         summary["initial_val_loss"],

@@ -2,6 +2,8 @@
 
 mod demo;
 mod device;
+mod link_bench;
+mod plan_sync;
 mod report;
 mod sync_bench;
 
@@ -364,7 +366,17 @@ enum Command {
         overrides: Vec<String>,
         #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
         device: DeviceChoice,
+        /// Put every node behind its own shaped loopback link, e.g. `100mbit,40ms` or
+        /// `up=20mbit,down=100mbit,rtt=40ms,loss=0.1%` (rtt is the round trip).
+        #[arg(long)]
+        link: Option<spes_net::link::LinkSpec>,
     },
+    /// What a round costs on given links, for every wire option: a discrete-event model of
+    /// compute, uploads and downloads over per-node links and the server's shared link.
+    PlanSync(plan_sync::Args),
+    /// Measures sync on `tiny` over shaped loopback links for every wire option (server and 4
+    /// nodes as processes) and prints it next to the planner's prediction.
+    BenchLink(link_bench::Args),
 }
 
 /// A freshly initialised checkpoint (`<out>/step-0`) of a config; needs no data.
@@ -807,17 +819,20 @@ fn run(cli: Cli) -> Result<()> {
                 None => println!("{json}"),
             }
         }
+        Command::PlanSync(args) => plan_sync::run(args)?,
+        Command::BenchLink(args) => link_bench::run(args)?,
         Command::Demo {
             out,
             overrides,
             device,
+            link,
         } => {
             let device = device
                 .to_possible_value()
                 .expect("named")
                 .get_name()
                 .to_owned();
-            demo::run(&out, &overrides, &device).context("demo failed")?;
+            demo::run(&out, &overrides, &device, link).context("demo failed")?;
         }
     }
     Ok(())

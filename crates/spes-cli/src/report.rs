@@ -19,6 +19,50 @@ pub fn read_jsonl(path: &Path) -> Vec<Value> {
         .collect()
 }
 
+/// What one round cost the nodes, averaged over those that synced it.
+#[derive(Clone, Debug)]
+pub struct RoundCost {
+    pub round: u64,
+    pub nodes: usize,
+    pub compute_s: f64,
+    /// From a node's upload to its loaded model.
+    pub sync_s: f64,
+    /// Training standing still for the sync (with overlap, only the wait for the result).
+    pub idle_s: f64,
+    pub bytes_up: f64,
+    pub bytes_down: f64,
+}
+
+/// Per-round sync costs from the nodes' `metrics.jsonl` (`sync` records), by round.
+pub fn round_costs(out: &Path, peers: &[u64]) -> Vec<RoundCost> {
+    let mut by_round: std::collections::BTreeMap<u64, Vec<Value>> = Default::default();
+    for p in peers {
+        for r in read_jsonl(&out.join(format!("node-{p}/metrics.jsonl"))) {
+            if r["event"] == "sync" {
+                if let Some(round) = r["round"].as_u64() {
+                    by_round.entry(round).or_default().push(r);
+                }
+            }
+        }
+    }
+    by_round
+        .into_iter()
+        .map(|(round, rs)| {
+            let mean =
+                |k: &str| rs.iter().filter_map(|r| r[k].as_f64()).sum::<f64>() / rs.len() as f64;
+            RoundCost {
+                round,
+                nodes: rs.len(),
+                compute_s: mean("compute_s"),
+                sync_s: mean("sync_s"),
+                idle_s: mean("idle_s"),
+                bytes_up: mean("bytes_up"),
+                bytes_down: mean("bytes_down"),
+            }
+        })
+        .collect()
+}
+
 fn plot_err<E: std::fmt::Display>(e: E) -> anyhow::Error {
     anyhow::anyhow!("plotting failed: {e}")
 }
@@ -245,6 +289,25 @@ pub fn write(out: &Path, summary: &Value, config_toml: &str) -> Result<()> {
             mib(&n["bytes_up"]),
             mib(&n["bytes_down"]),
             n["peak_rss_mb"].as_f64().unwrap_or(0.0)
+        ));
+    }
+    let peers: Vec<u64> = nodes.iter().filter_map(|n| n["peer"].as_u64()).collect();
+    md.push_str("\n## Sync cost per round\n\nMeans over the nodes. *Sync* runs from a node's upload to its loaded model; *idle* is the time training stood still for it (with `sync.overlap`, only the wait for the result).\n\n");
+    md.push_str("| round | compute s | sync s | idle s | up MiB | down MiB | server aggregation s |\n|---|---|---|---|---|---|---|\n");
+    for c in round_costs(out, &peers) {
+        let agg = server
+            .iter()
+            .find(|r| r["round"].as_u64() == Some(c.round))
+            .and_then(|r| r["aggregation_s"].as_f64())
+            .map_or("".into(), |a| format!("{a:.2}"));
+        md.push_str(&format!(
+            "| {} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {agg} |\n",
+            c.round,
+            c.compute_s,
+            c.sync_s,
+            c.idle_s,
+            c.bytes_up / (1u64 << 20) as f64,
+            c.bytes_down / (1u64 << 20) as f64,
         ));
     }
     md.push_str("\n![loss](loss.png)\n\n![expert load](expert_load.png)\n\n## Expert merging\n\n");

@@ -101,7 +101,7 @@ pub fn measured_rss(preset: &str, nodes: usize, batch: usize, seq: usize) -> Res
 /// (memory-mapped), validated and folded in, then the round closes (merge off) — the server's
 /// whole path for a round. Prints bytes of uploads per second for both wires.
 pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
-    use spes_sync::{Combine, Coordinator, Layout, Ownership, RoundRules, Scope};
+    use spes_sync::{Combine, Coordinator, Layout, Ownership, RoundRules, Scope, WireForm};
     let cfg = ModelConfig::preset(preset)?;
     if nodes == 0 || nodes > cfg.n_experts {
         bail!(
@@ -120,27 +120,38 @@ pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
     let scope = Scope::Spes(Ownership::resolve(&[], cfg.n_experts, nodes)?);
     let dir = tempfile::tempdir()?;
     println!();
-    println!("| {preset}, {nodes} nodes | wire | upload bytes / round | read + validate + fold + close | throughput |");
-    println!("|---|---|---|---|---|");
-    for delta in [true, false] {
-        let kind = if delta {
-            tch::Kind::BFloat16
-        } else {
-            tch::Kind::Float
-        };
+    println!("| {preset}, {nodes} nodes | upload bytes / round | read | validate + fold | close | throughput |");
+    println!("|---|---|---|---|---|---|");
+    let density = 0.03;
+    let forms = [
+        ("bf16_delta", WireForm::Bf16Delta),
+        ("sparse_delta (3 %)", WireForm::Sparse { density }),
+        ("fp32", WireForm::Values),
+    ];
+    for (label, form) in forms {
         let mut paths = Vec::new();
         let mut bytes = 0u64;
         for peer in 0..nodes {
-            let upload: spes_sync::Named = layout
-                .entries
-                .iter()
-                .zip(&global)
-                .filter(|((_, role, _), _)| scope.uploads(peer, *role))
-                .map(|((name, _, _), (_, g))| {
-                    let change = g.randn_like() * 1e-4;
-                    (name.clone(), if delta { change } else { g + change })
-                })
-                .collect();
+            let mut upload: spes_sync::Named = Vec::new();
+            for ((name, role, _), (_, g)) in layout.entries.iter().zip(&global) {
+                if !scope.uploads(peer, *role) {
+                    continue;
+                }
+                let change = g.randn_like() * 1e-4;
+                match form {
+                    WireForm::Values => upload.push((name.clone(), g + change)),
+                    WireForm::Bf16Delta => upload.push((name.clone(), change)),
+                    WireForm::Sparse { density } => {
+                        let k = spes_sync::delta::sparse_k(change.numel() as i64, density);
+                        upload.extend(spes_sync::delta::top_k(&change, k).into_wire(name));
+                    }
+                }
+            }
+            let kind = if form == WireForm::Values {
+                tch::Kind::Float
+            } else {
+                tch::Kind::BFloat16
+            };
             let path = dir.path().join(format!("{peer}.safetensors"));
             let (size, _) = spes_net::payload::write(&path, &upload, kind)?;
             bytes += size;
@@ -154,7 +165,7 @@ pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
             merge: None,
             combine: Combine::Mean,
             max_update_rms: Some(1.0),
-            delta,
+            wire: form,
         };
         let mut coord = Coordinator::new(
             layout.clone(),
@@ -170,35 +181,34 @@ pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
         );
         let mut times = Vec::new();
         for round in 1..=rounds as u64 {
-            let t0 = std::time::Instant::now();
-            let (mut tr, mut tu) = (0.0, 0.0);
+            let (mut read, mut fold) = (0.0, 0.0);
             for (peer, path) in paths.iter().enumerate() {
                 let t = std::time::Instant::now();
                 let named = spes_net::payload::read(path)?;
-                tr += t.elapsed().as_secs_f64();
+                read += t.elapsed().as_secs_f64();
                 let t = std::time::Instant::now();
                 coord
                     .upload(peer, 0, round, named, 0.0)
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
-                tu += t.elapsed().as_secs_f64();
+                fold += t.elapsed().as_secs_f64();
             }
             let t = std::time::Instant::now();
             coord.close(0.0);
-            eprintln!(
-                "read {tr:.3} upload {tu:.3} close {:.3}",
-                t.elapsed().as_secs_f64()
-            );
-            times.push(t0.elapsed().as_secs_f64());
+            times.push((
+                read + fold + t.elapsed().as_secs_f64(),
+                read,
+                fold,
+                t.elapsed().as_secs_f64(),
+            ));
         }
-        times.sort_by(f64::total_cmp);
-        let median = times[times.len() / 2];
+        times.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (total, read, fold, close) = times[times.len() / 2];
         println!(
-            "| | {} | {} | {:.3} s (median of {rounds}) | {:.2} GB/s |",
-            if delta { "bf16_delta" } else { "fp32" },
+            "| {label} | {} | {read:.3} s | {fold:.3} s | {close:.3} s | {:.2} GB/s |",
             mib(bytes),
-            median,
-            bytes as f64 / median / 1e9
+            bytes as f64 / total / 1e9
         );
     }
+    println!("\n(median round of {rounds}; throughput = upload bytes / (read + validate + fold + close))");
     Ok(())
 }

@@ -231,6 +231,28 @@ impl Drop for Relay {
     }
 }
 
+/// `n` relays to one upstream on a runtime of their own, for callers without one (`spes
+/// demo`); they stop when this is dropped.
+pub struct RelaySet {
+    relays: Vec<Relay>,
+    _rt: tokio::runtime::Runtime,
+}
+
+impl RelaySet {
+    pub fn start(spec: LinkSpec, upstream: SocketAddr, n: usize) -> Result<RelaySet> {
+        let rt = tokio::runtime::Runtime::new()?;
+        let relays = (0..n)
+            .map(|_| rt.block_on(Relay::start(spec, upstream)))
+            .collect::<Result<_>>()?;
+        Ok(RelaySet { relays, _rt: rt })
+    }
+
+    /// Where to connect to reach the upstream through relay `i`.
+    pub fn addr(&self, i: usize) -> SocketAddr {
+        self.relays[i].addr
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -94,8 +94,8 @@ pub struct Node {
     /// Delta wire: the last loaded global model's trained tensors, in fp32.
     base: Option<Base>,
     /// Delta wire: the deltas of the last upload that a later load needs (own experts, or all
-    /// of them with overlap), by name.
-    sent: HashMap<String, Tensor>,
+    /// of them when progress since the upload is kept), by name.
+    sent: HashMap<String, Sent>,
     expert_names: HashSet<String>,
     /// Overlap: the upload and fetch running while training goes on.
     pending: Option<Pending>,
@@ -274,6 +274,96 @@ fn lock_out(out: &Path) -> Result<std::fs::File> {
         )
     })?;
     Ok(f)
+}
+
+/// One tensor's delta as it travels: dense bf16, or sparse pairs.
+enum Sent {
+    Dense(Tensor),
+    Sparse(delta::Sparse),
+}
+
+impl Sent {
+    fn share(&self) -> Sent {
+        match self {
+            Sent::Dense(t) => Sent::Dense(t.shallow_clone()),
+            Sent::Sparse(s) => Sent::Sparse(s.share()),
+        }
+    }
+
+    /// In place: `base ← base + f32(self)`, as the server computes it.
+    fn apply_(&self, base: &mut Tensor) {
+        match self {
+            Sent::Dense(d) => delta::apply_(base, d),
+            Sent::Sparse(s) => delta::apply_sparse_(base, s),
+        }
+    }
+
+    /// `x − f32(self)`.
+    fn subtract_from(&self, x: &Tensor) -> Tensor {
+        tch::no_grad(|| match self {
+            Sent::Dense(d) => x - d.to_device(x.device()).to_kind(Kind::Float),
+            Sent::Sparse(s) => {
+                let mut out = x.copy();
+                let neg = delta::Sparse {
+                    idx: s.idx.shallow_clone(),
+                    val: -&s.val,
+                };
+                delta::apply_sparse_(&mut out, &neg);
+                out
+            }
+        })
+    }
+}
+
+/// The deltas of a payload by tensor, checked against the model's shapes.
+fn group_deltas(
+    named: Named,
+    params: &[spes_model::Param],
+    source: &str,
+) -> Result<HashMap<String, Sent>> {
+    let shape_of = |name: &str| {
+        params
+            .iter()
+            .find(|p| p.name == name)
+            .map(|p| p.tensor.size())
+            .with_context(|| format!("{source}: unknown tensor `{name}`"))
+    };
+    let mut dense = HashMap::new();
+    let mut pairs: HashMap<String, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
+    for (wire, t) in named {
+        if let Some((name, is_idx)) = delta::split_wire_name(&wire) {
+            let slot = pairs.entry(name.to_owned()).or_default();
+            *(if is_idx { &mut slot.0 } else { &mut slot.1 }) = Some(t);
+            continue;
+        }
+        let shape = shape_of(&wire)?;
+        if t.size() != shape || t.kind() != Kind::BFloat16 {
+            bail!(
+                "{source}: `{wire}` is {:?} {:?}, expected a bf16 delta of shape {shape:?}",
+                t.kind(),
+                t.size()
+            );
+        }
+        dense.insert(wire, Sent::Dense(t));
+    }
+    for (name, pair) in pairs {
+        let numel: i64 = shape_of(&name)?.iter().product();
+        let (Some(idx), Some(val)) = pair else {
+            bail!("{source}: `{name}` lacks its #idx or #val part");
+        };
+        let k = idx.size1().unwrap_or(-1);
+        let in_range = k > 0
+            && idx.kind() == Kind::Int
+            && val.kind() == Kind::BFloat16
+            && val.size() == [k]
+            && idx.min().int64_value(&[]) >= 0
+            && idx.max().int64_value(&[]) < numel;
+        if !in_range {
+            bail!("{source}: `{name}` is not a sparse delta of a tensor of {numel} values");
+        }
+        dense.insert(name, Sent::Sparse(delta::Sparse { idx, val }));
+    }
+    Ok(dense)
 }
 
 /// The last loaded global model's trained tensors (fp32, on the node's device), and its round.
@@ -501,9 +591,14 @@ impl Node {
             .into_iter()
             .map(|p| (p.name, p.tensor.size()))
             .collect();
-        let entries = || shapes.iter().map(|(n, s)| (n.as_str(), s.as_slice()));
-        let full_bytes = payload::expected_size(entries(), Kind::Float);
-        let delta_max = 2 * payload::expected_size(entries(), Kind::BFloat16);
+        let entries = |k| {
+            shapes
+                .iter()
+                .map(move |(n, s)| (n.as_str(), s.as_slice(), k))
+        };
+        let full_bytes = payload::expected_size(entries(Kind::Float));
+        // Dense bf16 deltas, or sparse ones of density ≤ 0.3 (≤ 1.8 bytes per value).
+        let delta_max = 2 * payload::expected_size(entries(Kind::BFloat16));
         let expert_names = trainer
             .model
             .params()
@@ -567,8 +662,8 @@ impl Node {
             .map(|e| reply.owned_experts.contains(&(e as u32)))
             .collect();
         self.set_owned(owned);
-        if self.trainer.cfg.sync.wire == Wire::Bf16Delta {
-            if !self.trainer.cfg.sync.overlap && self.trainer.step.is_multiple_of(h) {
+        if self.trainer.cfg.sync.wire != Wire::Fp32 {
+            if !self.keeps_progress() && self.trainer.step.is_multiple_of(h) {
                 // Saved right after loading round `at`: the trained tensors are that round's.
                 self.base = Some(Base::of(&self.trainer.model, at));
             } else {
@@ -653,8 +748,8 @@ impl Node {
             return;
         }
         let r = self.trainer.set_trainable(|role| trains(&owned, role));
+        let overlap = self.keeps_progress();
         if let Some(base) = &mut self.base {
-            let overlap = self.trainer.cfg.sync.overlap;
             for p in self.trainer.model.params() {
                 let now = p.tensor.requires_grad();
                 match (base.values.contains_key(&p.name), now) {
@@ -662,7 +757,7 @@ impl Node {
                     (false, true) => {
                         base.values.insert(p.name, p.tensor.detach().copy());
                     }
-                    // A dropped one goes back to the global value (overlap progress is lost).
+                    // A dropped one goes back to the global value (local progress is lost).
                     (true, false) => {
                         let b = base.values.remove(&p.name).expect("present");
                         if overlap {
@@ -867,20 +962,30 @@ impl Node {
     /// Writes it to `<out>/upload.safetensors`; returns the file's size and checksum.
     fn write_upload(&mut self, upload: &Named) -> Result<(PathBuf, u64, u64)> {
         let path = self.out.join("upload.safetensors");
+        let sync = &self.trainer.cfg.sync;
         let (size, xxh3) = match &self.base {
-            Some(base) if self.trainer.cfg.sync.wire == Wire::Bf16Delta => {
-                let keep_all = self.trainer.cfg.sync.overlap;
+            Some(base) if sync.wire != Wire::Fp32 => {
+                let keep_all = self.keeps_progress();
                 let mut wire = Vec::with_capacity(upload.len());
                 self.sent.clear();
                 for (name, t) in upload {
                     let b = base.values.get(name).with_context(|| {
                         format!("node {}: no base copy of trained `{name}`", self.peer)
                     })?;
-                    let d = delta::encode(t, b);
+                    let sent = if sync.wire == Wire::SparseDelta {
+                        let v = tch::no_grad(|| t - b);
+                        let k = delta::sparse_k(v.numel() as i64, sync.sparse_density);
+                        let s = delta::top_k(&v, k);
+                        wire.extend(s.share().into_wire(name));
+                        Sent::Sparse(s)
+                    } else {
+                        let d = delta::encode(t, b);
+                        wire.push((name.clone(), d.shallow_clone()));
+                        Sent::Dense(d)
+                    };
                     if keep_all || self.expert_names.contains(name) {
-                        self.sent.insert(name.clone(), d.shallow_clone());
+                        self.sent.insert(name.clone(), sent);
                     }
-                    wire.push((name.clone(), d));
                 }
                 payload::write(&path, &wire, Kind::BFloat16)?
             }
@@ -909,6 +1014,13 @@ impl Node {
             );
         }
         Ok(())
+    }
+
+    /// Whether this node's weights carry more than the global model after a sync: steps
+    /// trained since the upload (overlap) or entries not sent yet (sparse wire).
+    fn keeps_progress(&self) -> bool {
+        let s = &self.trainer.cfg.sync;
+        s.overlap || s.wire == Wire::SparseDelta
     }
 
     /// How to fetch round `round`: as a delta if this node holds round − 1 exactly.
@@ -1044,14 +1156,17 @@ impl Node {
         let named = named?;
         let source = format!("round {} from the server", header.round);
         let h = self.trainer.cfg.sync.sync_steps;
-        let keep_progress =
-            self.trainer.cfg.sync.overlap && self.trainer.step > header.round * h && header.delta;
+        // Sparse: what was not sent stays in this node's weights; overlap: so do the steps
+        // trained since the upload.
+        let keep_progress = header.delta
+            && (self.trainer.cfg.sync.wire == Wire::SparseDelta
+                || self.trainer.cfg.sync.overlap && self.trainer.step > header.round * h);
         if header.delta {
             self.apply_delta(header, named, keep_progress, &source)?;
         } else {
             self.trainer.model.load(&named, &source)?;
             drop(named);
-            self.base = (self.trainer.cfg.sync.wire == Wire::Bf16Delta)
+            self.base = (self.trainer.cfg.sync.wire != Wire::Fp32)
                 .then(|| Base::of(&self.trainer.model, header.round));
         }
         self.sent.clear();
@@ -1080,28 +1195,11 @@ impl Node {
                 )
             })?;
         let params = self.trainer.model.params();
-        let mut deltas: HashMap<String, Tensor> = HashMap::with_capacity(named.len());
-        for (name, d) in named {
-            let p = params
-                .iter()
-                .find(|p| p.name == name)
-                .with_context(|| format!("{source}: unknown tensor `{name}`"))?;
-            if d.size() != p.tensor.size() || d.kind() != Kind::BFloat16 {
-                bail!(
-                    "{source}: `{name}` is {:?} {:?}, expected a bf16 delta of shape {:?}",
-                    d.kind(),
-                    d.size(),
-                    p.tensor.size()
-                );
-            }
-            deltas.insert(name, d);
-        }
+        let mut deltas = group_deltas(named, &params, source)?;
         if header.skipped_own {
             for (name, d) in &self.sent {
                 if self.expert_names.contains(name) {
-                    deltas
-                        .entry(name.clone())
-                        .or_insert_with(|| d.shallow_clone());
+                    deltas.entry(name.clone()).or_insert_with(|| d.share());
                 }
             }
         }
@@ -1115,12 +1213,12 @@ impl Node {
                             let sent = self.sent.get(&p.name).with_context(|| {
                                 format!("{source}: no uploaded delta of `{}` kept", p.name)
                             })?;
-                            Some(&theta - delta::apply(b, sent))
+                            Some(sent.subtract_from(&(&theta - &*b)))
                         } else {
                             None
                         };
                         if let Some(d) = d {
-                            delta::apply_(b, d);
+                            d.apply_(b);
                         }
                         theta.copy_(b);
                         if let Some(pr) = progress {
@@ -1129,7 +1227,7 @@ impl Node {
                     }
                     None => {
                         if let Some(d) = d {
-                            delta::apply_(&mut theta, d);
+                            d.apply_(&mut theta);
                         }
                     }
                 }

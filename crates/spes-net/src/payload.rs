@@ -23,25 +23,32 @@ pub const CHUNK_BYTES: usize = 1 << 20;
 /// The largest gRPC message a peer may send: a full chunk plus framing.
 pub const MAX_MESSAGE_BYTES: usize = CHUNK_BYTES + 64 * 1024;
 
+/// The safetensors dtype and element size of a wire kind: f32, bf16 or int32.
 fn st_dtype(kind: Kind) -> (Dtype, usize) {
     match kind {
         Kind::BFloat16 => (Dtype::BF16, 2),
+        Kind::Int => (Dtype::I32, 4),
         _ => (Dtype::F32, 4),
     }
 }
 
-/// The safetensors header (length prefix, JSON padded to 8 bytes) of tensors with these names
-/// and shapes, all of `kind` (f32 or bf16), with data in name order; and the data's length.
-fn header_of<'a>(
-    entries: impl IntoIterator<Item = (&'a str, &'a [i64])>,
-    kind: Kind,
-) -> (Vec<u8>, u64) {
-    let (dtype, elt) = st_dtype(kind);
-    let mut sorted: Vec<(&str, &[i64])> = entries.into_iter().collect();
-    sorted.sort();
+/// The kind a tensor of kind `t` travels as when floats travel as `float`: integers as int32.
+fn wire_kind(t: Kind, float: Kind) -> Kind {
+    match t {
+        Kind::Int | Kind::Int64 => Kind::Int,
+        _ => float,
+    }
+}
+
+/// The safetensors header (length prefix, JSON padded to 8 bytes) of tensors with these names,
+/// shapes and kinds (f32, bf16 or int32), with data in name order; and the data's length.
+fn header_of<'a>(entries: impl IntoIterator<Item = (&'a str, &'a [i64], Kind)>) -> (Vec<u8>, u64) {
+    let mut sorted: Vec<(&str, &[i64], Kind)> = entries.into_iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(b.0));
     let mut header = serde_json::Map::new();
     let mut offset = 0usize;
-    for (name, shape) in sorted {
+    for (name, shape, kind) in sorted {
+        let (dtype, elt) = st_dtype(kind);
         let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
         let n = shape.iter().product::<usize>() * elt;
         let info = TensorInfo {
@@ -62,13 +69,10 @@ fn header_of<'a>(
     (out, offset as u64)
 }
 
-/// The exact size of the safetensors file [`write`] makes for tensors of these names and
-/// shapes in `kind` (f32 or bf16).
-pub fn expected_size<'a>(
-    entries: impl IntoIterator<Item = (&'a str, &'a [i64])>,
-    kind: Kind,
-) -> u64 {
-    let (header, data) = header_of(entries, kind);
+/// The exact size of the safetensors file [`write`] makes for tensors of these names, shapes
+/// and wire kinds (f32, bf16 or int32).
+pub fn expected_size<'a>(entries: impl IntoIterator<Item = (&'a str, &'a [i64], Kind)>) -> u64 {
+    let (header, data) = header_of(entries);
     header.len() as u64 + data
 }
 
@@ -91,16 +95,22 @@ impl<W: Write> Write for Hashing<W> {
     }
 }
 
-/// Writes tensors as safetensors of `kind` (f32 or bf16; each tensor converted on its own, so
-/// at most one tensor is copied at a time) through a temp file that is fsynced and renamed into
+/// Writes tensors as safetensors, floats as `kind` (f32 or bf16) and integers as int32 (each
+/// tensor converted on its own, so at most one tensor is copied at a time) through a temp file that is fsynced and renamed into
 /// place (with its directory fsynced). Returns the file's size and xxh3, hashed while writing.
 pub fn write(path: &Path, named: &[(String, Tensor)], kind: Kind) -> Result<(u64, u64)> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    let shapes: Vec<(String, Vec<i64>)> =
-        named.iter().map(|(n, t)| (n.clone(), t.size())).collect();
-    let (header, _) = header_of(shapes.iter().map(|(n, s)| (n.as_str(), s.as_slice())), kind);
+    let shapes: Vec<(String, Vec<i64>, Kind)> = named
+        .iter()
+        .map(|(n, t)| (n.clone(), t.size(), wire_kind(t.kind(), kind)))
+        .collect();
+    let (header, _) = header_of(
+        shapes
+            .iter()
+            .map(|(n, s, k)| (n.as_str(), s.as_slice(), *k)),
+    );
     let mut order: Vec<&(String, Tensor)> = named.iter().collect();
     order.sort_by(|a, b| a.0.cmp(&b.0));
     let write = || -> std::io::Result<(u64, u64)> {
@@ -112,8 +122,9 @@ pub fn write(path: &Path, named: &[(String, Tensor)], kind: Kind) -> Result<(u64
         };
         w.write_all(&header)?;
         for (_, t) in order {
-            let t = t.to_device(Device::Cpu).to_kind(kind).contiguous();
-            let len = t.numel() * st_dtype(kind).1;
+            let k = wire_kind(t.kind(), kind);
+            let t = t.to_device(Device::Cpu).to_kind(k).contiguous();
+            let len = t.numel() * st_dtype(k).1;
             // Safety: `t` is a contiguous CPU tensor of `len` bytes, alive for this borrow.
             let bytes = unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, len) };
             w.write_all(bytes)?;
@@ -132,7 +143,7 @@ pub fn write(path: &Path, named: &[(String, Tensor)], kind: Kind) -> Result<(u64
     Ok(digest)
 }
 
-/// Decodes a safetensors payload of f32 or bf16 tensors. Any malformed input is an error,
+/// Decodes a safetensors payload of f32, bf16 or int32 tensors. Any malformed input is an error,
 /// never a panic (fuzzed by the test suite).
 pub fn decode(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
     let st = safetensors::SafeTensors::deserialize(bytes)
@@ -142,7 +153,8 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
         let (kind, elt) = match view.dtype() {
             Dtype::F32 => (Kind::Float, 4usize),
             Dtype::BF16 => (Kind::BFloat16, 2),
-            other => bail!("tensor `{name}` is {other:?}, expected F32 or BF16"),
+            Dtype::I32 => (Kind::Int, 4),
+            other => bail!("tensor `{name}` is {other:?}, expected F32, BF16 or I32"),
         };
         let numel = view
             .shape()
@@ -399,8 +411,9 @@ mod tests {
             let shapes: Vec<(String, Vec<i64>)> =
                 named.iter().map(|(n, t)| (n.clone(), t.size())).collect();
             let expected = expected_size(
-                shapes.iter().map(|(n, s)| (n.as_str(), s.as_slice())),
-                dtype,
+                shapes
+                    .iter()
+                    .map(|(n, s)| (n.as_str(), s.as_slice(), dtype)),
             );
             assert_eq!(size, expected, "{dtype:?}");
             let back = read(&path).unwrap();

@@ -28,7 +28,7 @@ use spes_data::ValWindows;
 use spes_model::MoeModel;
 use spes_sync::{
     Combine, Coordinator, Layout, MergeSchedule, Named, RoundDelta, RoundReport, RoundRules, Scope,
-    Standing,
+    Standing, WireForm,
 };
 use spes_train::trainer::MetricsLog;
 use spes_train::{AggregateRule, Mode, RunConfig, Wire};
@@ -405,21 +405,34 @@ impl State {
 
     /// The exact payload size an upload of `peer` must announce in the open round.
     fn expected_upload_bytes(&self, scope: &Scope, peer: usize) -> u64 {
+        let entries: Vec<(String, Vec<i64>, tch::Kind)> = self
+            .layout
+            .entries
+            .iter()
+            .filter(|(_, role, _)| scope.uploads(peer, *role))
+            .flat_map(|(n, _, s)| wire_entries(&self.cfg, n, s))
+            .collect();
         payload::expected_size(
-            self.layout
-                .entries
+            entries
                 .iter()
-                .filter(|(_, role, _)| scope.uploads(peer, *role))
-                .map(|(n, _, s)| (n.as_str(), s.as_slice())),
-            self.upload_kind(),
+                .map(|(n, s, k)| (n.as_str(), s.as_slice(), *k)),
         )
     }
+}
 
-    /// The element type of uploads: bf16 deltas or whole fp32 tensors.
-    fn upload_kind(&self) -> tch::Kind {
-        match self.cfg.sync.wire {
-            Wire::Bf16Delta => tch::Kind::BFloat16,
-            Wire::Fp32 => tch::Kind::Float,
+/// The wire tensors (name, shape, kind) that carry a parameter's upload: the fp32 value, its
+/// bf16 delta, or a sparse delta's int32 indices and bf16 values.
+fn wire_entries(cfg: &RunConfig, name: &str, shape: &[i64]) -> Vec<(String, Vec<i64>, tch::Kind)> {
+    use tch::Kind;
+    match cfg.sync.wire {
+        Wire::Fp32 => vec![(name.to_owned(), shape.to_vec(), Kind::Float)],
+        Wire::Bf16Delta => vec![(name.to_owned(), shape.to_vec(), Kind::BFloat16)],
+        Wire::SparseDelta => {
+            let k = spes_sync::delta::sparse_k(shape.iter().product(), cfg.sync.sparse_density);
+            vec![
+                (spes_sync::delta::idx_name(name), vec![k], Kind::Int),
+                (spes_sync::delta::val_name(name), vec![k], Kind::BFloat16),
+            ]
         }
     }
 }
@@ -824,7 +837,13 @@ fn rules_of(cfg: &RunConfig) -> RoundRules {
         },
         max_update_rms: (s.max_update_factor > 0.0)
             .then_some(s.max_update_factor * s.sync_steps as f64 * cfg.train.lr),
-        delta: s.wire == Wire::Bf16Delta,
+        wire: match s.wire {
+            Wire::Fp32 => WireForm::Values,
+            Wire::Bf16Delta => WireForm::Bf16Delta,
+            Wire::SparseDelta => WireForm::Sparse {
+                density: s.sparse_density,
+            },
+        },
     }
 }
 

@@ -669,3 +669,55 @@ fn a_corrupt_newest_round_falls_back_and_the_node_follows_the_rollback() {
         .collect();
     assert_eq!(rounds, vec![0, 1, 2, 3, 4], "each round logged once");
 }
+
+#[test]
+fn sparse_deltas_with_overlap_train_on_a_fraction_of_the_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(
+        &data,
+        "spes",
+        2,
+        &[
+            "sync.wire=sparse_delta",
+            "sync.sparse_density=0.1",
+            "sync.overlap=true",
+            "train.max_steps=8",
+        ],
+    );
+    let server = Server::start(cfg.clone(), &tmp.path().join("server"), None);
+    let threads: Vec<_> = (0..2)
+        .map(|peer| {
+            let opts = node_options(&cfg, &server.url(), peer, tmp.path());
+            std::thread::spawn(move || {
+                tch::set_num_threads(1);
+                Node::connect(opts).unwrap().run().unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap().steps, 8);
+    }
+    let summary = server.finish();
+    assert_eq!(summary.rounds, 4);
+    assert!(summary.final_val_loss.unwrap() < summary.initial_val_loss.unwrap());
+    let model = MoeModel::new(&cfg.model, Device::Cpu).unwrap();
+    let total: u64 = model.params().iter().map(|p| p.tensor.numel() as u64).sum();
+    for peer in 0..2 {
+        let s = syncs(tmp.path(), peer);
+        assert_eq!(s.len(), 4, "peer {peer}");
+        for sync in &s {
+            let (up, down) = (
+                sync["bytes_up"].as_u64().unwrap(),
+                sync["bytes_down"].as_u64().unwrap(),
+            );
+            // About 10 % of the values at 6 bytes each, against 4 bytes each in fp32.
+            assert!(up > 0 && up < total * 4 / 4, "peer {peer}: {up} bytes up");
+            assert!(
+                down > 0 && down < total * 4 / 5,
+                "peer {peer}: {down} bytes down of {}",
+                total * 4
+            );
+        }
+    }
+}

@@ -8,14 +8,16 @@
 //! has been expired for `evict_after_s` are evicted and nodes that asked to join are admitted;
 //! the next round's ownership is rebalanced over the new members ([`Scope::with_members`]).
 
-use crate::delta::{self, RoundDelta};
+use crate::delta::{self, RoundDelta, WireForm};
 use crate::round::{
-    merge_experts, validate, validate_delta, Aggregator, Combine, Combined, Layout, MergeEvent,
-    MergeSchedule, Named, Scope,
+    merge_experts, validate, validate_delta, validate_sparse, Aggregator, Combine, Combined,
+    Layout, MergeEvent, MergeSchedule, Named, Scope,
 };
 use serde::Serialize;
+use std::collections::HashMap;
 use std::collections::{BTreeMap, BTreeSet};
 use tch::Kind;
+use tch::Tensor;
 use thiserror::Error;
 
 /// When rounds close, who stays a member, and what happens at closing.
@@ -36,9 +38,8 @@ pub struct RoundRules {
     pub combine: Combine,
     /// Largest RMS change of an uploaded tensor from the global model; `None`: unchecked.
     pub max_update_rms: Option<f64>,
-    /// Uploads are bf16 deltas from the global model and rounds publish bf16 deltas
-    /// ([`crate::delta`]); else uploads and rounds are whole fp32 tensors.
-    pub delta: bool,
+    /// What uploads and published rounds carry ([`crate::delta`]).
+    pub wire: WireForm,
 }
 
 /// Why the coordinator refused a call. The server maps each to one gRPC status whose details
@@ -127,6 +128,8 @@ pub struct Coordinator {
     gone: BTreeSet<usize>,
     /// Delta mode: what the last closed round published.
     last_delta: Option<RoundDelta>,
+    /// Sparse wire: what the published deltas have not carried yet, per tensor (fp32).
+    residual: HashMap<String, Tensor>,
 }
 
 impl Coordinator {
@@ -158,6 +161,7 @@ impl Coordinator {
         Coordinator {
             agg: Aggregator::new(scope, rules.combine),
             last_delta: None,
+            residual: HashMap::new(),
             layout,
             rules,
             round: published + 1,
@@ -332,10 +336,17 @@ impl Coordinator {
         self.check_upload(peer, session, round, now)?;
         let invalid = |reason| RoundError::Invalid { peer, reason };
         let (layout, scope, bound) = (&self.layout, self.scope(), self.rules.max_update_rms);
-        if self.rules.delta {
-            validate_delta(layout, scope, peer, &tensors, bound)
-        } else {
-            validate(layout, scope, peer, &tensors, &self.global, bound)
+        match self.rules.wire {
+            WireForm::Values => validate(layout, scope, peer, &tensors, &self.global, bound),
+            WireForm::Bf16Delta => validate_delta(layout, scope, peer, &tensors, bound),
+            WireForm::Sparse { density } => {
+                let sparse = validate_sparse(layout, scope, peer, tensors, density, bound)
+                    .map_err(invalid)?;
+                return self
+                    .agg
+                    .add_sparse(&self.layout, peer, sparse)
+                    .map_err(|e| invalid(e.to_string()));
+            }
         }
         .map_err(invalid)?;
         self.agg
@@ -378,7 +389,7 @@ impl Coordinator {
             .collect();
         let step = self.round * self.rules.sync_steps;
         let mut merge_alpha = self.rules.merge.and_then(|m| m.alpha(step));
-        let (global, mut merges, published) = if self.rules.delta {
+        let (global, mut merges, published) = if self.rules.wire != WireForm::Values {
             self.close_deltas(agg.finish_deltas(), merge_alpha)
         } else {
             let mut global = agg.finish(&self.layout, &self.global);
@@ -394,7 +405,7 @@ impl Coordinator {
         if discarded.is_some() {
             merge_alpha = None;
             merges.clear();
-            self.last_delta = self.rules.delta.then(RoundDelta::default);
+            self.last_delta = (self.rules.wire != WireForm::Values).then(RoundDelta::default);
         } else {
             self.global = global;
             self.last_delta = published;
@@ -455,69 +466,110 @@ impl Coordinator {
 /// The name of the first tensor holding a NaN or infinity.
 impl Coordinator {
     /// The delta wire's next global model, merges and published delta. Without a merge: each
-    /// averaged tensor's delta is its combined delta in bf16, each owned expert's is its
-    /// owner's upload verbatim. With one: experts are merged as values, and every changed
-    /// tensor's delta is `bf16(value − base)`. Either way the model is `base + f32(Δ)`.
+    /// owned expert's delta is its owner's upload verbatim, each averaged tensor's is its
+    /// combined delta encoded for the wire. With one: experts are merged as values, and every
+    /// changed tensor's delta is `value − base` encoded. Either way the model is the base
+    /// plus the published delta, computed as every node computes it.
     fn close_deltas(
-        &self,
+        &mut self,
         combined: Combined,
         merge_alpha: Option<f64>,
     ) -> (Named, Vec<MergeEvent>, Option<RoundDelta>) {
         let Combined {
             mut averaged,
-            mut owned,
+            owned,
+            owned_sparse,
         } = combined;
         let mut out = RoundDelta::default();
-        let Some((alpha, m)) = merge_alpha.zip(self.rules.merge) else {
-            let next = self
-                .global
-                .iter()
-                .map(|(name, base)| {
-                    let d = if let Some((peer, d)) = owned.remove(name) {
-                        out.verbatim.entry(peer).or_default().push(name.clone());
-                        d
-                    } else if let Some(d) = averaged.remove(name) {
-                        d.to_kind(Kind::BFloat16)
-                    } else {
-                        return (name.clone(), base.shallow_clone());
-                    };
+        let mut next = Vec::with_capacity(self.global.len());
+        let merge = merge_alpha.zip(self.rules.merge);
+        // Owned experts are published verbatim unless a merge changes them.
+        let (mut verbatim, mut verbatim_sparse) = if merge.is_none() {
+            (owned, owned_sparse)
+        } else {
+            let values = owned
+                .into_iter()
+                .map(|(n, (_, d))| (n, d.to_kind(Kind::Float)))
+                .chain(owned_sparse.into_iter().map(|(n, (_, s))| {
+                    let like = &self.global[self
+                        .layout
+                        .entries
+                        .iter()
+                        .position(|(e, _, _)| *e == n)
+                        .expect("validated")]
+                    .1;
+                    let d = delta::dense(&s, like);
+                    (n, d)
+                }));
+            averaged.extend(values);
+            (HashMap::new(), HashMap::new())
+        };
+        let mut values: Named = Vec::with_capacity(self.global.len());
+        for (name, base) in &self.global {
+            if let Some((peer, d)) = verbatim.remove(name) {
+                let value = delta::apply(base, &d);
+                out.verbatim.entry(peer).or_default().push(name.clone());
+                out.delta.push((name.clone(), d));
+                values.push((name.clone(), value));
+            } else if let Some((peer, s)) = verbatim_sparse.remove(name) {
+                let mut value = base.copy();
+                delta::apply_sparse_(&mut value, &s);
+                let wire = s.into_wire(name);
+                out.verbatim
+                    .entry(peer)
+                    .or_default()
+                    .extend(wire.iter().map(|(n, _)| n.clone()));
+                out.delta.extend(wire);
+                values.push((name.clone(), value));
+            } else if let Some(d) = averaged.remove(name) {
+                // Combined (or, on merge rounds, any changed) tensors: as values for now.
+                values.push((name.clone(), base + d));
+            } else {
+                values.push((name.clone(), base.shallow_clone()));
+            }
+        }
+        let merges = match merge {
+            Some((alpha, m)) => merge_experts(&mut values, &self.layout, m.top_k, alpha),
+            None => Vec::new(),
+        };
+        let done: std::collections::HashSet<String> = out
+            .delta
+            .iter()
+            .map(|(n, _)| {
+                delta::split_wire_name(n)
+                    .map_or(n.as_str(), |(b, _)| b)
+                    .to_owned()
+            })
+            .collect();
+        for ((name, value), (_, base)) in values.into_iter().zip(&self.global) {
+            // Verbatim tensors are final; a tensor nobody changed is the base itself.
+            if done.contains(&name) || value.data_ptr() == base.data_ptr() {
+                next.push((name, value));
+                continue;
+            }
+            match self.rules.wire {
+                WireForm::Sparse { density } => {
+                    let mut v = &value - base;
+                    if let Some(r) = self.residual.get(&name) {
+                        v += r;
+                    }
+                    let s = delta::top_k(&v, delta::sparse_k(v.numel() as i64, density));
+                    let mut sent = Tensor::zeros_like(&v);
+                    delta::apply_sparse_(&mut sent, &s);
+                    self.residual.insert(name.clone(), v - sent);
+                    let mut value = base.copy();
+                    delta::apply_sparse_(&mut value, &s);
+                    out.delta.extend(s.into_wire(&name));
+                    next.push((name, value));
+                }
+                _ => {
+                    let d = delta::encode(&value, base);
                     let value = delta::apply(base, &d);
                     out.delta.push((name.clone(), d));
-                    (name.clone(), value)
-                })
-                .collect();
-            return (next, Vec::new(), Some(out));
-        };
-        let mut values: Named = self
-            .global
-            .iter()
-            .map(|(name, base)| {
-                let d = owned
-                    .remove(name)
-                    .map(|(_, d)| d)
-                    .or_else(|| averaged.remove(name));
-                let v = match d {
-                    Some(d) => delta::apply(base, &d),
-                    None => base.shallow_clone(),
-                };
-                (name.clone(), v)
-            })
-            .collect();
-        let merges = merge_experts(&mut values, &self.layout, m.top_k, alpha);
-        let next = values
-            .into_iter()
-            .zip(&self.global)
-            .map(|((name, value), (_, base))| {
-                // A tensor nobody changed is the base itself: nothing to publish.
-                if value.data_ptr() == base.data_ptr() {
-                    return (name, value);
+                    next.push((name, value));
                 }
-                let d = delta::encode(&value, base);
-                let value = delta::apply(base, &d);
-                out.delta.push((name.clone(), d));
-                (name, value)
-            })
-            .collect();
+            }
+        }
         (next, merges, Some(out))
     }
 }

@@ -9,9 +9,9 @@ pub mod ownership;
 pub mod round;
 
 pub use coordinator::{Coordinator, RoundError, RoundReport, RoundRules, Standing};
-pub use delta::RoundDelta;
+pub use delta::{RoundDelta, Sparse, WireForm};
 pub use ownership::Ownership;
 pub use round::{
-    merge_experts, validate, validate_delta, Aggregator, Combine, Combined, Layout, MergeEvent,
-    MergeSchedule, Named, Scope,
+    merge_experts, validate, validate_delta, validate_sparse, Aggregator, Combine, Combined,
+    Layout, MergeEvent, MergeSchedule, Named, Scope,
 };

@@ -5,6 +5,7 @@
 //! Uploads are folded into running sums as they arrive, so the server holds one model's worth of
 //! accumulators however many nodes there are.
 
+use crate::delta::{self, sparse_k, split_wire_name, Sparse};
 use crate::ownership::Ownership;
 use anyhow::{bail, Result};
 use serde::Serialize;
@@ -130,6 +131,7 @@ pub struct Aggregator {
     kept: HashMap<String, Vec<Tensor>>,
     /// Tensors taken from their owner, as uploaded, with the owner.
     owned: HashMap<String, (usize, Tensor)>,
+    owned_sparse: HashMap<String, (usize, Sparse)>,
     uploaded: BTreeSet<usize>,
 }
 
@@ -139,6 +141,8 @@ pub struct Combined {
     pub averaged: HashMap<String, Tensor>,
     /// Tensors taken from their owner: the owner and its bf16 delta, as sent.
     pub owned: HashMap<String, (usize, Tensor)>,
+    /// The same for sparse deltas.
+    pub owned_sparse: HashMap<String, (usize, Sparse)>,
 }
 
 /// Checks an upload against the layout, the round's scope and (if given) the bound on how far
@@ -274,6 +278,7 @@ impl Aggregator {
             sums: HashMap::new(),
             kept: HashMap::new(),
             owned: HashMap::new(),
+            owned_sparse: HashMap::new(),
             uploaded: BTreeSet::new(),
         }
     }
@@ -368,8 +373,132 @@ impl Aggregator {
         Combined {
             averaged,
             owned: self.owned,
+            owned_sparse: self.owned_sparse,
         }
     }
+
+    /// Folds in sparse deltas that [`validate_sparse`] accepted.
+    pub fn add_sparse(
+        &mut self,
+        layout: &Layout,
+        peer: usize,
+        upload: Vec<(String, Sparse)>,
+    ) -> Result<()> {
+        if self.uploaded.contains(&peer) {
+            bail!("peer {peer} already uploaded this round");
+        }
+        let mut given: HashMap<String, Sparse> = upload.into_iter().collect();
+        tch::no_grad(|| {
+            for (name, role, shape) in &layout.entries {
+                let Some(s) = given.remove(name) else {
+                    continue;
+                };
+                if !self.scope.averaged(*role) {
+                    self.owned_sparse.insert(name.clone(), (peer, s));
+                    continue;
+                }
+                let like = Tensor::zeros(shape.as_slice(), (Kind::Float, s.val.device()));
+                if self.combine == Combine::Mean {
+                    let sum = self.sums.entry(name.clone()).or_insert(like);
+                    delta::apply_sparse_(sum, &s);
+                } else {
+                    self.kept
+                        .entry(name.clone())
+                        .or_default()
+                        .push(delta::dense(&s, &like));
+                }
+            }
+        });
+        self.uploaded.insert(peer);
+        Ok(())
+    }
+}
+
+/// Checks an upload of sparse deltas (`name#idx` int32 and `name#val` bf16 pairs) as
+/// [`validate`] checks values: exactly the tensors `peer` uploads, each with exactly
+/// `⌈density·n⌉` unique in-range indices and finite values within `max_rms` (RMS over the
+/// whole tensor). Returns the pairs by tensor name.
+pub fn validate_sparse(
+    layout: &Layout,
+    scope: &Scope,
+    peer: usize,
+    upload: Named,
+    density: f64,
+    max_rms: Option<f64>,
+) -> std::result::Result<Vec<(String, Sparse)>, String> {
+    let mut parts: HashMap<String, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
+    for (wire, t) in upload {
+        let Some((name, is_idx)) = split_wire_name(&wire) else {
+            return Err(format!("holds `{wire}`, expected `<tensor>#idx` and `<tensor>#val` pairs (sync.wire = \"sparse_delta\")"));
+        };
+        let slot = parts.entry(name.to_owned()).or_default();
+        let place = if is_idx { &mut slot.0 } else { &mut slot.1 };
+        if place.replace(t).is_some() {
+            return Err(format!("holds tensor `{wire}` twice"));
+        }
+    }
+    for (name, role, _) in &layout.entries {
+        match (scope.uploads(peer, *role), parts.contains_key(name)) {
+            (false, true) => return Err(format!("holds `{name}`, which peer {peer} does not own")),
+            (true, false) => return Err(format!("is missing tensor `{name}`")),
+            _ => {}
+        }
+    }
+    if let Some(unknown) = parts
+        .keys()
+        .find(|k| !layout.entries.iter().any(|(n, _, _)| n == *k))
+    {
+        return Err(format!("holds unknown tensor `{unknown}`"));
+    }
+    let mut out = Vec::with_capacity(parts.len());
+    for (name, _, shape) in &layout.entries {
+        let Some((idx, val)) = parts.remove(name) else {
+            continue;
+        };
+        let (Some(idx), Some(val)) = (idx, val) else {
+            return Err(format!("tensor `{name}` lacks its #idx or #val part"));
+        };
+        let numel: i64 = shape.iter().product();
+        let k = sparse_k(numel, density);
+        if idx.kind() != Kind::Int
+            || idx.size() != [k]
+            || val.kind() != Kind::BFloat16
+            || val.size() != [k]
+        {
+            return Err(format!(
+                "tensor `{name}`: expected {k} int32 indices and {k} bf16 values, got {:?} {:?} and {:?} {:?}",
+                idx.kind(), idx.size(), val.kind(), val.size()
+            ));
+        }
+        let (sorted, _) = idx.sort(0, false);
+        let lo = sorted.int64_value(&[0]);
+        let hi = sorted.int64_value(&[k - 1]);
+        let unique = k == 1
+            || bool::try_from(
+                sorted
+                    .diff(1, 0, None::<Tensor>, None::<Tensor>)
+                    .gt(0)
+                    .all(),
+            )
+            .unwrap_or(false);
+        if lo < 0 || hi >= numel || !unique {
+            return Err(format!(
+                "tensor `{name}`: indices must be unique and in 0..{numel}"
+            ));
+        }
+        let norm = val.norm().to_kind(Kind::Double).double_value(&[]);
+        if !norm.is_finite() {
+            return Err(format!("tensor `{name}` holds non-finite values"));
+        }
+        if let Some(bound) = max_rms {
+            let change = norm / (numel.max(1) as f64).sqrt();
+            if change > bound {
+                return Err(too_far(name, change, bound));
+            }
+        }
+        out.push((name.clone(), Sparse { idx, val }));
+    }
+    Ok(out)
 }
 
 /// Trimmed mean or median of equally shaped tensors, per element.

@@ -1,7 +1,7 @@
 use spes_model::{expert_tensor_name, ModelConfig, MoeModel, NormPlacement, QkNorm, Role};
 use spes_sync::{
     delta, merge_experts, validate, Aggregator, Combine, Coordinator, Layout, MergeSchedule, Named,
-    Ownership, RoundError, RoundRules, Scope, Standing,
+    Ownership, RoundError, RoundRules, Scope, Standing, WireForm,
 };
 use std::collections::BTreeSet;
 use tch::{Device, Kind, Tensor};
@@ -295,7 +295,7 @@ fn rules() -> RoundRules {
         }),
         combine: Combine::Mean,
         max_update_rms: None,
-        delta: false,
+        wire: WireForm::Values,
     }
 }
 
@@ -528,7 +528,7 @@ fn bf16_deltas_keep_server_and_nodes_bit_identical_and_masters_unrounded() {
     let m = model(2, 4);
     let layout = Layout::of(&m);
     let mut r = rules();
-    r.delta = true;
+    r.wire = WireForm::Bf16Delta;
     r.merge = Some(MergeSchedule {
         every: 20,
         alpha0: 0.1,
@@ -620,7 +620,7 @@ fn a_delta_upload_must_be_bf16_of_the_right_shape() {
     let m = model(1, 4);
     let layout = Layout::of(&m);
     let mut r = rules();
-    r.delta = true;
+    r.wire = WireForm::Bf16Delta;
     let mut c = coordinator(&m, 2, r, 0.0);
     let fp32 = upload(&layout, c.scope(), 0, 0.0);
     let e = c.upload(0, 100, 1, fp32, 0.0).unwrap_err();
@@ -646,4 +646,105 @@ fn a_delta_upload_must_be_bf16_of_the_right_shape() {
     // Node 1 did not upload: its experts did not change and are not published at all.
     let other = expert_tensor_name(0, 3, "up_proj");
     assert!(!c.delta().unwrap().delta.iter().any(|(n, _)| *n == other));
+}
+
+#[test]
+fn sparse_deltas_keep_the_global_bit_identical_and_carry_the_rest_over() {
+    let m = model(2, 4);
+    let layout = Layout::of(&m);
+    let mut r = rules();
+    let density = 0.25;
+    r.wire = WireForm::Sparse { density };
+    let mut c = coordinator(&m, 2, r, 0.0);
+    // Each node's copy of the global model, and its working weights (which keep what it has
+    // not sent yet).
+    let mut bases = vec![snapshot(&m), snapshot(&m)];
+    let mut work = vec![snapshot(&m), snapshot(&m)];
+    tch::manual_seed(3);
+    let embed = "model.embed_tokens.weight";
+    let mut embed_moved = Vec::new();
+    for round in 1..=4u64 {
+        let now = round as f64;
+        let mut sent: Vec<Vec<(String, delta::Sparse)>> = Vec::new();
+        for peer in 0..2 {
+            c.join(peer, 100 + peer as u64, false, now).unwrap();
+            let mut wire = Vec::new();
+            let mut mine = Vec::new();
+            for (i, (name, role, _)) in layout.entries.iter().enumerate() {
+                if !c.scope().uploads(peer, *role) {
+                    continue;
+                }
+                // Training moves every weight a little; only the top quarter is sent.
+                let w = &mut work[peer][i].1;
+                *w = &*w + w.randn_like() * 1e-3;
+                let v = &*w - &bases[peer][i].1;
+                let s = delta::top_k(&v, delta::sparse_k(v.numel() as i64, density));
+                assert_eq!(s.idx.size()[0], delta::sparse_k(v.numel() as i64, density));
+                mine.push((name.clone(), s.share()));
+                wire.extend(s.into_wire(name));
+            }
+            sent.push(mine);
+            c.upload(peer, 100 + peer as u64, round, wire, now).unwrap();
+        }
+        let report = c.close(now + 0.5);
+        let published = c.delta().unwrap();
+        assert_eq!(!report.merges.is_empty(), round % 2 == 0);
+        for peer in 0..2 {
+            let own: std::collections::HashSet<&String> = published
+                .verbatim
+                .get(&peer)
+                .map(|v| v.iter().collect())
+                .unwrap_or_default();
+            for (i, (name, _, _)) in layout.entries.iter().enumerate() {
+                // The published pairs, or (own experts the node did not download) what it sent.
+                let s = if own.contains(&delta::idx_name(name)) {
+                    sent[peer]
+                        .iter()
+                        .find(|(n, _)| n == name)
+                        .map(|(_, s)| s.share())
+                } else {
+                    let get_part = |w: String| {
+                        published
+                            .delta
+                            .iter()
+                            .find(|(n, _)| *n == w)
+                            .map(|(_, t)| t.shallow_clone())
+                    };
+                    get_part(delta::idx_name(name)).map(|idx| delta::Sparse {
+                        idx,
+                        val: get_part(delta::val_name(name)).unwrap(),
+                    })
+                };
+                let base = &mut bases[peer][i].1;
+                let before = base.copy();
+                if let Some(s) = &s {
+                    delta::apply_sparse_(base, s);
+                }
+                // Working weights: the new global plus whatever was not sent.
+                if let Some((_, mine)) = sent[peer].iter().find(|(n, _)| n == name) {
+                    let unsent = &work[peer][i].1 - &before - delta::dense(mine, &before);
+                    work[peer][i].1 = &*base + unsent;
+                } else {
+                    work[peer][i].1 = base.copy();
+                }
+            }
+            for ((name, a), (_, b)) in bases[peer].iter().zip(c.global().0) {
+                assert!(
+                    a.equal(b),
+                    "round {round}: peer {peer}'s `{name}` differs from the server's"
+                );
+            }
+        }
+        embed_moved.push(
+            (get(c.global().0, embed) - get(&snapshot(&m), embed))
+                .ne(0.0)
+                .sum(Kind::Int64)
+                .int64_value(&[]),
+        );
+    }
+    // Each round publishes at most a quarter of the entries, and what was held back reaches
+    // the global model in later rounds.
+    let n = get(&snapshot(&m), embed).numel() as i64;
+    assert!(embed_moved[0] <= n / 4 + 1, "{embed_moved:?} of {n}");
+    assert!(embed_moved[3] > embed_moved[0], "{embed_moved:?}");
 }

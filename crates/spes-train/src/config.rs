@@ -39,6 +39,10 @@ pub enum Wire {
     /// server and every node keep bit-identical (spes-sync's `delta` module): half the bytes
     /// of fp32, and fp32 master weights are never rounded.
     Bf16Delta,
+    /// Each round sends only the `sync.sparse_density` largest entries of each tensor's delta
+    /// (6 bytes each) and carries the rest over to later rounds (error feedback); the global
+    /// model stays bit-identical everywhere. For slow links (README: sync cost).
+    SparseDelta,
 }
 
 /// How the server combines the averaged (shared) parameters of a round's uploads.
@@ -65,8 +69,10 @@ pub struct SyncConfig {
     /// Explicit expert ownership: `ownership[p]` lists node p's expert indices (the same in every
     /// layer). Empty: contiguous blocks, node p owns `p·E/N .. (p+1)·E/N`.
     pub ownership: Vec<Vec<usize>>,
-    /// "bf16_delta" (default) or "fp32".
+    /// "bf16_delta" (default), "sparse_delta" or "fp32".
     pub wire: Wire,
+    /// Sparse wire: the fraction of each tensor's entries a round sends, in (0, 0.3].
+    pub sparse_density: f64,
     /// Delta wire: a node does not download back its own experts on rounds without a merge
     /// (the server publishes them as the node sent them).
     pub skip_own_experts: bool,
@@ -113,6 +119,7 @@ impl Default for SyncConfig {
             sync_steps: 100,
             ownership: Vec::new(),
             wire: Wire::Bf16Delta,
+            sparse_density: 0.03,
             skip_own_experts: true,
             overlap: false,
             round_timeout_s: 600.0,
@@ -323,8 +330,14 @@ impl RunConfig {
                     s.max_update_factor
                 );
             }
-            if s.overlap && s.wire != Wire::Bf16Delta {
-                bail!("sync.overlap needs sync.wire = \"bf16_delta\" (it applies each round as a delta)");
+            if s.overlap && s.wire == Wire::Fp32 {
+                bail!("sync.overlap needs a delta wire (sync.wire = \"bf16_delta\" or \"sparse_delta\")");
+            }
+            if !(s.sparse_density > 0.0 && s.sparse_density <= 0.3) {
+                bail!(
+                    "sync.sparse_density must be in (0, 0.3], got {}",
+                    s.sparse_density
+                );
             }
         }
         Ok(())

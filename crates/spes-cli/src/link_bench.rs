@@ -1,0 +1,121 @@
+//! `spes bench-link`: sync measured over shaped loopback links next to the planner's
+//! prediction. For each wire option it runs the demo's server and 4 node processes on `tiny`
+//! (merging off, so every round can skip own experts), each node behind its own link, and
+//! averages the nodes' sync records over the rounds between the first and the last (the first
+//! includes start-up; the last is never overlapped).
+
+use crate::{demo, report};
+use anyhow::{bail, Result};
+use spes_net::link::LinkSpec;
+use spes_net::plan::{self, human_bytes, PlanInput, WireOption};
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Every node's link.
+    #[arg(long, default_value = "100mbit,40ms")]
+    link: LinkSpec,
+    #[arg(long, default_value = "runs/bench-link")]
+    out: PathBuf,
+    /// Rounds per run (≥ 3: the first and last are not measured).
+    #[arg(long, default_value_t = 5)]
+    rounds: u64,
+    #[arg(long, default_value_t = 10)]
+    sync_steps: u64,
+    /// GB/s the planner assumes for the server's folding and publishing.
+    #[arg(long, default_value_t = 1.0)]
+    aggregate_gbps: f64,
+    #[arg(long, default_value_t = 1.0)]
+    disk_gbps: f64,
+}
+
+/// A run's measured means per node and round.
+struct Measured {
+    up: f64,
+    down: f64,
+    compute_s: f64,
+    sync_s: f64,
+    idle_s: f64,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if a.rounds < 3 {
+        bail!("--rounds must be ≥ 3 (the first and last rounds are not measured)");
+    }
+    std::fs::create_dir_all(&a.out)?;
+    let data = demo::prepare_data(&a.out)?;
+    let mut rows = Vec::new();
+    for option in WireOption::ALL {
+        let out = a.out.join(option.label());
+        let _ = std::fs::remove_dir_all(&out);
+        let mut overrides: Vec<String> = vec![
+            format!("sync.sync_steps={}", a.sync_steps),
+            format!("train.max_steps={}", a.rounds * a.sync_steps),
+            "sync.merge_every=0".into(),
+            "train.eval_batches=2".into(),
+        ];
+        overrides.extend(option.overrides().iter().map(|s| s.to_string()));
+        let cfg = demo::config(&data, &overrides)?;
+        eprintln!("bench-link: {} over {:?} …", option.label(), a.link);
+        demo::launch(&out, &cfg, "cpu", Some(a.link), false)?;
+        let peers: Vec<u64> = (0..cfg.sync.nodes as u64).collect();
+        let costs: Vec<report::RoundCost> = report::round_costs(&out, &peers)
+            .into_iter()
+            .filter(|c| c.round >= 2 && c.round < a.rounds && c.nodes == peers.len())
+            .collect();
+        if costs.is_empty() {
+            bail!(
+                "{}: no complete middle rounds in {}",
+                option.label(),
+                out.display()
+            );
+        }
+        let mean = |f: fn(&report::RoundCost) -> f64| {
+            costs.iter().map(f).sum::<f64>() / costs.len() as f64
+        };
+        let m = Measured {
+            up: mean(|c| c.bytes_up),
+            down: mean(|c| c.bytes_down),
+            compute_s: mean(|c| c.compute_s),
+            sync_s: mean(|c| c.sync_s),
+            idle_s: mean(|c| c.idle_s),
+        };
+        let input = PlanInput {
+            model: cfg.model.clone(),
+            nodes: cfg.sync.nodes,
+            diloco: false,
+            node_link: a.link,
+            server_link: "1000gbit".parse()?,
+            shards: 1,
+            step_s: m.compute_s / a.sync_steps as f64,
+            sync_steps: a.sync_steps,
+            aggregate_bytes_per_s: a.aggregate_gbps * 1e9,
+            disk_bytes_per_s: a.disk_gbps * 1e9,
+        };
+        rows.push((option, m, plan::plan(&input, option)));
+    }
+    println!(
+        "\ntiny, 4 nodes, each behind a {:.0} Mbit/s link with {:.0} ms RTT; {} steps per round; means per node and round over rounds 2–{}:\n",
+        a.link.down_bps / 1e6,
+        a.link.rtt.as_secs_f64() * 1e3,
+        a.sync_steps,
+        a.rounds - 1
+    );
+    println!("| wire | up / round | down / round | compute s | sync s measured | sync s planned | idle s measured | idle s planned | idle error |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (option, m, p) in rows {
+        println!(
+            "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {:+.0} % |",
+            option.label(),
+            human_bytes(m.up),
+            human_bytes(m.down),
+            m.compute_s,
+            m.sync_s,
+            p.sync_s,
+            m.idle_s,
+            p.idle_s,
+            100.0 * (p.idle_s - m.idle_s) / m.idle_s.max(1e-9),
+        );
+    }
+    Ok(())
+}

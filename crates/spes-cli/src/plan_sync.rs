@@ -1,0 +1,110 @@
+//! `spes plan-sync`: the planner's tables (spes-net's `plan`) for presets and node counts.
+
+use anyhow::{bail, Result};
+use spes_model::ModelConfig;
+use spes_net::link::LinkSpec;
+use spes_net::plan::{self, PlanInput, WireOption};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[arg(long, value_delimiter = ',', default_value = "1b")]
+    presets: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_value = "16")]
+    nodes: Vec<usize>,
+    /// Every node's link: `100mbit,40ms`, or `up=…,down=…,rtt=…`.
+    #[arg(long, default_value = "100mbit,40ms")]
+    link: LinkSpec,
+    /// The server's link (its rate is shared by all nodes).
+    #[arg(long, default_value = "10gbit")]
+    server_link: LinkSpec,
+    /// Server processes (`spes server --shard i/k`), each with such a link.
+    #[arg(long, default_value_t = 1)]
+    shards: usize,
+    /// Seconds per optimizer step on a node.
+    #[arg(long, default_value_t = 0.45)]
+    step_s: f64,
+    #[arg(long, default_value_t = 100)]
+    sync_steps: u64,
+    /// GB of uploads the server folds in per second (`spes bench-sync` measures it).
+    #[arg(long, default_value_t = 1.0)]
+    aggregate_gbps: f64,
+    /// GB per second the server writes a published round at.
+    #[arg(long, default_value_t = 1.0)]
+    disk_gbps: f64,
+    /// DiLoCo: every node exchanges every parameter.
+    #[arg(long)]
+    diloco: bool,
+}
+
+/// The planner's input for `preset` with `nodes` nodes.
+pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
+    let model = ModelConfig::preset(preset)?;
+    if nodes == 0 || (!a.diloco && nodes > model.n_experts) {
+        bail!(
+            "--nodes must be in 1..={} for preset {preset}",
+            model.n_experts
+        );
+    }
+    Ok(PlanInput {
+        model,
+        nodes,
+        diloco: a.diloco,
+        node_link: a.link,
+        server_link: a.server_link,
+        shards: a.shards.max(1),
+        step_s: a.step_s,
+        sync_steps: a.sync_steps,
+        aggregate_bytes_per_s: a.aggregate_gbps * 1e9,
+        disk_bytes_per_s: a.disk_gbps * 1e9,
+    })
+}
+
+/// Where one server stops being enough: the first node count whose overlapped rounds idle
+/// over a point more than with an unlimited server, and the shards that bring it back.
+fn server_limit(base: &PlanInput, max_nodes: usize) -> Option<(usize, Option<usize>)> {
+    (2..=max_nodes).find_map(|n| {
+        let mut i = base.clone();
+        i.nodes = n;
+        i.shards = 1;
+        let one = plan::plan(&i, WireOption::Overlap).idle_share;
+        let mut free = i.clone();
+        free.server_link.up_bps = f64::INFINITY;
+        free.server_link.down_bps = f64::INFINITY;
+        let unlimited = plan::plan(&free, WireOption::Overlap).idle_share;
+        (one > unlimited + 0.01).then(|| (n, plan::shards_needed(&i, unlimited + 0.01)))
+    })
+}
+
+pub fn run(a: Args) -> Result<()> {
+    for preset in &a.presets {
+        for &nodes in &a.nodes {
+            let i = input(&a, preset, nodes)?;
+            println!(
+                "\n{preset}, {nodes} nodes, node link {:.0} Mbit/s, RTT {:.0} ms, server link {:.0} Gbit/s × {} shard(s), {} steps × {:.2} s:\n",
+                i.node_link.down_bps / 1e6,
+                i.node_link.rtt.as_secs_f64() * 1e3,
+                i.server_link.down_bps / 1e9,
+                i.shards,
+                i.sync_steps,
+                i.step_s
+            );
+            print!("{}", plan::table(&i));
+        }
+        let base = input(&a, preset, a.nodes[0])?;
+        let max = if a.diloco {
+            64
+        } else {
+            base.model.n_experts.min(64)
+        };
+        match server_limit(&base, max) {
+            Some((n, Some(k))) => println!(
+                "\n{preset}: one server's link becomes the bottleneck at {n} nodes; {k} shards (`spes server --shard i/{k}`) remove it."
+            ),
+            Some((n, None)) => println!(
+                "\n{preset}: one server's link becomes the bottleneck at {n} nodes; even 64 shards do not remove it."
+            ),
+            None => println!("\n{preset}: one server is enough up to {max} nodes on these links."),
+        }
+    }
+    Ok(())
+}
