@@ -89,6 +89,7 @@ pub fn run(a: Args) -> Result<()> {
             shards: 1,
             step_s: m.compute_s / a.sync_steps as f64,
             sync_steps: a.sync_steps,
+            density: cfg.sync.sparse_density,
             aggregate_bytes_per_s: a.aggregate_gbps * 1e9,
             disk_bytes_per_s: a.disk_gbps * 1e9,
         };

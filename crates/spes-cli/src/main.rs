@@ -250,6 +250,10 @@ enum Command {
         /// After the last round, wait this long for every node to fetch it.
         #[arg(long, default_value_t = 120.0)]
         linger_s: f64,
+        /// Serve shard i of k (`0/2`, `1/2`): a deterministic slice of whole layers and
+        /// tensors; nodes take every shard's URL in order (`--server URL0,URL1`).
+        #[arg(long, default_value = "0/1", value_parser = parse_shard)]
+        shard: (usize, usize),
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
@@ -377,6 +381,19 @@ enum Command {
     /// Measures sync on `tiny` over shaped loopback links for every wire option (server and 4
     /// nodes as processes) and prints it next to the planner's prediction.
     BenchLink(link_bench::Args),
+}
+
+/// `i/k` with `i < k`.
+fn parse_shard(s: &str) -> Result<(usize, usize), String> {
+    let parsed = s
+        .split_once('/')
+        .and_then(|(i, k)| Some((i.trim().parse().ok()?, k.trim().parse().ok()?)));
+    match parsed {
+        Some((i, k)) if i < k => Ok((i, k)),
+        _ => Err(format!(
+            "`{s}` is not a shard `i/k` with i < k, such as 0/2"
+        )),
+    }
 }
 
 /// A freshly initialised checkpoint (`<out>/step-0`) of a config; needs no data.
@@ -664,6 +681,7 @@ fn run(cli: Cli) -> Result<()> {
                 init,
                 device: runtime.device()?,
                 linger_s,
+                shard,
                 limits: spes_net::Limits {
                     max_concurrent_uploads,
                     idle_timeout: std::time::Duration::from_secs_f64(idle_timeout_s),

@@ -25,6 +25,9 @@ pub struct Args {
     step_s: f64,
     #[arg(long, default_value_t = 100)]
     sync_steps: u64,
+    /// Sparse wire: fraction of each tensor's entries sent per round.
+    #[arg(long, default_value_t = 0.03)]
+    density: f64,
     /// GB of uploads the server folds in per second (`spes bench-sync` measures it).
     #[arg(long, default_value_t = 1.0)]
     aggregate_gbps: f64,
@@ -54,23 +57,24 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
         shards: a.shards.max(1),
         step_s: a.step_s,
         sync_steps: a.sync_steps,
+        density: a.density,
         aggregate_bytes_per_s: a.aggregate_gbps * 1e9,
         disk_bytes_per_s: a.disk_gbps * 1e9,
     })
 }
 
-/// Where one server stops being enough: the first node count whose overlapped rounds idle
-/// over a point more than with an unlimited server, and the shards that bring it back.
+/// Where one server stops being enough: the first node count whose sparse, overlapped rounds
+/// idle over a point more than with an unlimited server, and the shards that bring it back.
 fn server_limit(base: &PlanInput, max_nodes: usize) -> Option<(usize, Option<usize>)> {
     (2..=max_nodes).find_map(|n| {
         let mut i = base.clone();
         i.nodes = n;
         i.shards = 1;
-        let one = plan::plan(&i, WireOption::Overlap).idle_share;
+        let one = plan::plan(&i, WireOption::SparseOverlap).idle_share;
         let mut free = i.clone();
         free.server_link.up_bps = f64::INFINITY;
         free.server_link.down_bps = f64::INFINITY;
-        let unlimited = plan::plan(&free, WireOption::Overlap).idle_share;
+        let unlimited = plan::plan(&free, WireOption::SparseOverlap).idle_share;
         (one > unlimited + 0.01).then(|| (n, plan::shards_needed(&i, unlimited + 0.01)))
     })
 }
@@ -78,6 +82,11 @@ fn server_limit(base: &PlanInput, max_nodes: usize) -> Option<(usize, Option<usi
 pub fn run(a: Args) -> Result<()> {
     for preset in &a.presets {
         for &nodes in &a.nodes {
+            let experts = ModelConfig::preset(preset)?.n_experts;
+            if !a.diloco && nodes > experts {
+                println!("\n{preset}, {nodes} nodes: not a SPES run ({preset} has {experts} experts; every node owns one or more).");
+                continue;
+            }
             let i = input(&a, preset, nodes)?;
             println!(
                 "\n{preset}, {nodes} nodes, node link {:.0} Mbit/s, RTT {:.0} ms, server link {:.0} Gbit/s × {} shard(s), {} steps × {:.2} s:\n",
@@ -90,7 +99,11 @@ pub fn run(a: Args) -> Result<()> {
             );
             print!("{}", plan::table(&i));
         }
-        let base = input(&a, preset, a.nodes[0])?;
+        let base = input(
+            &a,
+            preset,
+            a.nodes[0].min(ModelConfig::preset(preset)?.n_experts),
+        )?;
         let max = if a.diloco {
             64
         } else {

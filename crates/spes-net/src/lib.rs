@@ -19,6 +19,10 @@ pub mod proto {
 }
 
 pub use node::{Node, NodeOptions, NodeSummary, Progress};
+
+/// Held while a model is initialised from libtorch's process-wide generator, so a server
+/// (or a shard) seeding it gets θ⁰ exactly even when other roles share the process (tests).
+pub(crate) static INIT_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
 pub use server::{Limits, ServerOptions, ServerSummary};
 
 /// Builds what nodes upload and how the server combines it, from the run's `[sync]` section:

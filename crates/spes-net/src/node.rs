@@ -154,27 +154,26 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long a fetch asks the server to wait for an unpublished round.
 const FETCH_WAIT: Duration = Duration::from_secs(20);
 
-async fn connect_client(opts: &NodeOptions) -> Result<Client> {
-    if opts.server.starts_with("http://")
+async fn connect_client(opts: &NodeOptions, url: &str) -> Result<Client> {
+    if url.starts_with("http://")
         && opts.credential.is_some()
         && !opts.insecure
-        && !is_loopback_url(&opts.server)
+        && !is_loopback_url(url)
     {
         bail!(
-            "refusing to send this node's credential in plaintext to {}: use https:// (the server \
-             needs --tls-cert/--tls-key), or pass --insecure on a network you trust",
-            opts.server
+            "refusing to send this node's credential in plaintext to {url}: use https:// (the \
+             server needs --tls-cert/--tls-key), or pass --insecure on a network you trust"
         );
     }
     // Keepalive pings find a black-holed connection within ~15 s; the channel then reconnects.
-    let mut endpoint = Endpoint::from_shared(opts.server.clone())
-        .with_context(|| format!("--server `{}` is not a valid URL", opts.server))?
+    let mut endpoint = Endpoint::from_shared(url.to_owned())
+        .with_context(|| format!("--server `{url}` is not a valid URL"))?
         .connect_timeout(Duration::from_secs(10))
         .http2_keep_alive_interval(Duration::from_secs(5))
         .keep_alive_timeout(Duration::from_secs(10))
         .keep_alive_while_idle(true)
         .tcp_keepalive(Some(Duration::from_secs(30)));
-    if opts.server.starts_with("https://") {
+    if url.starts_with("https://") {
         let mut tls = ClientTlsConfig::new();
         tls = match &opts.tls_ca {
             Some(ca) => tls.ca_certificate(Certificate::from_pem(ca)),
@@ -405,18 +404,38 @@ impl Ask {
     }
 }
 
+/// The upload for one server shard: its file, size and checksum.
+struct UploadFile {
+    path: PathBuf,
+    size: u64,
+    xxh3: u64,
+}
+
+/// One round from every server shard: the merged header (shard 0's, with every shard's total
+/// and whether any left this node's own experts out) and each shard's header and file.
+struct Fetched {
+    header: PayloadHeader,
+    files: Vec<(PayloadHeader, PathBuf)>,
+}
+
+impl Fetched {
+    /// Every shard's tensors (memory-mapped reads); the files are removed.
+    fn read(&self) -> Result<Named> {
+        let mut out = Vec::new();
+        for (h, path) in &self.files {
+            let named = payload::read_parts(path, &h.parts);
+            let _ = std::fs::remove_file(path);
+            out.extend(named?);
+        }
+        Ok(out)
+    }
+}
+
 /// How an upload and the fetch after it went.
 enum Exchange {
-    Fetched {
-        header: PayloadHeader,
-        path: PathBuf,
-        up: u64,
-    },
+    Fetched { fetched: Fetched, up: u64 },
     UploadRefused(Status),
-    FetchFailed {
-        status: Status,
-        up: u64,
-    },
+    FetchFailed { status: Status, up: u64 },
 }
 
 /// An upload and fetch running on another thread (overlap), and when it started.
@@ -426,63 +445,124 @@ struct Pending {
     round: u64,
 }
 
-/// The node's side of the network: the client and what its calls need. Cloneable, so the
+/// One server shard (`spes server --shard i/k`; the whole model when unsharded).
+#[derive(Clone)]
+struct Shard {
+    client: Client,
+    /// The tensors it owns; `None`: all of them.
+    names: Option<Arc<HashSet<String>>>,
+    /// The exact size of its whole fp32 slice on the wire; another announced size is refused.
+    full_bytes: u64,
+    /// The most a delta of its slice may take: every tensor in bf16 (sparse deltas, at most
+    /// 30 % density, take less), with room for the parts' headers.
+    delta_max: u64,
+}
+
+/// The node's side of the network: the server shards and what calls need. Cloneable, so the
 /// overlap thread can run an exchange while the node trains.
 #[derive(Clone)]
 struct Link {
     handle: tokio::runtime::Handle,
-    client: Client,
+    shards: Vec<Shard>,
     peer: usize,
     session: u64,
     patience: Duration,
     out: PathBuf,
-    /// The exact size of a whole fp32 model on the wire; a server announcing another is refused.
-    full_bytes: u64,
-    /// The most a delta may take: every tensor in bf16, with room for the parts' headers.
-    delta_max: u64,
 }
 
 impl Link {
-    /// Uploads the file at `path` for `round`.
-    fn upload(&self, round: u64, path: &Path, size: u64, xxh3: u64) -> Result<(), Status> {
-        let header = PayloadHeader {
-            peer: self.peer as u32,
-            round,
-            total_bytes: size,
-            parts: vec![payload::part(size, xxh3)],
-            session: self.session,
-            ..Default::default()
-        };
-        let client = self.client.clone();
-        retry(&self.handle, self.patience, "upload", || {
-            let (mut c, path, header) = (client.clone(), path.to_owned(), header.clone());
-            async move {
-                let stream = payload::send(vec![path], header, move |i| {
-                    if i == 0 {
-                        fault::point("upload", round);
-                    }
-                });
-                let stream = tokio_stream::StreamExt::filter_map(stream, |r| r.ok());
-                c.upload(stream).await
-            }
-        })
-        .map(|_| ())
+    /// The shard that owns a tensor (or a sparse delta's part of it).
+    fn shard_of(&self, wire_name: &str) -> usize {
+        let name = delta::split_wire_name(wire_name).map_or(wire_name, |(n, _)| n);
+        self.shards
+            .iter()
+            .position(|s| s.names.as_ref().is_none_or(|n| n.contains(name)))
+            .unwrap_or(0)
     }
 
-    /// Fetches a round (waiting for it) into `<out>/global.safetensors.part`.
-    fn fetch(&self, ask: &Ask) -> Result<(PayloadHeader, PathBuf), Status> {
-        let dest = self.out.join("global.safetensors.part");
-        let (peer, client, full, delta_max) = (
-            self.peer,
-            self.client.clone(),
-            self.full_bytes,
-            self.delta_max,
-        );
-        let d = dest.clone();
+    /// Runs `f` for every shard at once, results in shard order.
+    fn on_all<T: Send>(
+        &self,
+        f: impl Fn(usize, &Shard) -> Result<T, Status> + Sync,
+    ) -> Vec<Result<T, Status>> {
+        if self.shards.len() == 1 {
+            return vec![f(0, &self.shards[0])];
+        }
+        std::thread::scope(|scope| {
+            let f = &f;
+            let running: Vec<_> = self
+                .shards
+                .iter()
+                .enumerate()
+                .map(|(i, s)| scope.spawn(move || f(i, s)))
+                .collect();
+            running
+                .into_iter()
+                .map(|t| {
+                    t.join()
+                        .unwrap_or_else(|_| Err(Status::internal("a shard call panicked")))
+                })
+                .collect()
+        })
+    }
+
+    /// Joins (or renews) at every shard; returns shard 0's reply after checking each shard
+    /// sits where `--server` lists it.
+    fn join(&self, join: bool) -> Result<JoinReply, Status> {
+        let k = self.shards.len();
+        let replies = self.on_all(|i, s| {
+            let reply = join_run(&self.handle, &s.client, self.patience, self.peer, self.session, join)?;
+            let (shard, shards) = (reply.shard as usize, (reply.shards as usize).max(1));
+            if (shard, shards) != (i, k) {
+                return Err(Status::failed_precondition(format!(
+                    "server {} of --server is shard {shard} of {shards}; list all {shards} shards' URLs in shard order",
+                    i + 1
+                )));
+            }
+            Ok(reply)
+        });
+        let mut replies = replies.into_iter().collect::<Result<Vec<_>, _>>()?;
+        Ok(replies.swap_remove(0))
+    }
+
+    /// Uploads every shard's file for `round`; the first refusal (in shard order) wins.
+    fn upload(&self, round: u64, files: &[UploadFile]) -> Result<(), Status> {
+        let results = self.on_all(|i, s| {
+            let f = &files[i];
+            let header = PayloadHeader {
+                peer: self.peer as u32,
+                round,
+                total_bytes: f.size,
+                parts: vec![payload::part(f.size, f.xxh3)],
+                session: self.session,
+                ..Default::default()
+            };
+            retry(&self.handle, self.patience, "upload", || {
+                let (mut c, path, header) = (s.client.clone(), f.path.clone(), header.clone());
+                async move {
+                    let stream = payload::send(vec![path], header, move |i| {
+                        if i == 0 {
+                            fault::point("upload", round);
+                        }
+                    });
+                    let stream = tokio_stream::StreamExt::filter_map(stream, |r| r.ok());
+                    c.upload(stream).await
+                }
+            })
+            .map(|_| ())
+        });
+        results.into_iter().collect()
+    }
+
+    /// Fetches a round from shard `i` (waiting for it) into `<out>/global-<i>.part`.
+    fn fetch_one(&self, i: usize, ask: &Ask) -> Result<(PayloadHeader, PathBuf), Status> {
+        let s = &self.shards[i];
+        let dest = self.out.join(format!("global-{i}.part"));
+        let (peer, full, delta_max) = (self.peer, s.full_bytes, s.delta_max);
         let ask = *ask;
         let header = retry(&self.handle, self.patience, "fetch", || {
-            let mut c = client.clone();
-            let d = d.clone();
+            let mut c = s.client.clone();
+            let d = dest.clone();
             async move {
                 let mut req = Request::new(FetchRequest {
                     peer: peer as u32,
@@ -516,17 +596,61 @@ impl Link {
         Ok((header, dest))
     }
 
+    /// Fetches a round from every shard: the newest means shard 0's newest, which the others
+    /// then send as well. The shards must agree on the round, its form and who trains next.
+    fn fetch(&self, ask: &Ask) -> Result<Fetched, Status> {
+        let mut ask = *ask;
+        let first = match ask.round {
+            None if self.shards.len() > 1 => {
+                let f = self.fetch_one(0, &ask)?;
+                ask.round = Some(f.0.round);
+                Some(f)
+            }
+            _ => None,
+        };
+        let skip = usize::from(first.is_some());
+        let rest = self.on_all(|i, _| {
+            if i < skip {
+                return Err(Status::cancelled("fetched first"));
+            }
+            self.fetch_one(i, &ask)
+        });
+        let mut files: Vec<(PayloadHeader, PathBuf)> = first.into_iter().collect();
+        for r in rest.into_iter().skip(skip) {
+            files.push(r?);
+        }
+        let h0 = &files[0].0;
+        let agree = files.iter().all(|(h, _)| {
+            (h.round, h.delta, &h.owners, &h.members)
+                == (h0.round, h0.delta, &h0.owners, &h0.members)
+        });
+        if !agree {
+            return Err(Status::failed_precondition(
+                "the server shards disagree on the round, its form or its members",
+            ));
+        }
+        let header = PayloadHeader {
+            total_bytes: files.iter().map(|(h, _)| h.total_bytes).sum(),
+            skipped_own: files.iter().any(|(h, _)| h.skipped_own),
+            parts: Vec::new(),
+            ..h0.clone()
+        };
+        Ok(Fetched { header, files })
+    }
+
     /// Uploads round `round`, then fetches it as `ask` says.
-    fn exchange(&self, round: u64, path: &Path, size: u64, xxh3: u64, ask: Ask) -> Exchange {
-        let sent = self.upload(round, path, size, xxh3);
-        let _ = std::fs::remove_file(path);
+    fn exchange(&self, round: u64, files: Vec<UploadFile>, ask: Ask) -> Exchange {
+        let sent = self.upload(round, &files);
+        for f in &files {
+            let _ = std::fs::remove_file(&f.path);
+        }
         let up = match sent {
-            Ok(()) => size,
+            Ok(()) => files.iter().map(|f| f.size).sum(),
             Err(s) if refusal::kind(&s) == Some(Refused::Duplicate) => 0,
             Err(s) => return Exchange::UploadRefused(s),
         };
         match self.fetch(&ask) {
-            Ok((header, path)) => Exchange::Fetched { header, path, up },
+            Ok(fetched) => Exchange::Fetched { fetched, up },
             Err(status) => Exchange::FetchFailed { status, up },
         }
     }
@@ -549,10 +673,35 @@ impl Node {
         let lock = lock_out(&opts.out)?;
         let session = session_of(&opts.out)?;
         let rt = tokio::runtime::Runtime::new()?;
-        let client = rt.block_on(connect_client(&opts))?;
-        let patience = Duration::from_secs_f64(opts.patience_s);
-        let reply = join_run(rt.handle(), &client, patience, peer, session, opts.join)
-            .map_err(|e| explain(e, &opts.server))?;
+        let urls: Vec<&str> = opts
+            .server
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .collect();
+        let shards = urls
+            .iter()
+            .map(|url| {
+                Ok(Shard {
+                    client: rt.block_on(connect_client(&opts, url))?,
+                    names: None,
+                    full_bytes: 0,
+                    delta_max: 0,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if shards.is_empty() {
+            bail!("--server names no server");
+        }
+        let mut link = Link {
+            handle: rt.handle().clone(),
+            shards,
+            peer,
+            session,
+            patience: Duration::from_secs_f64(opts.patience_s),
+            out: opts.out.clone(),
+        };
+        let reply = link.join(opts.join).map_err(|e| explain(e, &opts.server))?;
         let server_cfg =
             RunConfig::parse(&reply.config_toml, &[]).context("the server's config")?;
         check_compatible(&opts.cfg, &server_cfg)?;
@@ -564,7 +713,10 @@ impl Node {
         let trainer = match &resumed {
             Some(dir) => Trainer::resume_as_saved(cfg.clone(), opts.device, dir)?,
             None => {
-                let model = MoeModel::new(&cfg.model, opts.device)?;
+                let model = {
+                    let _rng = crate::INIT_RNG.lock().unwrap_or_else(|e| e.into_inner());
+                    MoeModel::new(&cfg.model, opts.device)?
+                };
                 Trainer::with_model(cfg.clone(), opts.device, model, |_| false, 0)?
             }
         };
@@ -585,20 +737,22 @@ impl Node {
             _ => ProgressBar::hidden(),
         };
         let n_experts = cfg.model.n_experts;
-        let shapes: Vec<(String, Vec<i64>)> = trainer
-            .model
-            .params()
-            .into_iter()
-            .map(|p| (p.name, p.tensor.size()))
-            .collect();
-        let entries = |k| {
-            shapes
-                .iter()
-                .map(move |(n, s)| (n.as_str(), s.as_slice(), k))
-        };
-        let full_bytes = payload::expected_size(entries(Kind::Float));
-        // Dense bf16 deltas, or sparse ones of density ≤ 0.3 (≤ 1.8 bytes per value).
-        let delta_max = 2 * payload::expected_size(entries(Kind::BFloat16));
+        let layout = spes_sync::Layout::of(&trainer.model);
+        let k = link.shards.len();
+        for (i, shard) in link.shards.iter_mut().enumerate() {
+            let slice = layout.shard(i, k);
+            let entries = |kind| {
+                slice
+                    .entries
+                    .iter()
+                    .map(move |(n, _, s)| (n.as_str(), s.as_slice(), kind))
+            };
+            shard.full_bytes = payload::expected_size(entries(Kind::Float));
+            // Dense bf16 deltas, or sparse ones of density ≤ 0.3 (≤ 1.8 bytes per value).
+            shard.delta_max = 2 * payload::expected_size(entries(Kind::BFloat16));
+            shard.names =
+                (k > 1).then(|| Arc::new(slice.entries.into_iter().map(|(n, _, _)| n).collect()));
+        }
         let expert_names = trainer
             .model
             .params()
@@ -606,16 +760,6 @@ impl Node {
             .filter(|p| matches!(p.role, Role::Expert { .. }))
             .map(|p| p.name)
             .collect();
-        let link = Link {
-            handle: rt.handle().clone(),
-            client,
-            peer,
-            session,
-            patience,
-            out: opts.out.clone(),
-            full_bytes,
-            delta_max,
-        };
         let mut node = Node {
             peer,
             out: opts.out,
@@ -681,7 +825,7 @@ impl Node {
             have_previous: false,
             skip_own: false,
         };
-        let (header, path) = match self.link.fetch(&ask) {
+        let fetched = match self.link.fetch(&ask) {
             Ok(f) => f,
             Err(s) if s.code() == Code::NotFound => {
                 tracing::warn!(
@@ -694,9 +838,7 @@ impl Node {
             }
             Err(s) => return Err(explain(s, "the server")),
         };
-        let named = payload::read_parts(&path, &header.parts);
-        let _ = std::fs::remove_file(&path);
-        let mut named: HashMap<String, Tensor> = named?.into_iter().collect();
+        let mut named: HashMap<String, Tensor> = fetched.read()?.into_iter().collect();
         let mut values = HashMap::new();
         for p in self.trainer.model.trainable_params() {
             let t = named
@@ -714,32 +856,34 @@ impl Node {
     /// Renews the lease every `lease/4` on the runtime's worker threads.
     fn start_heartbeat(&self, lease_ms: u64) {
         let every = Duration::from_millis((lease_ms / 4).max(50));
-        let (peer, session, client, lost) = (
-            self.peer as u32,
-            self.session,
-            self.link.client.clone(),
-            self.lost.clone(),
-        );
-        self.link.handle.spawn(async move {
-            loop {
-                tokio::time::sleep(every).await;
-                let mut c = client.clone();
-                let mut req = Request::new(JoinRequest {
-                    peer,
-                    session,
-                    join: false,
-                });
-                req.set_timeout(every.max(Duration::from_secs(2)));
-                match c.heartbeat(req).await {
-                    Ok(_) => {}
-                    Err(s) if refusal::kind(&s) == Some(Refused::PeerTaken) => {
-                        *lost.lock().unwrap() = Some(s.message().to_owned());
-                        return;
+        for shard in &self.link.shards {
+            let (peer, session, client, lost) = (
+                self.peer as u32,
+                self.session,
+                shard.client.clone(),
+                self.lost.clone(),
+            );
+            self.link.handle.spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    let mut c = client.clone();
+                    let mut req = Request::new(JoinRequest {
+                        peer,
+                        session,
+                        join: false,
+                    });
+                    req.set_timeout(every.max(Duration::from_secs(2)));
+                    match c.heartbeat(req).await {
+                        Ok(_) => {}
+                        Err(s) if refusal::kind(&s) == Some(Refused::PeerTaken) => {
+                            *lost.lock().unwrap() = Some(s.message().to_owned());
+                            return;
+                        }
+                        Err(s) => tracing::debug!("heartbeat: {}", s.message()),
                     }
-                    Err(s) => tracing::debug!("heartbeat: {}", s.message()),
                 }
-            }
-        });
+            });
+        }
     }
 
     /// Trains exactly `owned` experts (plus the shared parameters) from now on.
@@ -804,15 +948,10 @@ impl Node {
 
     /// Joins again (after an eviction) and waits until this node is a member.
     fn rejoin(&mut self) -> Result<()> {
-        let reply = join_run(
-            &self.link.handle,
-            &self.link.client,
-            self.link.patience,
-            self.peer,
-            self.session,
-            false,
-        )
-        .map_err(|e| explain(e, "the server"))?;
+        let reply = self
+            .link
+            .join(false)
+            .map_err(|e| explain(e, "the server"))?;
         let from = if reply.member_from > 0 {
             reply.member_from
         } else {
@@ -917,12 +1056,12 @@ impl Node {
     fn start_sync(&mut self, upload: &Named) -> Result<()> {
         self.check_lost()?;
         let round = self.trainer.step / self.trainer.cfg.sync.sync_steps;
-        let (path, size, xxh3) = self.write_upload(upload)?;
+        let files = self.write_upload(upload)?;
         let ask = self.fetch_ask(round);
         let link = self.link.clone();
         let thread = std::thread::Builder::new()
             .name(format!("sync-{round}"))
-            .spawn(move || link.exchange(round, &path, size, xxh3, ask))?;
+            .spawn(move || link.exchange(round, files, ask))?;
         self.pending = Some(Pending {
             thread,
             started: Instant::now(),
@@ -960,10 +1099,9 @@ impl Node {
     /// The wire form of `upload` (the tensors this node trains, as values): whole fp32 tensors,
     /// or bf16 deltas from the last global model, kept in `self.sent` as the round needs them.
     /// Writes it to `<out>/upload.safetensors`; returns the file's size and checksum.
-    fn write_upload(&mut self, upload: &Named) -> Result<(PathBuf, u64, u64)> {
-        let path = self.out.join("upload.safetensors");
+    fn write_upload(&mut self, upload: &Named) -> Result<Vec<UploadFile>> {
         let sync = &self.trainer.cfg.sync;
-        let (size, xxh3) = match &self.base {
+        let (wire, kind) = match &self.base {
             Some(base) if sync.wire != Wire::Fp32 => {
                 let keep_all = self.keeps_progress();
                 let mut wire = Vec::with_capacity(upload.len());
@@ -987,11 +1125,30 @@ impl Node {
                         self.sent.insert(name.clone(), sent);
                     }
                 }
-                payload::write(&path, &wire, Kind::BFloat16)?
+                (wire, Kind::BFloat16)
             }
-            _ => payload::write(&path, upload, Kind::Float)?,
+            _ => (
+                upload
+                    .iter()
+                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                    .collect(),
+                Kind::Float,
+            ),
         };
-        Ok((path, size, xxh3))
+        // One file per server shard, each with the tensors that shard owns.
+        let mut per_shard: Vec<Named> = (0..self.link.shards.len()).map(|_| Vec::new()).collect();
+        for (name, t) in wire {
+            per_shard[self.link.shard_of(&name)].push((name, t));
+        }
+        per_shard
+            .into_iter()
+            .enumerate()
+            .map(|(i, named)| {
+                let path = self.out.join(format!("upload-{i}.safetensors"));
+                let (size, xxh3) = payload::write(&path, &named, kind)?;
+                Ok(UploadFile { path, size, xxh3 })
+            })
+            .collect()
     }
 
     /// Uploads `upload` for the round that ends at the current step, then loads the aggregate
@@ -1000,9 +1157,9 @@ impl Node {
         self.check_lost()?;
         let t0 = Instant::now();
         let round = self.trainer.step / self.trainer.cfg.sync.sync_steps;
-        let (path, size, xxh3) = self.write_upload(upload)?;
+        let files = self.write_upload(upload)?;
         let ask = self.fetch_ask(round);
-        let exchange = self.link.exchange(round, &path, size, xxh3, ask);
+        let exchange = self.link.exchange(round, files, ask);
         self.settle(exchange, round, t0, t0)
     }
 
@@ -1043,10 +1200,11 @@ impl Node {
         idle_from: Instant,
     ) -> Result<u64> {
         let (up, target) = match exchange {
-            Exchange::Fetched { header, path, up } => {
+            Exchange::Fetched { fetched, up } => {
                 self.bytes_up += up;
+                let header = fetched.header.clone();
                 let down = header.total_bytes;
-                self.load(&header, &path)?;
+                self.load(&header, fetched.read()?)?;
                 self.follow(&header)?;
                 return self.finish_sync(t0, idle_from, up, down);
             }
@@ -1130,7 +1288,7 @@ impl Node {
         };
         // Only a counted upload is published verbatim; otherwise take the own experts too.
         ask.skip_own &= !self.sent.is_empty();
-        let (header, path) = match self.link.fetch(&ask) {
+        let fetched = match self.link.fetch(&ask) {
             Ok(f) => f,
             // The server keeps only recent rounds; a node that fell behind takes the newest.
             Err(s) if s.code() == Code::NotFound && round.is_some() => {
@@ -1143,17 +1301,15 @@ impl Node {
             }
             Err(s) => return Err(explain(s, "the server")),
         };
-        self.load(&header, &path)?;
+        let header = fetched.header.clone();
+        self.load(&header, fetched.read()?)?;
         Ok(header)
     }
 
     /// Loads a fetched payload: a whole model, or a delta applied to the fp32 base this node
     /// keeps (bit-identical to the server's model, see spes-sync's `delta`). With overlap, the
     /// progress made since the upload is kept on top: θ ← global + (θ_now − θ_uploaded).
-    fn load(&mut self, header: &PayloadHeader, path: &Path) -> Result<()> {
-        let named = payload::read_parts(path, &header.parts);
-        let _ = std::fs::remove_file(path);
-        let named = named?;
+    fn load(&mut self, header: &PayloadHeader, named: Named) -> Result<()> {
         let source = format!("round {} from the server", header.round);
         let h = self.trainer.cfg.sync.sync_steps;
         // Sparse: what was not sent stays in this node's weights; overlap: so do the steps
@@ -1254,13 +1410,15 @@ impl Node {
             }
         }
         self.bar.finish_and_clear();
-        let (peer, client) = (self.peer, self.link.client.clone());
+        let peer = self.peer;
         // Best effort: a server already gone has nothing left to wait for.
-        let said = retry(&self.link.handle, Duration::from_secs(10), "done", || {
-            let mut c = client.clone();
-            async move { c.done(call(DoneRequest { peer: peer as u32 })).await }
+        let said = self.link.on_all(|_, s| {
+            retry(&self.link.handle, Duration::from_secs(10), "done", || {
+                let mut c = s.client.clone();
+                async move { c.done(call(DoneRequest { peer: peer as u32 })).await }
+            })
         });
-        if let Err(s) = said {
+        if let Some(Err(s)) = said.into_iter().find(|r| r.is_err()) {
             tracing::warn!(
                 "node {peer}: could not tell the server it is done: {}",
                 s.message()

@@ -24,14 +24,17 @@ pub enum WireOption {
     Bf16DeltaSkipOwn,
     /// As `Bf16DeltaSkipOwn`, with the exchange overlapped with the next round (`overlap`).
     Overlap,
+    /// Sparse deltas of `PlanInput::density` (6 bytes per sent value), skip-own, overlapped.
+    SparseOverlap,
 }
 
 impl WireOption {
-    pub const ALL: [WireOption; 4] = [
+    pub const ALL: [WireOption; 5] = [
         WireOption::Fp32,
         WireOption::Bf16Delta,
         WireOption::Bf16DeltaSkipOwn,
         WireOption::Overlap,
+        WireOption::SparseOverlap,
     ];
 
     pub fn label(self) -> &'static str {
@@ -40,6 +43,7 @@ impl WireOption {
             WireOption::Bf16Delta => "bf16-delta",
             WireOption::Bf16DeltaSkipOwn => "bf16-delta+skip-own",
             WireOption::Overlap => "overlap",
+            WireOption::SparseOverlap => "sparse+overlap",
         }
     }
 
@@ -62,15 +66,24 @@ impl WireOption {
                 "sync.skip_own_experts=true",
                 "sync.overlap=true",
             ],
+            WireOption::SparseOverlap => &[
+                "sync.wire=sparse_delta",
+                "sync.skip_own_experts=true",
+                "sync.overlap=true",
+            ],
         }
     }
 
-    fn bytes_per_value(self) -> f64 {
-        if self == WireOption::Fp32 {
-            4.0
-        } else {
-            2.0
+    fn bytes_per_value(self, density: f64) -> f64 {
+        match self {
+            WireOption::Fp32 => 4.0,
+            WireOption::SparseOverlap => 6.0 * density,
+            _ => 2.0,
         }
+    }
+
+    fn overlapped(self) -> bool {
+        matches!(self, WireOption::Overlap | WireOption::SparseOverlap)
     }
 }
 
@@ -87,6 +100,8 @@ pub struct PlanInput {
     pub shards: usize,
     pub step_s: f64,
     pub sync_steps: u64,
+    /// Sparse wire: the fraction of each tensor's entries a round sends.
+    pub density: f64,
     /// Bytes of uploads the server folds in per second (`spes bench-sync` measures it).
     pub aggregate_bytes_per_s: f64,
     /// Bytes per second the server writes a published round at (fsynced).
@@ -192,10 +207,10 @@ pub fn transfers(flows: &[(f64, f64, f64)], shared: f64) -> Vec<f64> {
 pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     let counts = input.model.param_counts();
     let total = counts.total as f64;
-    let b = option.bytes_per_value();
+    let b = option.bytes_per_value(input.density);
     let values = node_values(input);
     let up: Vec<f64> = values.iter().map(|(v, _)| v * b).collect();
-    let skip_own = matches!(option, WireOption::Bf16DeltaSkipOwn | WireOption::Overlap);
+    let skip_own = !matches!(option, WireOption::Fp32 | WireOption::Bf16Delta);
     let down: Vec<f64> = values
         .iter()
         .map(|(_, own)| (total - if skip_own { *own } else { 0.0 }) * b)
@@ -221,7 +236,7 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     let delta = if option == WireOption::Fp32 {
         0.0
     } else {
-        2.0 * total
+        b * total
     };
     let server_s = (largest_up + model_fp32) / input.aggregate_bytes_per_s / shards
         + (model_fp32 + delta) / input.disk_bytes_per_s / shards;
@@ -238,7 +253,7 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     let n = input.nodes as f64;
     let sync_s = sync.iter().sum::<f64>() / n;
     let slowest = sync.iter().copied().fold(0.0, f64::max);
-    let (round_s, idle_s) = if option == WireOption::Overlap {
+    let (round_s, idle_s) = if option.overlapped() {
         // The next round computes meanwhile; a node waits only for the excess.
         let wait = (slowest - compute_s).max(0.0);
         (compute_s + wait, wait)
@@ -296,13 +311,13 @@ pub fn table(input: &PlanInput) -> String {
     out
 }
 
-/// The fewest shards (up to 64) that keep the overlap option's idle share at or below
-/// `target`, with the share one server gives; `None` if no count does.
+/// The fewest shards (up to 64) that keep the sparse+overlap option's idle share at or below
+/// `target`; `None` if no count does.
 pub fn shards_needed(input: &PlanInput, target: f64) -> Option<usize> {
     (1..=64).find(|&k| {
         let mut i = input.clone();
         i.shards = k;
-        plan(&i, WireOption::Overlap).idle_share <= target
+        plan(&i, WireOption::SparseOverlap).idle_share <= target
     })
 }
 
@@ -320,6 +335,7 @@ mod tests {
             shards: 1,
             step_s: 0.45,
             sync_steps: 100,
+            density: 0.03,
             aggregate_bytes_per_s: 1e9,
             disk_bytes_per_s: 1e9,
         }
@@ -355,6 +371,11 @@ mod tests {
         let overlap = plan(&i, WireOption::Overlap);
         assert!(overlap.idle_share < skip.idle_share);
         assert!(overlap.round_s >= overlap.compute_s);
+        // Issue 8's targets: ≤ 0.25× the fp32 bytes, ≤ 5 % idle with overlap.
+        let sparse = plan(&i, WireOption::SparseOverlap);
+        let ratio = (sparse.up_bytes + sparse.down_bytes) / (fp32.up_bytes + fp32.down_bytes);
+        assert!(ratio <= 0.25, "{ratio}");
+        assert!(sparse.idle_share <= 0.05, "{}", sparse.idle_share);
     }
 
     #[test]

@@ -59,6 +59,8 @@ pub struct ServerOptions {
     /// After the last round, keep serving until every node said it is done or this long passed.
     pub linger_s: f64,
     pub limits: Limits,
+    /// This process is shard `.0` of `.1` (`--shard i/k`): it owns `Layout::shard(i, k)`.
+    pub shard: (usize, usize),
 }
 
 /// What one client may cost the server.
@@ -220,6 +222,7 @@ struct State {
     wake: mpsc::SyncSender<()>,
     final_round: u64,
     last_val_loss: Mutex<Option<f64>>,
+    shard: (usize, usize),
 }
 
 /// A closed round to publish, with what the restart point records about it.
@@ -531,6 +534,8 @@ impl Spes for Service {
             published_round,
             lease_ms: (s.cfg.sync.lease_s * 1000.0) as u64,
             member_from: standing_from(standing),
+            shard: s.shard.0 as u32,
+            shards: s.shard.1 as u32,
         }))
     }
 
@@ -717,6 +722,8 @@ impl State {
 /// What [`open_state`] found or made.
 struct Opened {
     model: MoeModel,
+    /// The tensors this server (shard) owns.
+    layout: Layout,
     global: Named,
     progress: ServerState,
     fresh: bool,
@@ -732,8 +739,13 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
     for stale in std::fs::read_dir(opts.out.join("incoming"))? {
         let _ = std::fs::remove_file(stale?.path());
     }
-    tch::manual_seed(opts.cfg.train.seed as i64);
-    let model = MoeModel::new(&opts.cfg.model, opts.device)?;
+    let model = {
+        let _rng = crate::INIT_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(opts.cfg.train.seed as i64);
+        MoeModel::new(&opts.cfg.model, opts.device)?
+    };
+    let (i, k) = opts.shard;
+    let layout = Layout::of(&model).shard(i, k);
     let state_path = opts.out.join(STATE_FILE);
     if state_path.exists() {
         let text = std::fs::read_to_string(&state_path)?;
@@ -749,18 +761,17 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
                 .ok()
                 .is_some_and(|(_, x)| hex_of(x) == newest.xxh3);
             let loaded = intact
-                && payload::read(&path)
-                    .and_then(|named| model.load(&named, &path.display().to_string()))
-                    .is_ok();
-            if loaded {
+                .then(|| payload::read(&path).and_then(|named| in_layout(&layout, named, &path)))
+                .and_then(Result::ok);
+            if let Some(global) = loaded {
                 tracing::info!(
                     "resuming after round {} from {}",
                     newest.round,
                     path.display()
                 );
-                let global = snapshot(&model);
                 return Ok(Opened {
                     model,
+                    layout,
                     global,
                     progress: st,
                     fresh: false,
@@ -784,7 +795,10 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
             .with_context(|| format!("cannot read initial weights {}", init.display()))?;
         model.load(&named, &init.display().to_string())?;
     }
-    let global = snapshot(&model);
+    let global = snapshot(&model)
+        .into_iter()
+        .filter(|(n, _)| layout.holds(n))
+        .collect();
     let st = ServerState {
         format_version: FORMAT_VERSION,
         rounds: Vec::new(),
@@ -794,10 +808,28 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
     };
     Ok(Opened {
         model,
+        layout,
         global,
         progress: st,
         fresh: true,
     })
+}
+
+/// `named` in `layout`'s order, if it holds exactly the layout's tensors with their shapes.
+fn in_layout(layout: &Layout, named: Named, path: &Path) -> Result<Named> {
+    let mut by_name: std::collections::HashMap<String, tch::Tensor> = named.into_iter().collect();
+    let out = layout
+        .entries
+        .iter()
+        .map(|(name, _, shape)| match by_name.remove(name) {
+            Some(t) if t.size() == *shape => Ok((name.clone(), t.to_kind(tch::Kind::Float))),
+            _ => anyhow::bail!("{}: `{name}` is missing or misshapen", path.display()),
+        })
+        .collect::<Result<Named>>()?;
+    if let Some(extra) = by_name.keys().next() {
+        anyhow::bail!("{}: unexpected tensor `{extra}`", path.display());
+    }
+    Ok(out)
 }
 
 fn snapshot(model: &MoeModel) -> Named {
@@ -1023,7 +1055,7 @@ pub async fn serve(
 ) -> Result<ServerSummary> {
     let cfg = opts.cfg.clone();
     let opened = open_state(&opts)?;
-    let layout = Layout::of(&opened.model);
+    let layout = opened.layout.clone();
     let (scope, published_round, gone) = match opened.progress.rounds.last() {
         Some(newest) => (
             Scope::from_lists(&newest.owners, &newest.members)?,
@@ -1033,6 +1065,8 @@ pub async fn serve(
         None => (crate::scope_of(&cfg)?, 0, BTreeSet::new()),
     };
     let eval = match ValWindows::open(&cfg.data.path, cfg.train.seq_len) {
+        // A shard holds part of the model; score with `spes eval` on a node's checkpoint.
+        Ok(_) if opts.shard.1 > 1 => None,
         Ok(val) => Some(Evaluator {
             model: opened.model,
             val,
@@ -1080,6 +1114,7 @@ pub async fn serve(
         upload_slots: tokio::sync::Semaphore::new(opts.limits.max_concurrent_uploads.max(1)),
         wake: wake_tx,
         last_val_loss: Mutex::new(logged.as_ref().and_then(|l| l.val_loss)),
+        shard: opts.shard,
     });
     let (score_tx, score_rx) = mpsc::channel();
     if opened.fresh {

@@ -721,3 +721,89 @@ fn sparse_deltas_with_overlap_train_on_a_fraction_of_the_bytes() {
         }
     }
 }
+
+/// Runs `cfg` to the end with nodes that reach the server(s) at `urls` (comma-separated
+/// shards), and returns the last published model, gathered from every server's `out`.
+fn final_model(
+    cfg: &RunConfig,
+    dir: &Path,
+    servers: &[Server],
+    outs: &[std::path::PathBuf],
+) -> Named {
+    let urls: Vec<String> = servers.iter().map(|s| s.url()).collect();
+    let url = urls.join(",");
+    let threads: Vec<_> = (0..cfg.sync.nodes)
+        .map(|peer| {
+            let opts = node_options(cfg, &url, peer, dir);
+            std::thread::spawn(move || {
+                tch::set_num_threads(1);
+                Node::connect(opts).unwrap().run().unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let rounds = cfg.train.max_steps / cfg.sync.sync_steps;
+    let mut model = Vec::new();
+    for out in outs {
+        model.extend(
+            payload::read(&out.join(format!("global/round-{rounds:06}.safetensors"))).unwrap(),
+        );
+    }
+    model.sort_by(|a, b| a.0.cmp(&b.0));
+    model
+}
+
+#[test]
+fn two_server_shards_publish_the_same_model_as_one_server() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(
+        &data,
+        "spes",
+        2,
+        &[
+            "sync.wire=bf16_delta",
+            "sync.overlap=false",
+            "sync.merge_every=2",
+            "sync.merge_until=100",
+            "sync.merge_alpha=0.3",
+        ],
+    );
+    let one_out = tmp.path().join("one/server");
+    let one = Server::start(cfg.clone(), &one_out, None);
+    let a = final_model(&cfg, &tmp.path().join("one"), &[one], &[one_out]);
+    let outs: Vec<_> = (0..2)
+        .map(|i| tmp.path().join(format!("two/shard-{i}")))
+        .collect();
+    let shards: Vec<Server> = (0..2)
+        .map(|i| {
+            Server::start_shard(
+                "127.0.0.1:0",
+                cfg.clone(),
+                &outs[i],
+                None,
+                Default::default(),
+                (i, 2),
+            )
+        })
+        .collect();
+    let b = final_model(&cfg, &tmp.path().join("two"), &shards, &outs);
+    // Each shard holds part of the model; together, all of it.
+    let part = payload::read(&outs[0].join("global/round-000003.safetensors")).unwrap();
+    assert!(
+        !part.is_empty() && part.len() < a.len(),
+        "{} of {}",
+        part.len(),
+        a.len()
+    );
+    assert_eq!(a.len(), b.len());
+    for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        assert!(
+            ta.equal(tb),
+            "`{na}` differs between one server and two shards"
+        );
+    }
+}

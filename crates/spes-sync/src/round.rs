@@ -36,6 +36,53 @@ impl Layout {
             n_experts: model.cfg.n_experts,
         }
     }
+
+    /// The tensors server shard `i` of `k` owns (`spes server --shard i/k`): whole layers (so a
+    /// layer's experts merge on one shard) and whole other tensors, dealt largest first to the
+    /// least loaded shard, so every shard and node computes the same split.
+    pub fn shard(&self, i: usize, k: usize) -> Layout {
+        let unit_of = |name: &str| -> String {
+            name.strip_prefix("model.layers.")
+                .and_then(|rest| rest.split('.').next())
+                .map_or(name.to_owned(), |l| format!("model.layers.{l}."))
+        };
+        let mut sizes: Vec<(String, i64)> = Vec::new();
+        for (name, _, shape) in &self.entries {
+            let unit = unit_of(name);
+            let n: i64 = shape.iter().product();
+            match sizes.iter_mut().find(|(u, _)| *u == unit) {
+                Some((_, s)) => *s += n,
+                None => sizes.push((unit, n)),
+            }
+        }
+        sizes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut load = vec![0i64; k.max(1)];
+        let mut mine = BTreeSet::new();
+        for (unit, n) in sizes {
+            let least = (0..load.len())
+                .min_by_key(|&s| (load[s], s))
+                .expect("k ≥ 1");
+            load[least] += n;
+            if least == i {
+                mine.insert(unit);
+            }
+        }
+        Layout {
+            entries: self
+                .entries
+                .iter()
+                .filter(|(n, _, _)| mine.contains(&unit_of(n)))
+                .cloned()
+                .collect(),
+            n_layers: self.n_layers,
+            n_experts: self.n_experts,
+        }
+    }
+
+    /// Whether this layout holds a tensor of that name.
+    pub fn holds(&self, name: &str) -> bool {
+        self.entries.iter().any(|(n, _, _)| n == name)
+    }
 }
 
 /// What each node uploads and how the server combines it, for one round's members.
@@ -573,6 +620,10 @@ pub fn merge_experts(
     let mut events = Vec::new();
     tch::no_grad(|| {
         for layer in 0..layout.n_layers {
+            // A server shard holds whole layers; the others are merged elsewhere.
+            if !index.contains_key(&expert_tensor_name(layer, 0, EXPERT_PARTS[0])) {
+                continue;
+            }
             let stacked: Vec<Tensor> = EXPERT_PARTS
                 .iter()
                 .map(|part| {

@@ -121,7 +121,7 @@ impl Default for SyncConfig {
             wire: Wire::Bf16Delta,
             sparse_density: 0.03,
             skip_own_experts: true,
-            overlap: false,
+            overlap: true,
             round_timeout_s: 600.0,
             lease_s: 30.0,
             evict_after_s: 300.0,

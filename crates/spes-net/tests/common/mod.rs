@@ -96,6 +96,18 @@ impl Server {
         tls: Option<(Vec<u8>, Vec<u8>)>,
         limits: Limits,
     ) -> Server {
+        Self::start_shard(bind, cfg, out, tls, limits, (0, 1))
+    }
+
+    /// Shard `shard.0` of `shard.1`.
+    pub fn start_shard(
+        bind: &str,
+        cfg: RunConfig,
+        out: &Path,
+        tls: Option<(Vec<u8>, Vec<u8>)>,
+        limits: Limits,
+        shard: (usize, usize),
+    ) -> Server {
         let bind = bind.to_owned();
         let opts = ServerOptions {
             cfg,
@@ -106,6 +118,7 @@ impl Server {
             device: Device::Cpu,
             linger_s: 5.0,
             limits,
+            shard,
         };
         let (addr_tx, addr_rx) = mpsc::channel();
         let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
