@@ -87,7 +87,7 @@ pub fn config(data: &Path, overrides: &[String]) -> Result<RunConfig> {
 /// Runs the demo: data, server and nodes, then `summary.json` and `report.md`.
 pub fn run(out: &Path, overrides: &[String], device: &str, link: Option<LinkSpec>) -> Result<()> {
     let started = Instant::now();
-    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let data = prepare_data(out)?;
     let cfg = config(&data, overrides)?;
     let config_toml = launch(out, &cfg, device, link, true)?;

@@ -262,7 +262,8 @@ enum Command {
     Node {
         #[command(flatten)]
         config: ConfigArgs,
-        /// http://HOST:PORT, or https://HOST:PORT for a TLS server.
+        /// http://HOST:PORT, or https://HOST:PORT for a TLS server; for a sharded server
+        /// (`--shard i/k`), every shard's URL in shard order, comma-separated.
         #[arg(long)]
         server: String,
         /// This node's peer id (default: the one its credential is for).
@@ -646,6 +647,7 @@ fn run(cli: Cli) -> Result<()> {
             tls_key,
             init,
             linger_s,
+            shard,
             runtime,
         } => {
             let cfg = config.load()?;

@@ -536,7 +536,7 @@ fn bf16_deltas_keep_server_and_nodes_bit_identical_and_masters_unrounded() {
         top_k: 2,
     });
     let mut c = coordinator(&m, 2, r, 0.0);
-    let mut nodes = vec![snapshot(&m), snapshot(&m)];
+    let mut nodes = [snapshot(&m), snapshot(&m)];
     tch::manual_seed(7);
     for round in 1..=4u64 {
         let now = round as f64;
@@ -658,8 +658,8 @@ fn sparse_deltas_keep_the_global_bit_identical_and_carry_the_rest_over() {
     let mut c = coordinator(&m, 2, r, 0.0);
     // Each node's copy of the global model, and its working weights (which keep what it has
     // not sent yet).
-    let mut bases = vec![snapshot(&m), snapshot(&m)];
-    let mut work = vec![snapshot(&m), snapshot(&m)];
+    let mut bases = [snapshot(&m), snapshot(&m)];
+    let mut work = [snapshot(&m), snapshot(&m)];
     tch::manual_seed(3);
     let embed = "model.embed_tokens.weight";
     let mut embed_moved = Vec::new();
