@@ -31,5 +31,21 @@ val = [r["val_loss"] for r in rows("server/metrics.jsonl") if r.get("val_loss") 
 tps = sorted(r["tokens_per_s"] for r in rows("node-0/metrics.jsonl") if "tokens_per_s" in r)
 print(f"global val_loss {val[0]:.3f} -> {val[-1]:.3f}; node 0 median tokens/s {tps[len(tps)//2]:.0f}")
 assert val[-1] < val[0] - 1.0, "bf16 CUDA training must lower the validation loss"
+
+# The delta wire's invariant on CUDA: every node applies the published bf16 deltas to its fp32
+# copy on the GPU and must end bit-identical to the server's final model.
+def tensors(path):
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    return {k: data[v["data_offsets"][0]:v["data_offsets"][1]]
+            for k, v in header.items() if k != "__metadata__"}
+final = tensors(f"{out}/server/global/round-000006.safetensors")
+for p in range(4):
+    mine = tensors(f"{out}/node-{p}/checkpoints/step-300/model.safetensors")
+    bad = [k for k in final if mine.get(k) != final[k]]
+    assert not bad, f"node {p} differs from the server's final model in {bad[:3]}"
+print("every node ends bit-identical to the server's final model (bf16 deltas applied on CUDA)")
 PY
 echo "== gpu-check passed"

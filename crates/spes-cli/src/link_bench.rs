@@ -102,11 +102,13 @@ pub fn run(a: Args) -> Result<()> {
         a.sync_steps,
         a.rounds - 1
     );
-    println!("| wire | up / round | down / round | compute s | sync s measured | sync s planned | idle s measured | idle s planned | idle error |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| wire | up / round | down / round | compute s | sync s measured / planned | idle s measured / planned | round s measured / planned | round error |");
+    println!("|---|---|---|---|---|---|---|---|");
     for (option, m, p) in rows {
+        // A round as the node lives it: its steps, then the time it stood still for the sync.
+        let round = m.compute_s + m.idle_s;
         println!(
-            "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {:+.0} % |",
+            "| {} | {} | {} | {:.1} | {:.2} / {:.2} | {:.2} / {:.2} | {:.1} / {:.1} | {:+.0} % |",
             option.label(),
             human_bytes(m.up),
             human_bytes(m.down),
@@ -115,8 +117,11 @@ pub fn run(a: Args) -> Result<()> {
             p.sync_s,
             m.idle_s,
             p.idle_s,
-            100.0 * (p.idle_s - m.idle_s) / m.idle_s.max(1e-9),
+            round,
+            p.round_s,
+            100.0 * (p.round_s - round) / round,
         );
     }
+    println!("\nsync: upload start to loaded model; idle: training stood still (sync without overlap, plus the node's checkpoint, which the planner leaves out); planned: `spes plan-sync` with the measured step time.");
     Ok(())
 }

@@ -64,8 +64,8 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
 }
 
 /// Where one server stops being enough: the first node count whose sparse, overlapped rounds
-/// idle over a point more than with an unlimited server, and the shards that bring it back.
-fn server_limit(base: &PlanInput, max_nodes: usize) -> Option<(usize, Option<usize>)> {
+/// idle over a point more than with an unlimited server.
+fn server_limit(base: &PlanInput, max_nodes: usize) -> Option<usize> {
     (2..=max_nodes).find_map(|n| {
         let mut i = base.clone();
         i.nodes = n;
@@ -75,7 +75,7 @@ fn server_limit(base: &PlanInput, max_nodes: usize) -> Option<(usize, Option<usi
         free.server_link.up_bps = f64::INFINITY;
         free.server_link.down_bps = f64::INFINITY;
         let unlimited = plan::plan(&free, WireOption::SparseOverlap).idle_share;
-        (one > unlimited + 0.01).then(|| (n, plan::shards_needed(&i, unlimited + 0.01)))
+        (one > unlimited + 0.01).then_some(n)
     })
 }
 
@@ -99,23 +99,25 @@ pub fn run(a: Args) -> Result<()> {
             );
             print!("{}", plan::table(&i));
         }
-        let base = input(
-            &a,
-            preset,
-            a.nodes[0].min(ModelConfig::preset(preset)?.n_experts),
-        )?;
-        let max = if a.diloco {
-            64
-        } else {
-            base.model.n_experts.min(64)
-        };
+        let experts = ModelConfig::preset(preset)?.n_experts;
+        let max = if a.diloco { 64 } else { experts.min(64) };
+        let base = input(&a, preset, a.nodes[0].min(max))?;
         match server_limit(&base, max) {
-            Some((n, Some(k))) => println!(
-                "\n{preset}: one server's link becomes the bottleneck at {n} nodes; {k} shards (`spes server --shard i/{k}`) remove it."
-            ),
-            Some((n, None)) => println!(
-                "\n{preset}: one server's link becomes the bottleneck at {n} nodes; even 64 shards do not remove it."
-            ),
+            Some(n) => {
+                println!("\n{preset}: one server's link becomes the bottleneck at {n} nodes (sparse+overlap idles a point more than with an unlimited server).");
+                for &nodes in a.nodes.iter().filter(|&&m| m >= n && m <= max) {
+                    let mut i = input(&a, preset, nodes)?;
+                    let mut free = i.clone();
+                    free.server_link.up_bps = f64::INFINITY;
+                    free.server_link.down_bps = f64::INFINITY;
+                    let floor = plan::plan(&free, WireOption::SparseOverlap).idle_share;
+                    i.shards = 1;
+                    match plan::shards_needed(&i, floor + 0.01) {
+                        Some(k) => println!("  at {nodes} nodes, {k} shards (`spes server --shard i/{k}`) bring it back to {:.0} % idle.", 100.0 * floor),
+                        None => println!("  at {nodes} nodes, even 64 shards do not."),
+                    }
+                }
+            }
             None => println!("\n{preset}: one server is enough up to {max} nodes on these links."),
         }
     }

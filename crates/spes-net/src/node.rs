@@ -113,6 +113,9 @@ pub struct Node {
     started: Instant,
 }
 
+/// In a node checkpoint: the round whose global model its weights were loaded from.
+const LOADED_ROUND: &str = "loaded-round";
+
 /// Keys that may differ between a node's config and the server's.
 const LOCAL_TRAIN_KEYS: &[&str] = &[
     "log_every",
@@ -784,24 +787,35 @@ impl Node {
             started: Instant::now(),
         };
         node.start_heartbeat(reply.lease_ms);
-        node.enter(&reply, resumed.is_some())?;
+        let loaded = resumed.as_ref().and_then(|dir| {
+            std::fs::read_to_string(dir.join(LOADED_ROUND))
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+        });
+        node.enter(&reply, resumed.is_some(), loaded)?;
         Ok(node)
     }
 
     /// Brings the node to the model it trains next, after a join.
-    fn enter(&mut self, reply: &JoinReply, resumed: bool) -> Result<()> {
+    /// `loaded`: the round a resumed checkpoint's weights hold, if it says.
+    fn enter(&mut self, reply: &JoinReply, resumed: bool, loaded: Option<u64>) -> Result<()> {
         if reply.member_from > 0 {
             return self.wait_for_membership(reply.member_from);
         }
         let h = self.trainer.cfg.sync.sync_steps;
-        let at = self.trainer.step / h;
-        if !resumed || reply.published_round != at {
+        // Without overlap a checkpoint is taken right after loading round step / h.
+        let at = match loaded {
+            Some(r) => Some(r),
+            None if !self.keeps_progress() => Some(self.trainer.step / h),
+            None => None,
+        };
+        let Some(at) = at.filter(|&r| resumed && reply.published_round == r) else {
             // Fresh: start from θ⁰ (or the newest model when starting late); resumed but
             // behind (or ahead of a server that rolled back): take the newest model.
             let newest = resumed || reply.published_round > 0;
             let header = self.fetch_and_load(if newest { None } else { Some(0) })?;
             return self.follow(&header);
-        }
+        };
         let owned: Vec<bool> = (0..self.owned.len())
             .map(|e| reply.owned_experts.contains(&(e as u32)))
             .collect();
@@ -1204,7 +1218,7 @@ impl Node {
                 self.bytes_up += up;
                 let header = fetched.header.clone();
                 let down = header.total_bytes;
-                self.load(&header, fetched.read()?)?;
+                self.load(&header, fetched.read()?, true)?;
                 self.follow(&header)?;
                 return self.finish_sync(t0, idle_from, up, down);
             }
@@ -1266,8 +1280,11 @@ impl Node {
             .as_ref()
             .map(|b| b.round)
             .unwrap_or(self.trainer.step / h);
-        self.trainer
+        let dir = self
+            .trainer
             .save_checkpoint(&self.out.join("checkpoints"))?;
+        // With overlap the step does not say which round the weights hold; this file does.
+        spes_data::shard::write_atomic(&dir.join(LOADED_ROUND), loaded.to_string().as_bytes())?;
         let record = json!({
             "event": "sync", "step": self.trainer.step, "round": loaded, "bytes_up": up,
             "bytes_down": down, "sync_s": sync_s, "idle_s": idle_from.elapsed().as_secs_f64(),
@@ -1302,19 +1319,23 @@ impl Node {
             Err(s) => return Err(explain(s, "the server")),
         };
         let header = fetched.header.clone();
-        self.load(&header, fetched.read()?)?;
+        self.load(&header, fetched.read()?, false)?;
         Ok(header)
     }
 
     /// Loads a fetched payload: a whole model, or a delta applied to the fp32 base this node
     /// keeps (bit-identical to the server's model, see spes-sync's `delta`). With overlap, the
     /// progress made since the upload is kept on top: θ ← global + (θ_now − θ_uploaded).
-    fn load(&mut self, header: &PayloadHeader, named: Named) -> Result<()> {
+    ///
+    /// Progress is kept only after this node's own upload counted (`after_upload`); otherwise
+    /// the node takes the round exactly, as a refused or unknown upload did not count.
+    fn load(&mut self, header: &PayloadHeader, named: Named, after_upload: bool) -> Result<()> {
         let source = format!("round {} from the server", header.round);
         let h = self.trainer.cfg.sync.sync_steps;
         // Sparse: what was not sent stays in this node's weights; overlap: so do the steps
         // trained since the upload.
-        let keep_progress = header.delta
+        let keep_progress = after_upload
+            && header.delta
             && (self.trainer.cfg.sync.wire == Wire::SparseDelta
                 || self.trainer.cfg.sync.overlap && self.trainer.step > header.round * h);
         if header.delta {

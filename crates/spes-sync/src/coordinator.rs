@@ -399,7 +399,9 @@ impl Coordinator {
             };
             (global, merges, None)
         };
-        let discarded = first_non_finite(&global).map(|name| {
+        // The published delta decides the model (base + delta, base finite): check it alone.
+        let changed = published.as_ref().map_or(&global, |p| &p.delta);
+        let discarded = first_non_finite(changed).map(|name| {
             format!("the aggregate of `{name}` is not finite; the previous model was kept")
         });
         if discarded.is_some() {
@@ -522,8 +524,15 @@ impl Coordinator {
                 out.delta.extend(wire);
                 values.push((name.clone(), value));
             } else if let Some(d) = averaged.remove(name) {
-                // Combined (or, on merge rounds, any changed) tensors: as values for now.
-                values.push((name.clone(), base + d));
+                if merge.is_none() && self.rules.wire == WireForm::Bf16Delta {
+                    // No merge: the combined delta goes out as it is, in bf16.
+                    let d = d.to_kind(Kind::BFloat16);
+                    values.push((name.clone(), delta::apply(base, &d)));
+                    out.delta.push((name.clone(), d));
+                } else {
+                    // Encoded below, after any merge.
+                    values.push((name.clone(), base + d));
+                }
             } else {
                 values.push((name.clone(), base.shallow_clone()));
             }
@@ -577,6 +586,7 @@ impl Coordinator {
 fn first_non_finite(named: &Named) -> Option<String> {
     named
         .iter()
-        .find(|(_, t)| !bool::try_from(t.to_kind(Kind::Float).isfinite().all()).unwrap_or(false))
+        .filter(|(_, t)| matches!(t.kind(), Kind::Float | Kind::BFloat16))
+        .find(|(_, t)| !bool::try_from(t.isfinite().all()).unwrap_or(false))
         .map(|(n, _)| n.clone())
 }
