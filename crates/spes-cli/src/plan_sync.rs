@@ -66,7 +66,7 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
 /// Where one server stops being enough: the first node count whose sparse, overlapped rounds
 /// idle over a point more than with an unlimited server.
 fn server_limit(base: &PlanInput, max_nodes: usize) -> Option<usize> {
-    (2..=max_nodes).find_map(|n| {
+    (2..=max_nodes).find(|&n| {
         let mut i = base.clone();
         i.nodes = n;
         i.shards = 1;
@@ -75,7 +75,7 @@ fn server_limit(base: &PlanInput, max_nodes: usize) -> Option<usize> {
         free.server_link.up_bps = f64::INFINITY;
         free.server_link.down_bps = f64::INFINITY;
         let unlimited = plan::plan(&free, WireOption::SparseOverlap).idle_share;
-        (one > unlimited + 0.01).then_some(n)
+        one > unlimited + 0.01
     })
 }
 

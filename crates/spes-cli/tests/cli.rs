@@ -293,12 +293,14 @@ fn safe_defaults_refuse_plaintext_and_missing_secrets() {
     );
 }
 
-/// The demo on a shrunken schedule: every artefact a user reads must be there.
+/// The demo on a shrunken schedule, every node behind a shaped link: every artefact a user
+/// reads must be there.
 #[test]
 fn demo_writes_report_plots_and_summary() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("demo");
     let mut args = vec!["demo", "--out", out.to_str().unwrap(), "--device", "cpu"];
+    args.extend(["--link", "800mbit,10ms"]);
     args.extend([
         "--set",
         "train.max_steps=20",
@@ -341,6 +343,12 @@ fn demo_writes_report_plots_and_summary() {
         // One merge round: step 10, α = 0.05·(1 − 10/20).
         report.contains("loss.png") && report.contains("(step 10): α = 0.0250"),
         "{report}"
+    );
+    // Sync cost per round, next to compute, for both rounds.
+    let costs = report.split("## Sync cost per round").nth(1).unwrap();
+    assert!(
+        costs.contains("\n| 1 | ") && costs.contains("\n| 2 | "),
+        "{costs}"
     );
 }
 

@@ -1,12 +1,15 @@
 //! `spes node`: trains the shared parameters and its own experts (all others frozen: no
-//! gradient, no optimizer state), and every `sync_steps` uploads exactly those tensors, waits for
-//! the round's aggregate, loads every parameter from it and goes on with its AdamW state and LR
-//! schedule. It checkpoints after each round, so a restarted node resumes where it was.
+//! gradient, no optimizer state), and every `sync_steps` uploads exactly those tensors — as
+//! deltas from the last global model on the delta wires (spes-sync's `delta`) — then applies the
+//! round's aggregate and goes on with its AdamW state and LR schedule. With `sync.overlap` the
+//! upload and download run on another thread while training goes on. It checkpoints after each
+//! round (recording the round its weights hold), so a restarted node resumes where it was.
 //!
 //! A background task renews the node's lease (training never blocks it). Each published round
 //! says who owns which expert next; when that changes (a node left or joined), the node trains
 //! its new experts with fresh AdamW moments. Refusals are decided on their typed kind
 //! ([`crate::refusal`]): a closed round names the round to load, and the node loads exactly it.
+//! A sharded server is several URLs; the node talks to every shard in parallel ([`Link`]).
 
 use crate::auth::{credential_peer, is_loopback_url, AddToken};
 use crate::proto::refusal::Kind as Refused;
@@ -1191,7 +1194,7 @@ impl Node {
     /// trained since the upload (overlap) or entries not sent yet (sparse wire).
     fn keeps_progress(&self) -> bool {
         let s = &self.trainer.cfg.sync;
-        s.overlap || s.wire == Wire::SparseDelta
+        s.overlaps() || s.wire == Wire::SparseDelta
     }
 
     /// How to fetch round `round`: as a delta if this node holds round − 1 exactly.
@@ -1337,7 +1340,7 @@ impl Node {
         let keep_progress = after_upload
             && header.delta
             && (self.trainer.cfg.sync.wire == Wire::SparseDelta
-                || self.trainer.cfg.sync.overlap && self.trainer.step > header.round * h);
+                || self.trainer.cfg.sync.overlaps() && self.trainer.step > header.round * h);
         if header.delta {
             self.apply_delta(header, named, keep_progress, &source)?;
         } else {
@@ -1419,7 +1422,7 @@ impl Node {
     pub fn run(mut self) -> Result<NodeSummary> {
         let (max, overlap) = (
             self.trainer.cfg.train.max_steps,
-            self.trainer.cfg.sync.overlap,
+            self.trainer.cfg.sync.overlaps(),
         );
         while self.trainer.step < max {
             let upload = self.train_round()?;

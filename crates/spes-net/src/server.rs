@@ -5,7 +5,11 @@
 //! announces it; scoring runs on another thread, after the announcement. [`serve`] sets up tonic
 //! and the handlers, which check every upload's header before reading its body.
 //!
-//! On disk under `--out`: `global/round-NNNNNN.safetensors` (the newest two rounds),
+//! With `--shard i/k` the server owns only `Layout::shard(i, k)` and does not score.
+//!
+//! On disk under `--out`: `global/round-NNNNNN.safetensors` (the newest two rounds' fp32 models)
+//! with, on the delta wires, `round-NNNNNN.delta.safetensors` and one `.own-P.safetensors` per
+//! owner whose experts the round published verbatim (what fetches stream),
 //! `server.json` (the restart point: kept rounds with checksums and ownership, token count,
 //! evicted peers), `checkpoints/round-NNNNNN.safetensors` every `sync.checkpoint_every_rounds`,
 //! `incoming/` (uploads being received), `pending/` (accepted uploads of the open round,

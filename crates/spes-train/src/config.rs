@@ -77,7 +77,8 @@ pub struct SyncConfig {
     /// (the server publishes them as the node sent them).
     pub skip_own_experts: bool,
     /// Keep training while a round is aggregated and downloaded, then apply the new global
-    /// model while keeping the progress made since the upload (delta wire only).
+    /// model while keeping the progress made since the upload. Applies to the delta wires;
+    /// `wire = "fp32"` always waits ([`SyncConfig::overlaps`]).
     pub overlap: bool,
     /// Close a round this long after it opened with whoever uploaded (never with nobody).
     pub round_timeout_s: f64,
@@ -109,6 +110,13 @@ pub struct SyncConfig {
     pub decayed_lb: bool,
     pub decayed_lb_start: f64,
     pub decayed_lb_fraction: f64,
+}
+
+impl SyncConfig {
+    /// Whether nodes train on while a round is exchanged: `overlap` on a delta wire.
+    pub fn overlaps(&self) -> bool {
+        self.overlap && self.wire != Wire::Fp32
+    }
 }
 
 impl Default for SyncConfig {
@@ -329,9 +337,6 @@ impl RunConfig {
                     "sync.max_update_factor must be ≥ 0 (0 disables the check), got {}",
                     s.max_update_factor
                 );
-            }
-            if s.overlap && s.wire == Wire::Fp32 {
-                bail!("sync.overlap needs a delta wire (sync.wire = \"bf16_delta\" or \"sparse_delta\")");
             }
             if !(s.sparse_density > 0.0 && s.sparse_density <= 0.3) {
                 bail!(
