@@ -333,7 +333,7 @@ fn group_deltas(
             .map(|p| p.tensor.size())
             .with_context(|| format!("{source}: unknown tensor `{name}`"))
     };
-    let mut dense = HashMap::new();
+    let mut out = HashMap::new();
     let mut pairs: HashMap<String, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
     for (wire, t) in named {
         if let Some((name, is_idx)) = delta::split_wire_name(&wire) {
@@ -349,7 +349,7 @@ fn group_deltas(
                 t.size()
             );
         }
-        dense.insert(wire, Sent::Dense(t));
+        out.insert(wire, Sent::Dense(t));
     }
     for (name, pair) in pairs {
         let numel: i64 = shape_of(&name)?.iter().product();
@@ -366,9 +366,9 @@ fn group_deltas(
         if !in_range {
             bail!("{source}: `{name}` is not a sparse delta of a tensor of {numel} values");
         }
-        dense.insert(name, Sent::Sparse(delta::Sparse { idx, val }));
+        out.insert(name, Sent::Sparse(delta::Sparse { idx, val }));
     }
-    Ok(dense)
+    Ok(out)
 }
 
 /// The last loaded global model's trained tensors (fp32, on the node's device), and its round.
@@ -1265,9 +1265,6 @@ impl Node {
                 _ => return Err(explain(s, "the server")),
             },
         };
-        // This node's upload did not count (or its fate is unknown): its own experts come back
-        // from the server too.
-        self.sent.clear();
         let header = self.fetch_and_load(target)?;
         self.follow(&header)?;
         self.finish_sync(t0, idle_from, up, header.total_bytes)
@@ -1302,12 +1299,14 @@ impl Node {
     /// trainer's step becomes that round's last step. Returns the payload's header (with the
     /// next round's ownership).
     fn fetch_and_load(&mut self, round: Option<u64>) -> Result<PayloadHeader> {
-        let mut ask = match round {
-            Some(r) => self.fetch_ask(r),
+        // No upload of this node counted for this round: its own experts come back too.
+        let ask = match round {
+            Some(r) => Ask {
+                skip_own: false,
+                ..self.fetch_ask(r)
+            },
             None => Ask::newest(),
         };
-        // Only a counted upload is published verbatim; otherwise take the own experts too.
-        ask.skip_own &= !self.sent.is_empty();
         let fetched = match self.link.fetch(&ask) {
             Ok(f) => f,
             // The server keeps only recent rounds; a node that fell behind takes the newest.

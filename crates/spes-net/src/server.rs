@@ -591,7 +591,7 @@ impl Spes for Service {
         // A delta only for a node that holds the round before it, exactly.
         let as_delta = r.have_previous && round == r.round && !meta.parts.is_empty();
         let skip = |p: &DeltaPart| r.skip_own && p.own == Some(peer);
-        let (files, parts, skipped_own) = if as_delta {
+        let (files, parts, skipped_own): (Vec<_>, Vec<_>, _) = if as_delta {
             let sent: Vec<&DeltaPart> = meta.parts.iter().filter(|p| !skip(p)).collect();
             (
                 sent.iter()
@@ -609,7 +609,6 @@ impl Spes for Service {
                 false,
             )
         };
-        let parts: Vec<crate::proto::Part> = parts;
         let header = PayloadHeader {
             peer: peer as u32,
             round,

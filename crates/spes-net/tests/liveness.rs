@@ -31,13 +31,7 @@ fn rounds_after_a_node_dies_close_within_its_lease_and_it_is_evicted() {
     let out = tmp.path().join("server");
     let server = Server::start(cfg.clone(), &out, None);
     let url = server.url();
-    tch::set_num_threads(1);
-    let live: Vec<_> = (0..2)
-        .map(|peer| {
-            let opts = node_options(&cfg, &url, peer, tmp.path());
-            std::thread::spawn(move || Node::connect(opts).unwrap().run().unwrap())
-        })
-        .collect();
+    let live = spawn_nodes(&cfg, &url, tmp.path(), 0..2);
     // Node 2 takes part in rounds 1 and 2, then dies: no upload, no heartbeat.
     let mut doomed = Node::connect(node_options(&cfg, &url, 2, tmp.path())).unwrap();
     for _ in 0..2 {

@@ -380,13 +380,7 @@ fn a_restarted_server_resumes_and_nodes_ride_out_the_outage() {
     let out = tmp.path().join("server");
     let first = Server::start(cfg.clone(), &out, None);
     let (addr, url) = (first.addr, first.url());
-    tch::set_num_threads(1);
-    let nodes: Vec<_> = (0..2)
-        .map(|peer| {
-            let opts = node_options(&cfg, &url, peer, tmp.path());
-            std::thread::spawn(move || Node::connect(opts).unwrap().run().unwrap())
-        })
-        .collect();
+    let nodes = spawn_nodes(&cfg, &url, tmp.path(), 0..2);
     // Stop the server once round 1 is published, then start a new one on the same port.
     let metrics = out.join("metrics.jsonl");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
@@ -524,17 +518,7 @@ fn overlapped_nodes_train_through_the_sync_and_end_on_the_final_model() {
         ],
     );
     let server = Server::start(cfg.clone(), &tmp.path().join("server"), None);
-    let threads: Vec<_> = (0..2)
-        .map(|peer| {
-            let opts = node_options(&cfg, &server.url(), peer, tmp.path());
-            std::thread::spawn(move || {
-                tch::set_num_threads(1);
-                let node = Node::connect(opts).unwrap();
-                node.run().unwrap()
-            })
-        })
-        .collect();
-    for t in threads {
+    for t in spawn_nodes(&cfg, &server.url(), tmp.path(), 0..2) {
         assert_eq!(t.join().unwrap().steps, 8);
     }
     let summary = server.finish();
@@ -686,16 +670,7 @@ fn sparse_deltas_with_overlap_train_on_a_fraction_of_the_bytes() {
         ],
     );
     let server = Server::start(cfg.clone(), &tmp.path().join("server"), None);
-    let threads: Vec<_> = (0..2)
-        .map(|peer| {
-            let opts = node_options(&cfg, &server.url(), peer, tmp.path());
-            std::thread::spawn(move || {
-                tch::set_num_threads(1);
-                Node::connect(opts).unwrap().run().unwrap()
-            })
-        })
-        .collect();
-    for t in threads {
+    for t in spawn_nodes(&cfg, &server.url(), tmp.path(), 0..2) {
         assert_eq!(t.join().unwrap().steps, 8);
     }
     let summary = server.finish();
@@ -732,16 +707,7 @@ fn final_model(
 ) -> Named {
     let urls: Vec<String> = servers.iter().map(|s| s.url()).collect();
     let url = urls.join(",");
-    let threads: Vec<_> = (0..cfg.sync.nodes)
-        .map(|peer| {
-            let opts = node_options(cfg, &url, peer, dir);
-            std::thread::spawn(move || {
-                tch::set_num_threads(1);
-                Node::connect(opts).unwrap().run().unwrap()
-            })
-        })
-        .collect();
-    for t in threads {
+    for t in spawn_nodes(cfg, &url, dir, 0..cfg.sync.nodes) {
         t.join().unwrap();
     }
     let rounds = cfg.train.max_steps / cfg.sync.sync_steps;

@@ -467,11 +467,11 @@ impl Coordinator {
 
 /// The name of the first tensor holding a NaN or infinity.
 impl Coordinator {
-    /// The delta wire's next global model, merges and published delta. Without a merge: each
-    /// owned expert's delta is its owner's upload verbatim, each averaged tensor's is its
-    /// combined delta encoded for the wire. With one: experts are merged as values, and every
-    /// changed tensor's delta is `value − base` encoded. Either way the model is the base
-    /// plus the published delta, computed as every node computes it.
+    /// The delta wire's next global model, merges and published delta. Without a merge, each
+    /// owned expert's delta is its owner's upload verbatim. Every other changed tensor's delta
+    /// is its change encoded for the wire: the combined delta, or, on merge rounds, the merged
+    /// value minus the base. Either way the model is the base plus the published delta, computed
+    /// as every node computes it.
     fn close_deltas(
         &mut self,
         combined: Combined,
@@ -479,105 +479,90 @@ impl Coordinator {
     ) -> (Named, Vec<MergeEvent>, Option<RoundDelta>) {
         let Combined {
             mut averaged,
-            owned,
-            owned_sparse,
+            mut owned,
+            mut owned_sparse,
         } = combined;
-        let mut out = RoundDelta::default();
-        let mut next = Vec::with_capacity(self.global.len());
         let merge = merge_alpha.zip(self.rules.merge);
-        // Owned experts are published verbatim unless a merge changes them.
-        let (mut verbatim, mut verbatim_sparse) = if merge.is_none() {
-            (owned, owned_sparse)
-        } else {
-            let values = owned
-                .into_iter()
-                .map(|(n, (_, d))| (n, d.to_kind(Kind::Float)))
-                .chain(owned_sparse.into_iter().map(|(n, (_, s))| {
-                    let like = &self.global[self
-                        .layout
-                        .entries
-                        .iter()
-                        .position(|(e, _, _)| *e == n)
-                        .expect("validated")]
-                    .1;
-                    let d = delta::dense(&s, like);
-                    (n, d)
-                }));
-            averaged.extend(values);
-            (HashMap::new(), HashMap::new())
-        };
-        let mut values: Named = Vec::with_capacity(self.global.len());
+        let mut out = RoundDelta::default();
+        // The next model, starting from the base, and each tensor's fp32 change still to encode.
+        let mut next: Named = Vec::with_capacity(self.global.len());
+        let mut changes: Vec<Option<Tensor>> = Vec::with_capacity(self.global.len());
         for (name, base) in &self.global {
-            if let Some((peer, d)) = verbatim.remove(name) {
-                let value = delta::apply(base, &d);
-                out.verbatim.entry(peer).or_default().push(name.clone());
-                out.delta.push((name.clone(), d));
-                values.push((name.clone(), value));
-            } else if let Some((peer, s)) = verbatim_sparse.remove(name) {
-                let mut value = base.copy();
-                delta::apply_sparse_(&mut value, &s);
-                let wire = s.into_wire(name);
-                out.verbatim
-                    .entry(peer)
-                    .or_default()
-                    .extend(wire.iter().map(|(n, _)| n.clone()));
-                out.delta.extend(wire);
-                values.push((name.clone(), value));
-            } else if let Some(d) = averaged.remove(name) {
-                if merge.is_none() && self.rules.wire == WireForm::Bf16Delta {
-                    // No merge: the combined delta goes out as it is, in bf16.
-                    let d = d.to_kind(Kind::BFloat16);
-                    values.push((name.clone(), delta::apply(base, &d)));
+            let mut value = base.shallow_clone();
+            let mut change = averaged.remove(name);
+            if let Some((peer, d)) = owned.remove(name) {
+                if merge.is_none() {
+                    value = delta::apply(base, &d);
+                    out.verbatim.entry(peer).or_default().push(name.clone());
                     out.delta.push((name.clone(), d));
                 } else {
-                    // Encoded below, after any merge.
-                    values.push((name.clone(), base + d));
+                    change = Some(d.to_kind(Kind::Float));
                 }
-            } else {
-                values.push((name.clone(), base.shallow_clone()));
+            } else if let Some((peer, s)) = owned_sparse.remove(name) {
+                if merge.is_none() {
+                    value = base.copy();
+                    delta::apply_sparse_(&mut value, &s);
+                    let wire = s.into_wire(name);
+                    let names = wire.iter().map(|(n, _)| n.clone());
+                    out.verbatim.entry(peer).or_default().extend(names);
+                    out.delta.extend(wire);
+                } else {
+                    change = Some(delta::dense(&s, base));
+                }
             }
+            next.push((name.clone(), value));
+            changes.push(change);
         }
         let merges = match merge {
-            Some((alpha, m)) => merge_experts(&mut values, &self.layout, m.top_k, alpha),
+            Some((alpha, m)) => {
+                let mut values: Named = next
+                    .iter()
+                    .zip(&changes)
+                    .map(|((n, b), c)| {
+                        (
+                            n.clone(),
+                            c.as_ref().map_or_else(|| b.shallow_clone(), |c| b + c),
+                        )
+                    })
+                    .collect();
+                let merges = merge_experts(&mut values, &self.layout, m.top_k, alpha);
+                // The merge replaces every expert it touches: its change is now from the base.
+                for (((_, value), change), (_, base)) in
+                    values.iter().zip(&mut changes).zip(&self.global)
+                {
+                    if value.data_ptr() != base.data_ptr() {
+                        *change = Some(value - base);
+                    }
+                }
+                merges
+            }
             None => Vec::new(),
         };
-        let done: std::collections::HashSet<String> = out
-            .delta
-            .iter()
-            .map(|(n, _)| {
-                delta::split_wire_name(n)
-                    .map_or(n.as_str(), |(b, _)| b)
-                    .to_owned()
-            })
-            .collect();
-        for ((name, value), (_, base)) in values.into_iter().zip(&self.global) {
-            // Verbatim tensors are final; a tensor nobody changed is the base itself.
-            if done.contains(&name) || value.data_ptr() == base.data_ptr() {
-                next.push((name, value));
+        for (((name, value), change), (_, base)) in next.iter_mut().zip(changes).zip(&self.global) {
+            let Some(change) = change else {
                 continue;
-            }
-            match self.rules.wire {
+            };
+            *value = match self.rules.wire {
                 WireForm::Sparse { density } => {
-                    let mut v = &value - base;
-                    if let Some(r) = self.residual.get(&name) {
+                    let mut v = change;
+                    if let Some(r) = self.residual.get(name) {
                         v += r;
                     }
                     let s = delta::top_k(&v, delta::sparse_k(v.numel() as i64, density));
-                    let mut sent = Tensor::zeros_like(&v);
-                    delta::apply_sparse_(&mut sent, &s);
-                    self.residual.insert(name.clone(), v - sent);
+                    self.residual
+                        .insert(name.clone(), v - delta::dense(&s, base));
                     let mut value = base.copy();
                     delta::apply_sparse_(&mut value, &s);
-                    out.delta.extend(s.into_wire(&name));
-                    next.push((name, value));
+                    out.delta.extend(s.into_wire(name));
+                    value
                 }
                 _ => {
-                    let d = delta::encode(&value, base);
+                    let d = change.to_kind(Kind::BFloat16);
                     let value = delta::apply(base, &d);
                     out.delta.push((name.clone(), d));
-                    next.push((name, value));
+                    value
                 }
-            }
+            };
         }
         (next, merges, Some(out))
     }

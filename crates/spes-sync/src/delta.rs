@@ -35,7 +35,7 @@ pub fn apply_(base: &mut Tensor, delta: &Tensor) {
 /// What a round publishes in delta mode.
 #[derive(Default)]
 pub struct RoundDelta {
-    /// The changed tensors' deltas in wire form (bf16, or sparse pairs), in the model's order.
+    /// The changed tensors' deltas in wire form (bf16, or sparse pairs).
     pub delta: Named,
     /// `verbatim[p]`: wire names of entries in `delta` that are peer p's own upload, bit for bit.
     pub verbatim: BTreeMap<usize, Vec<String>>,

@@ -283,17 +283,16 @@ fn check_entries(
             return Err(format!("holds tensor `{name}` twice"));
         }
     }
-    let mut expected = 0;
-    for (i, (name, role, shape)) in layout.entries.iter().enumerate() {
-        if !scope.uploads(peer, *role) {
-            if given.contains_key(name.as_str()) {
-                return Err(format!("holds `{name}`, which peer {peer} does not own"));
-            }
-            continue;
-        }
-        expected += 1;
+    check_names(
+        layout,
+        scope,
+        peer,
+        |name| given.contains_key(name),
+        given.keys().copied(),
+    )?;
+    for (i, (name, _, shape)) in layout.entries.iter().enumerate() {
         let Some(t) = given.get(name.as_str()) else {
-            return Err(format!("is missing tensor `{name}`"));
+            continue;
         };
         if t.size() != *shape {
             return Err(format!(
@@ -303,15 +302,29 @@ fn check_entries(
         }
         check(i, name, t)?;
     }
-    if given.len() != expected {
-        let unknown = given
-            .keys()
-            .find(|k| !layout.entries.iter().any(|(n, _, _)| n == *k))
-            .map(|k| k.to_string())
-            .unwrap_or_default();
-        return Err(format!("holds unknown tensor `{unknown}`"));
-    }
     Ok(())
+}
+
+/// Checks that the tensors an upload names (`holds`, listed by `names`) are exactly those
+/// `peer` uploads under `scope`.
+fn check_names<'a>(
+    layout: &Layout,
+    scope: &Scope,
+    peer: usize,
+    holds: impl Fn(&str) -> bool,
+    mut names: impl Iterator<Item = &'a str>,
+) -> std::result::Result<(), String> {
+    for (name, role, _) in &layout.entries {
+        match (scope.uploads(peer, *role), holds(name)) {
+            (false, true) => return Err(format!("holds `{name}`, which peer {peer} does not own")),
+            (true, false) => return Err(format!("is missing tensor `{name}`")),
+            _ => {}
+        }
+    }
+    match names.find(|n| !layout.holds(n)) {
+        Some(unknown) => Err(format!("holds unknown tensor `{unknown}`")),
+        None => Ok(()),
+    }
 }
 
 /// Relative rounding of a bf16 copy (8 significant bits), with room to spare.
@@ -399,9 +412,7 @@ impl Aggregator {
             })
             .collect()
     }
-}
 
-impl Aggregator {
     /// The delta wire's close: the combined delta of every averaged tensor that was uploaded,
     /// and the owners' deltas as sent.
     pub fn finish_deltas(self) -> Combined {
@@ -444,15 +455,15 @@ impl Aggregator {
                     self.owned_sparse.insert(name.clone(), (peer, s));
                     continue;
                 }
-                let like = Tensor::zeros(shape.as_slice(), (Kind::Float, s.val.device()));
+                let zeros = || Tensor::zeros(shape.as_slice(), (Kind::Float, s.val.device()));
                 if self.combine == Combine::Mean {
-                    let sum = self.sums.entry(name.clone()).or_insert(like);
+                    let sum = self.sums.entry(name.clone()).or_insert_with(zeros);
                     delta::apply_sparse_(sum, &s);
                 } else {
                     self.kept
                         .entry(name.clone())
                         .or_default()
-                        .push(delta::dense(&s, &like));
+                        .push(delta::dense(&s, &zeros()));
                 }
             }
         });
@@ -484,19 +495,13 @@ pub fn validate_sparse(
             return Err(format!("holds tensor `{wire}` twice"));
         }
     }
-    for (name, role, _) in &layout.entries {
-        match (scope.uploads(peer, *role), parts.contains_key(name)) {
-            (false, true) => return Err(format!("holds `{name}`, which peer {peer} does not own")),
-            (true, false) => return Err(format!("is missing tensor `{name}`")),
-            _ => {}
-        }
-    }
-    if let Some(unknown) = parts
-        .keys()
-        .find(|k| !layout.entries.iter().any(|(n, _, _)| n == *k))
-    {
-        return Err(format!("holds unknown tensor `{unknown}`"));
-    }
+    check_names(
+        layout,
+        scope,
+        peer,
+        |name| parts.contains_key(name),
+        parts.keys().map(String::as_str),
+    )?;
     let mut out = Vec::with_capacity(parts.len());
     for (name, _, shape) in &layout.entries {
         let Some((idx, val)) = parts.remove(name) else {

@@ -163,6 +163,23 @@ impl Drop for Server {
     }
 }
 
+/// Starts nodes `peers` on threads, each running to the end of the run (one torch thread).
+pub fn spawn_nodes(
+    cfg: &RunConfig,
+    url: &str,
+    out: &Path,
+    peers: impl IntoIterator<Item = usize>,
+) -> Vec<JoinHandle<spes_net::NodeSummary>> {
+    tch::set_num_threads(1);
+    peers
+        .into_iter()
+        .map(|peer| {
+            let opts = node_options(cfg, url, peer, out);
+            std::thread::spawn(move || spes_net::Node::connect(opts).unwrap().run().unwrap())
+        })
+        .collect()
+}
+
 pub fn node_options(cfg: &RunConfig, url: &str, peer: usize, out: &Path) -> NodeOptions {
     NodeOptions {
         cfg: cfg.clone(),
