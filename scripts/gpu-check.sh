@@ -48,4 +48,14 @@ for p in range(4):
     assert not bad, f"node {p} differs from the server's final model in {bad[:3]}"
 print("every node ends bit-identical to the server's final model (bf16 deltas applied on CUDA)")
 PY
+echo "== 4-bit deltas on CUDA (nodes quantize on the GPU and decode the round there)"
+"$bin" demo --out "$work/int4" --device cuda --set train.precision=bf16 --set train.max_steps=100 \
+  --set train.batch_size=32 --set sync.wire=int4_delta 2>&1 | tail -n 1
+python3 - "$work/int4" <<'PY'
+import json, sys
+val = [r["val_loss"] for r in map(json.loads, open(f"{sys.argv[1]}/server/metrics.jsonl"))
+       if r.get("val_loss") is not None]
+print(f"int4_delta: global val_loss {val[0]:.3f} -> {val[-1]:.3f}")
+assert val[-1] < val[0] - 1.0, "training over 4-bit deltas on CUDA must lower the validation loss"
+PY
 echo "== gpu-check passed"

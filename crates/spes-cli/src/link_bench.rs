@@ -5,7 +5,7 @@
 //! includes start-up; the last is never overlapped).
 
 use crate::{demo, report};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use spes_net::link::LinkSpec;
 use spes_net::plan::{self, human_bytes, PlanInput, WireOption};
 use std::path::PathBuf;
@@ -25,8 +25,15 @@ pub struct Args {
     /// GB/s the planner assumes for the server's folding and publishing.
     #[arg(long, default_value_t = 1.0)]
     aggregate_gbps: f64,
+    /// Billions of values per second the server folds of quantized or sparse uploads (each
+    /// value of the tensors covered; `spes bench-sync` measures about 0.15–0.3 on 2 cores).
+    #[arg(long, default_value_t = 0.15)]
+    lossy_gvps: f64,
     #[arg(long, default_value_t = 1.0)]
     disk_gbps: f64,
+    /// Wire options to run, by label (`fp32`, `bf16-delta`, …, `int4+overlap`); default: all.
+    #[arg(long, value_delimiter = ',')]
+    wires: Vec<String>,
 }
 
 /// A run's measured means per node and round.
@@ -44,8 +51,21 @@ pub fn run(a: Args) -> Result<()> {
     }
     std::fs::create_dir_all(&a.out)?;
     let data = demo::prepare_data(&a.out)?;
+    let options = if a.wires.is_empty() {
+        WireOption::ALL.to_vec()
+    } else {
+        a.wires
+            .iter()
+            .map(|w| {
+                WireOption::parse(w).with_context(|| {
+                    let labels: Vec<_> = WireOption::ALL.iter().map(|o| o.label()).collect();
+                    format!("--wires: unknown option `{w}`, expected one of {labels:?}")
+                })
+            })
+            .collect::<Result<Vec<_>>>()?
+    };
     let mut rows = Vec::new();
-    for option in WireOption::ALL {
+    for option in options {
         let out = a.out.join(option.label());
         let _ = std::fs::remove_dir_all(&out);
         let mut overrides: Vec<String> = vec![
@@ -91,6 +111,7 @@ pub fn run(a: Args) -> Result<()> {
             sync_steps: a.sync_steps,
             density: cfg.sync.sparse_density,
             aggregate_bytes_per_s: a.aggregate_gbps * 1e9,
+            lossy_values_per_s: a.lossy_gvps * 1e9,
             disk_bytes_per_s: a.disk_gbps * 1e9,
         };
         rows.push((option, m, plan::plan(&input, option)));

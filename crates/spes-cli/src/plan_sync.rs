@@ -31,6 +31,10 @@ pub struct Args {
     /// GB of uploads the server folds in per second (`spes bench-sync` measures it).
     #[arg(long, default_value_t = 1.0)]
     aggregate_gbps: f64,
+    /// Billions of values per second the server folds of quantized or sparse uploads (each
+    /// value of the tensors covered; `spes bench-sync` measures about 0.15–0.3 on 2 cores).
+    #[arg(long, default_value_t = 0.15)]
+    lossy_gvps: f64,
     /// GB per second the server writes a published round at.
     #[arg(long, default_value_t = 1.0)]
     disk_gbps: f64,
@@ -59,22 +63,24 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
         sync_steps: a.sync_steps,
         density: a.density,
         aggregate_bytes_per_s: a.aggregate_gbps * 1e9,
+        lossy_values_per_s: a.lossy_gvps * 1e9,
         disk_bytes_per_s: a.disk_gbps * 1e9,
     })
 }
 
-/// Where one server stops being enough: the first node count whose sparse, overlapped rounds
-/// idle over a point more than with an unlimited server.
+/// The option shard advice is about: the leanest wire whose loss cost the README measured as
+/// acceptable.
+const ADVISED: WireOption = WireOption::Int2Overlap;
+
+/// Where one server stops being enough: the first node count whose [`ADVISED`] rounds idle
+/// over a point more than with an unlimited server (link, folding and disk).
 fn server_limit(base: &PlanInput, max_nodes: usize) -> Option<usize> {
     (2..=max_nodes).find(|&n| {
         let mut i = base.clone();
         i.nodes = n;
         i.shards = 1;
-        let one = plan::plan(&i, WireOption::SparseOverlap).idle_share;
-        let mut free = i.clone();
-        free.server_link.up_bps = f64::INFINITY;
-        free.server_link.down_bps = f64::INFINITY;
-        let unlimited = plan::plan(&free, WireOption::SparseOverlap).idle_share;
+        let one = plan::plan(&i, ADVISED).idle_share;
+        let unlimited = plan::plan(&plan::unlimited_server(&i), ADVISED).idle_share;
         one > unlimited + 0.01
     })
 }
@@ -104,15 +110,12 @@ pub fn run(a: Args) -> Result<()> {
         let base = input(&a, preset, a.nodes[0].min(max))?;
         match server_limit(&base, max) {
             Some(n) => {
-                println!("\n{preset}: one server's link becomes the bottleneck at {n} nodes (sparse+overlap idles a point more than with an unlimited server).");
+                println!("\n{preset}: one server becomes the bottleneck (link or folding) at {n} nodes ({} idles a point more than with an unlimited server).", ADVISED.label());
                 for &nodes in a.nodes.iter().filter(|&&m| m >= n && m <= max) {
                     let mut i = input(&a, preset, nodes)?;
-                    let mut free = i.clone();
-                    free.server_link.up_bps = f64::INFINITY;
-                    free.server_link.down_bps = f64::INFINITY;
-                    let floor = plan::plan(&free, WireOption::SparseOverlap).idle_share;
+                    let floor = plan::plan(&plan::unlimited_server(&i), ADVISED).idle_share;
                     i.shards = 1;
-                    match plan::shards_needed(&i, floor + 0.01) {
+                    match plan::shards_needed(&i, ADVISED, floor + 0.01) {
                         Some(k) => println!("  at {nodes} nodes, {k} shards (`spes server --shard i/{k}`) bring it back to {:.0} % idle.", 100.0 * floor),
                         None => println!("  at {nodes} nodes, even 64 shards do not."),
                     }

@@ -97,8 +97,8 @@ pub fn measured_rss(preset: &str, nodes: usize, batch: usize, seq: usize) -> Res
     Ok(())
 }
 
-/// Measures how fast a server takes uploads in: each node's payload is read from disk
-/// (memory-mapped), validated and folded in, then the round closes (merge off) — the server's
+/// Measures how fast a server takes uploads in: each node's payload is mapped from disk
+/// (not copied), validated and folded in, then the round closes (merge off) — the server's
 /// whole path for a round. Prints bytes of uploads per second for both wires.
 pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
     use spes_sync::{Combine, Coordinator, Layout, Ownership, RoundRules, Scope, WireForm};
@@ -120,17 +120,18 @@ pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
     let scope = Scope::Spes(Ownership::resolve(&[], cfg.n_experts, nodes)?);
     let dir = tempfile::tempdir()?;
     println!();
-    println!("| {preset}, {nodes} nodes | upload bytes / round | read | validate + fold | close | throughput |");
-    println!("|---|---|---|---|---|---|");
+    println!("| {preset}, {nodes} nodes | upload bytes / round | read | validate + fold | close | throughput | values / s |");
+    println!("|---|---|---|---|---|---|---|");
     let density = 0.03;
     let forms = [
         ("bf16_delta", WireForm::Bf16Delta),
+        ("int4_delta", WireForm::Quantized { bits: 4 }),
         ("sparse_delta (3 %)", WireForm::Sparse { density }),
         ("fp32", WireForm::Values),
     ];
     for (label, form) in forms {
         let mut paths = Vec::new();
-        let mut bytes = 0u64;
+        let (mut bytes, mut values) = (0u64, 0u64);
         for peer in 0..nodes {
             let mut upload: spes_sync::Named = Vec::new();
             for ((name, role, _), (_, g)) in layout.entries.iter().zip(&global) {
@@ -138,12 +139,12 @@ pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
                     continue;
                 }
                 let change = g.randn_like() * 1e-4;
+                values += change.numel() as u64;
                 match form {
                     WireForm::Values => upload.push((name.clone(), g + change)),
                     WireForm::Bf16Delta => upload.push((name.clone(), change)),
-                    WireForm::Sparse { density } => {
-                        let k = spes_sync::delta::sparse_k(change.numel() as i64, density);
-                        upload.extend(spes_sync::delta::top_k(&change, k).into_wire(name));
+                    lossy => {
+                        upload.extend(spes_sync::delta::compress(&change, lossy).into_wire(name))
                     }
                 }
             }
@@ -184,13 +185,16 @@ pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
             let (mut read, mut fold) = (0.0, 0.0);
             for (peer, path) in paths.iter().enumerate() {
                 let t = std::time::Instant::now();
-                let named = spes_net::payload::read(path)?;
-                read += t.elapsed().as_secs_f64();
-                let t = std::time::Instant::now();
-                coord
-                    .upload(peer, 0, round, named, 0.0)
+                let fold_in = |named| {
+                    read += t.elapsed().as_secs_f64();
+                    let t = std::time::Instant::now();
+                    let folded = coord.upload(peer, 0, round, named, 0.0);
+                    fold += t.elapsed().as_secs_f64();
+                    folded
+                };
+                // Safety: `Coordinator::upload` keeps none of an upload's storage.
+                unsafe { spes_net::payload::with_mapped(path, fold_in) }?
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
-                fold += t.elapsed().as_secs_f64();
             }
             let t = std::time::Instant::now();
             coord.close(0.0);
@@ -204,11 +208,12 @@ pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
         times.sort_by(|a, b| a.0.total_cmp(&b.0));
         let (total, read, fold, close) = times[times.len() / 2];
         println!(
-            "| {label} | {} | {read:.3} s | {fold:.3} s | {close:.3} s | {:.2} GB/s |",
+            "| {label} | {} | {read:.3} s | {fold:.3} s | {close:.3} s | {:.2} GB/s | {:.2} G |",
             mib(bytes),
-            bytes as f64 / total / 1e9
+            bytes as f64 / total / 1e9,
+            values as f64 / total / 1e9
         );
     }
-    println!("\n(median round of {rounds}; throughput = upload bytes / (read + validate + fold + close))");
+    println!("\n(median round of {rounds}; throughput = upload bytes / (read + validate + fold + close); values: of the tensors uploaded, sent or not — `spes plan-sync --aggregate-gbps / --lossy-gvps` take these)");
     Ok(())
 }

@@ -44,3 +44,19 @@ pub fn scope_of(cfg: &spes_train::RunConfig) -> anyhow::Result<spes_sync::Scope>
         ),
     })
 }
+
+/// The wire form of the run's `sync.wire`, as spes-sync validates and publishes it.
+pub fn wire_form(sync: &spes_train::SyncConfig) -> spes_sync::WireForm {
+    use spes_sync::WireForm;
+    use spes_train::Wire;
+    match sync.wire {
+        Wire::Fp32 => WireForm::Values,
+        Wire::Bf16Delta => WireForm::Bf16Delta,
+        Wire::SparseDelta => WireForm::Sparse {
+            density: sync.sparse_density,
+        },
+        Wire::Int8Delta | Wire::Int4Delta | Wire::Int2Delta => WireForm::Quantized {
+            bits: sync.wire.quantized_bits().unwrap_or(8),
+        },
+    }
+}

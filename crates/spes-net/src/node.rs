@@ -21,7 +21,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use serde_json::json;
 use spes_model::{MoeModel, Role};
-use spes_sync::delta;
+use spes_sync::delta::{self, WirePart};
 use spes_sync::Named;
 use spes_train::trainer::MetricsLog;
 use spes_train::Wire;
@@ -114,6 +114,17 @@ pub struct Node {
     bytes_down: u64,
     window: (u64, f64),
     started: Instant,
+    /// The checkpoint being written while training goes on.
+    checkpointing: Option<std::thread::JoinHandle<Result<PathBuf>>>,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        // A checkpoint is renamed into place whole or not at all; finishing it keeps the work.
+        if let Err(e) = self.finish_checkpoint() {
+            tracing::warn!("{e:#}");
+        }
+    }
 }
 
 /// In a node checkpoint: the round whose global model its weights were loaded from.
@@ -281,17 +292,17 @@ fn lock_out(out: &Path) -> Result<std::fs::File> {
     Ok(f)
 }
 
-/// One tensor's delta as it travels: dense bf16, or sparse pairs.
+/// One tensor's delta as it travels: dense bf16, or compressed (sparse or quantized).
 enum Sent {
     Dense(Tensor),
-    Sparse(delta::Sparse),
+    Compressed(delta::Compressed),
 }
 
 impl Sent {
     fn share(&self) -> Sent {
         match self {
             Sent::Dense(t) => Sent::Dense(t.shallow_clone()),
-            Sent::Sparse(s) => Sent::Sparse(s.share()),
+            Sent::Compressed(c) => Sent::Compressed(c.share()),
         }
     }
 
@@ -299,7 +310,7 @@ impl Sent {
     fn apply_(&self, base: &mut Tensor) {
         match self {
             Sent::Dense(d) => delta::apply_(base, d),
-            Sent::Sparse(s) => delta::apply_sparse_(base, s),
+            Sent::Compressed(c) => c.apply_(base),
         }
     }
 
@@ -307,15 +318,7 @@ impl Sent {
     fn subtract_from(&self, x: &Tensor) -> Tensor {
         tch::no_grad(|| match self {
             Sent::Dense(d) => x - d.to_device(x.device()).to_kind(Kind::Float),
-            Sent::Sparse(s) => {
-                let mut out = x.copy();
-                let neg = delta::Sparse {
-                    idx: s.idx.shallow_clone(),
-                    val: -&s.val,
-                };
-                delta::apply_sparse_(&mut out, &neg);
-                out
-            }
+            Sent::Compressed(c) => c.subtract_from(x),
         })
     }
 }
@@ -334,11 +337,10 @@ fn group_deltas(
             .with_context(|| format!("{source}: unknown tensor `{name}`"))
     };
     let mut out = HashMap::new();
-    let mut pairs: HashMap<String, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
+    let mut parts: HashMap<String, HashMap<WirePart, Tensor>> = HashMap::new();
     for (wire, t) in named {
-        if let Some((name, is_idx)) = delta::split_wire_name(&wire) {
-            let slot = pairs.entry(name.to_owned()).or_default();
-            *(if is_idx { &mut slot.0 } else { &mut slot.1 }) = Some(t);
+        if let Some((name, part)) = delta::split_wire_name(&wire) {
+            parts.entry(name.to_owned()).or_default().insert(part, t);
             continue;
         }
         let shape = shape_of(&wire)?;
@@ -351,24 +353,48 @@ fn group_deltas(
         }
         out.insert(wire, Sent::Dense(t));
     }
-    for (name, pair) in pairs {
+    for (name, mut got) in parts {
         let numel: i64 = shape_of(&name)?.iter().product();
-        let (Some(idx), Some(val)) = pair else {
-            bail!("{source}: `{name}` lacks its #idx or #val part");
+        let mut take = |part| got.remove(&part);
+        let c = match (
+            take(WirePart::Idx),
+            take(WirePart::Val),
+            take(WirePart::Codes),
+            take(WirePart::Scale),
+        ) {
+            (Some(idx), Some(val), None, None) => sparse_delta(idx, val, numel),
+            (None, None, Some(codes), Some(scale)) => quantized_delta(codes, scale, numel),
+            _ => None,
         };
-        let k = idx.size1().unwrap_or(-1);
-        let in_range = k > 0
-            && idx.kind() == Kind::Int
-            && val.kind() == Kind::BFloat16
-            && val.size() == [k]
-            && idx.min().int64_value(&[]) >= 0
-            && idx.max().int64_value(&[]) < numel;
-        if !in_range {
-            bail!("{source}: `{name}` is not a sparse delta of a tensor of {numel} values");
-        }
-        out.insert(name, Sent::Sparse(delta::Sparse { idx, val }));
+        let Some(c) = c else {
+            bail!("{source}: `{name}` is not a sparse or quantized delta of a tensor of {numel} values");
+        };
+        out.insert(name, Sent::Compressed(c));
     }
     Ok(out)
+}
+
+/// A sparse delta of a tensor of `numel` values, if its parts make one.
+fn sparse_delta(idx: Tensor, val: Tensor, numel: i64) -> Option<delta::Compressed> {
+    let k = idx.size1().unwrap_or(-1);
+    let in_range = k > 0
+        && idx.kind() == Kind::Int
+        && val.kind() == Kind::BFloat16
+        && val.size() == [k]
+        && idx.min().int64_value(&[]) >= 0
+        && idx.max().int64_value(&[]) < numel;
+    in_range.then(|| delta::Compressed::Sparse(delta::Sparse { idx, val }))
+}
+
+/// A quantized delta of a tensor of `numel` values, if its parts make one (of 8, 4 or 2 bits,
+/// told by the codes' length).
+fn quantized_delta(codes: Tensor, scale: Tensor, numel: i64) -> Option<delta::Compressed> {
+    let bits = [8u8, 4, 2].into_iter().find(|&b| {
+        let (groups, bytes) = delta::quantized_sizes(numel, b);
+        codes.size() == [bytes] && scale.size() == [groups]
+    })?;
+    (codes.kind() == Kind::Uint8 && scale.kind() == Kind::BFloat16)
+        .then(|| delta::Compressed::Quantized(delta::Quantized { codes, scale, bits }))
 }
 
 /// The last loaded global model's trained tensors (fp32, on the node's device), and its round.
@@ -788,6 +814,7 @@ impl Node {
             bytes_down: 0,
             window: (0, 0.0),
             started: Instant::now(),
+            checkpointing: None,
         };
         node.start_heartbeat(reply.lease_ms);
         let loaded = resumed.as_ref().and_then(|dir| {
@@ -1127,12 +1154,11 @@ impl Node {
                     let b = base.values.get(name).with_context(|| {
                         format!("node {}: no base copy of trained `{name}`", self.peer)
                     })?;
-                    let sent = if sync.wire == Wire::SparseDelta {
+                    let sent = if sync.wire.is_lossy() {
                         let v = tch::no_grad(|| t - b);
-                        let k = delta::sparse_k(v.numel() as i64, sync.sparse_density);
-                        let s = delta::top_k(&v, k);
-                        wire.extend(s.share().into_wire(name));
-                        Sent::Sparse(s)
+                        let c = delta::compress(&v, crate::wire_form(sync));
+                        wire.extend(c.share().into_wire(name));
+                        Sent::Compressed(c)
                     } else {
                         let d = delta::encode(t, b);
                         wire.push((name.clone(), d.shallow_clone()));
@@ -1191,10 +1217,10 @@ impl Node {
     }
 
     /// Whether this node's weights carry more than the global model after a sync: steps
-    /// trained since the upload (overlap) or entries not sent yet (sparse wire).
+    /// trained since the upload (overlap) or what a lossy wire has not sent yet.
     fn keeps_progress(&self) -> bool {
         let s = &self.trainer.cfg.sync;
-        s.overlaps() || s.wire == Wire::SparseDelta
+        s.overlaps() || s.wire.is_lossy()
     }
 
     /// How to fetch round `round`: as a delta if this node holds round − 1 exactly.
@@ -1280,11 +1306,15 @@ impl Node {
             .as_ref()
             .map(|b| b.round)
             .unwrap_or(self.trainer.step / h);
-        let dir = self
-            .trainer
-            .save_checkpoint(&self.out.join("checkpoints"))?;
+        // Written on a thread while the next round trains; the one before must be done, so
+        // at most one copy of the state is in flight.
+        self.finish_checkpoint()?;
         // With overlap the step does not say which round the weights hold; this file does.
-        spes_data::shard::write_atomic(&dir.join(LOADED_ROUND), loaded.to_string().as_bytes())?;
+        let snapshot = self
+            .trainer
+            .snapshot(&self.out.join("checkpoints"))
+            .with_file(LOADED_ROUND, loaded.to_string().into_bytes());
+        self.checkpointing = Some(std::thread::spawn(move || snapshot.write()));
         let record = json!({
             "event": "sync", "step": self.trainer.step, "round": loaded, "bytes_up": up,
             "bytes_down": down, "sync_s": sync_s, "idle_s": idle_from.elapsed().as_secs_f64(),
@@ -1334,11 +1364,11 @@ impl Node {
     fn load(&mut self, header: &PayloadHeader, named: Named, after_upload: bool) -> Result<()> {
         let source = format!("round {} from the server", header.round);
         let h = self.trainer.cfg.sync.sync_steps;
-        // Sparse: what was not sent stays in this node's weights; overlap: so do the steps
+        // Sparse or quantized: what was not sent stays in this node's weights; overlap: so do the steps
         // trained since the upload.
         let keep_progress = after_upload
             && header.delta
-            && (self.trainer.cfg.sync.wire == Wire::SparseDelta
+            && (self.trainer.cfg.sync.wire.is_lossy()
                 || self.trainer.cfg.sync.overlaps() && self.trainer.step > header.round * h);
         if header.delta {
             self.apply_delta(header, named, keep_progress, &source)?;
@@ -1432,6 +1462,7 @@ impl Node {
                 self.sync(&upload)?;
             }
         }
+        self.finish_checkpoint()?;
         self.bar.finish_and_clear();
         let peer = self.peer;
         // Best effort: a server already gone has nothing left to wait for.
@@ -1453,6 +1484,17 @@ impl Node {
             serde_json::to_string_pretty(&summary)?.as_bytes(),
         )?;
         Ok(summary)
+    }
+
+    /// Waits for the checkpoint being written, if any.
+    fn finish_checkpoint(&mut self) -> Result<()> {
+        match self.checkpointing.take() {
+            Some(writing) => writing
+                .join()
+                .map_err(|_| anyhow::anyhow!("node {}: the checkpoint writer panicked", self.peer))?
+                .map(drop),
+            None => Ok(()),
+        }
     }
 
     pub fn summary(&self) -> NodeSummary {

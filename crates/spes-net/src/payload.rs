@@ -23,19 +23,22 @@ pub const CHUNK_BYTES: usize = 1 << 20;
 /// The largest gRPC message a peer may send: a full chunk plus framing.
 pub const MAX_MESSAGE_BYTES: usize = CHUNK_BYTES + 64 * 1024;
 
-/// The safetensors dtype and element size of a wire kind: f32, bf16 or int32.
+/// The safetensors dtype and element size of a wire kind: f32, bf16, int32 or uint8.
 fn st_dtype(kind: Kind) -> (Dtype, usize) {
     match kind {
         Kind::BFloat16 => (Dtype::BF16, 2),
         Kind::Int => (Dtype::I32, 4),
+        Kind::Uint8 => (Dtype::U8, 1),
         _ => (Dtype::F32, 4),
     }
 }
 
-/// The kind a tensor of kind `t` travels as when floats travel as `float`: integers as int32.
+/// The kind a tensor of kind `t` travels as when floats travel as `float`: integers as int32,
+/// bytes (packed codes) as uint8.
 fn wire_kind(t: Kind, float: Kind) -> Kind {
     match t {
         Kind::Int | Kind::Int64 => Kind::Int,
+        Kind::Uint8 => Kind::Uint8,
         _ => float,
     }
 }
@@ -95,7 +98,8 @@ impl<W: Write> Write for Hashing<W> {
     }
 }
 
-/// Writes tensors as safetensors, floats as `kind` (f32 or bf16) and integers as int32 (each
+/// Writes tensors as safetensors, floats as `kind` (f32 or bf16), integers as int32 and bytes
+/// as uint8 (each
 /// tensor converted on its own, so at most one tensor is copied at a time) through a temp file that is fsynced and renamed into
 /// place (with its directory fsynced). Returns the file's size and xxh3, hashed while writing.
 pub fn write(path: &Path, named: &[(String, Tensor)], kind: Kind) -> Result<(u64, u64)> {
@@ -143,9 +147,19 @@ pub fn write(path: &Path, named: &[(String, Tensor)], kind: Kind) -> Result<(u64
     Ok(digest)
 }
 
-/// Decodes a safetensors payload of f32, bf16 or int32 tensors. Any malformed input is an error,
+/// Decodes a safetensors payload of f32, bf16, int32 or uint8 tensors. Any malformed input is an error,
 /// never a panic (fuzzed by the test suite).
 pub fn decode(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
+    decode_with(bytes, |data, shape, kind| {
+        Tensor::from_data_size(data, shape, kind)
+    })
+}
+
+/// [`decode`], making each tensor from its bytes, shape and kind with `make`.
+fn decode_with(
+    bytes: &[u8],
+    make: impl Fn(&[u8], &[i64], Kind) -> Tensor,
+) -> Result<Vec<(String, Tensor)>> {
     let st = safetensors::SafeTensors::deserialize(bytes)
         .map_err(|e| anyhow::anyhow!("not a valid safetensors payload: {e:?}"))?;
     let mut out = Vec::with_capacity(st.len());
@@ -154,7 +168,8 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
             Dtype::F32 => (Kind::Float, 4usize),
             Dtype::BF16 => (Kind::BFloat16, 2),
             Dtype::I32 => (Kind::Int, 4),
-            other => bail!("tensor `{name}` is {other:?}, expected F32, BF16 or I32"),
+            Dtype::U8 => (Kind::Uint8, 1),
+            other => bail!("tensor `{name}` is {other:?}, expected F32, BF16, I32 or U8"),
         };
         let numel = view
             .shape()
@@ -165,8 +180,35 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
             bail!("tensor `{name}`: data length does not match its shape");
         }
         let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-        out.push((name, Tensor::from_data_size(view.data(), &shape, kind)));
+        out.push((name, make(view.data(), &shape, kind)));
     }
+    Ok(out)
+}
+
+/// Maps a payload file (privately: a write to it stays in this process) and lends its
+/// tensors to `f` without copying them; a tensor whose bytes are not aligned to its element
+/// size is copied instead. The mapping is gone when `f` returns.
+///
+/// # Safety
+/// `f` must not keep the tensors or any view of them beyond its return (copy what it keeps),
+/// and the file must not be truncated meanwhile.
+pub unsafe fn with_mapped<R>(path: &Path, f: impl FnOnce(Vec<(String, Tensor)>) -> R) -> Result<R> {
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let map = unsafe { memmap2::MmapOptions::new().map_copy(&file) }
+        .with_context(|| format!("cannot map {}", path.display()))?;
+    let named = decode_with(&map, |data, shape, kind| {
+        let elt = kind.elt_size_in_bytes();
+        if data.is_empty() || !(data.as_ptr() as usize).is_multiple_of(elt) {
+            return Tensor::from_data_size(data, shape, kind);
+        }
+        // Safety: `data` holds exactly the tensor's bytes (checked by `decode_with`) in the
+        // mapping, which outlives `f` and so every use of the tensor (the caller's contract).
+        unsafe { Tensor::from_blob(data.as_ptr(), shape, &[], kind, Device::Cpu) }
+    })
+    .with_context(|| format!("payload {}", path.display()))?;
+    let out = f(named);
+    drop(map);
     Ok(out)
 }
 
@@ -386,6 +428,49 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mapped_tensors_equal_read_ones_for_every_wire_kind() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.safetensors");
+        tch::manual_seed(1);
+        // An odd number of bytes first, so a later tensor may sit unaligned and be copied.
+        let named = vec![
+            (
+                "a#q".to_string(),
+                Tensor::randint(256, [13], (Kind::Uint8, Device::Cpu)),
+            ),
+            (
+                "b#idx".to_string(),
+                Tensor::arange(9, (Kind::Int, Device::Cpu)),
+            ),
+            (
+                "c".to_string(),
+                Tensor::randn([4, 5], (Kind::Float, Device::Cpu)),
+            ),
+        ];
+        for float in [Kind::Float, Kind::BFloat16] {
+            write(&path, &named, float).unwrap();
+            let mut read = read(&path).unwrap();
+            read.sort_by(|a, b| a.0.cmp(&b.0));
+            // Safety: the closure keeps only copies.
+            let mut mapped = unsafe {
+                with_mapped(&path, |m| {
+                    m.into_iter()
+                        .map(|(n, t)| (n, t.copy()))
+                        .collect::<Vec<_>>()
+                })
+            }
+            .unwrap();
+            mapped.sort_by(|a, b| a.0.cmp(&b.0));
+            assert_eq!(read.len(), 3);
+            for ((n, a), (m, b)) in read.iter().zip(&mapped) {
+                assert_eq!(n, m);
+                assert_eq!(a.kind(), b.kind(), "{n}");
+                assert!(a.equal(b), "{n} as {float:?}");
+            }
+        }
+    }
 
     #[test]
     fn expected_size_is_the_written_size() {

@@ -12,6 +12,7 @@
 
 use crate::link::LinkSpec;
 use spes_model::ModelConfig;
+use spes_sync::delta::GROUP;
 
 /// The wire options the planner compares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,18 +25,29 @@ pub enum WireOption {
     Bf16DeltaSkipOwn,
     /// As `Bf16DeltaSkipOwn`, with the exchange overlapped with the next round (`overlap`).
     Overlap,
+    /// 4-bit quantized deltas (0.53 bytes per value with scales), skip-own, overlapped.
+    Int4Overlap,
+    /// 2-bit quantized deltas (0.28 bytes per value with scales), skip-own, overlapped.
+    Int2Overlap,
     /// Sparse deltas of `PlanInput::density` (6 bytes per sent value), skip-own, overlapped.
     SparseOverlap,
 }
 
 impl WireOption {
-    pub const ALL: [WireOption; 5] = [
+    pub const ALL: [WireOption; 7] = [
         WireOption::Fp32,
         WireOption::Bf16Delta,
         WireOption::Bf16DeltaSkipOwn,
         WireOption::Overlap,
+        WireOption::Int4Overlap,
+        WireOption::Int2Overlap,
         WireOption::SparseOverlap,
     ];
+
+    /// The option labelled `label` (see [`WireOption::label`]).
+    pub fn parse(label: &str) -> Option<WireOption> {
+        Self::ALL.into_iter().find(|o| o.label() == label)
+    }
 
     pub fn label(self) -> &'static str {
         match self {
@@ -43,6 +55,8 @@ impl WireOption {
             WireOption::Bf16Delta => "bf16-delta",
             WireOption::Bf16DeltaSkipOwn => "bf16-delta+skip-own",
             WireOption::Overlap => "overlap",
+            WireOption::Int4Overlap => "int4+overlap",
+            WireOption::Int2Overlap => "int2+overlap",
             WireOption::SparseOverlap => "sparse+overlap",
         }
     }
@@ -66,6 +80,16 @@ impl WireOption {
                 "sync.skip_own_experts=true",
                 "sync.overlap=true",
             ],
+            WireOption::Int4Overlap => &[
+                "sync.wire=int4_delta",
+                "sync.skip_own_experts=true",
+                "sync.overlap=true",
+            ],
+            WireOption::Int2Overlap => &[
+                "sync.wire=int2_delta",
+                "sync.skip_own_experts=true",
+                "sync.overlap=true",
+            ],
             WireOption::SparseOverlap => &[
                 "sync.wire=sparse_delta",
                 "sync.skip_own_experts=true",
@@ -78,12 +102,25 @@ impl WireOption {
         match self {
             WireOption::Fp32 => 4.0,
             WireOption::SparseOverlap => 6.0 * density,
+            // Codes plus one bf16 scale per group.
+            WireOption::Int4Overlap => 0.5 + 2.0 / GROUP as f64,
+            WireOption::Int2Overlap => 0.25 + 2.0 / GROUP as f64,
             _ => 2.0,
         }
     }
 
+    fn lossy(self) -> bool {
+        matches!(
+            self,
+            WireOption::Int4Overlap | WireOption::Int2Overlap | WireOption::SparseOverlap
+        )
+    }
+
     fn overlapped(self) -> bool {
-        matches!(self, WireOption::Overlap | WireOption::SparseOverlap)
+        !matches!(
+            self,
+            WireOption::Fp32 | WireOption::Bf16Delta | WireOption::Bf16DeltaSkipOwn
+        )
     }
 }
 
@@ -102,8 +139,12 @@ pub struct PlanInput {
     pub sync_steps: u64,
     /// Sparse wire: the fraction of each tensor's entries a round sends.
     pub density: f64,
-    /// Bytes of uploads the server folds in per second (`spes bench-sync` measures it).
+    /// Bytes of dense (fp32 or bf16) uploads the server folds in per second, and a node
+    /// applies a download at (`spes bench-sync` measures it).
     pub aggregate_bytes_per_s: f64,
+    /// Values per second the server decodes and folds of quantized or sparse uploads (each
+    /// value of the tensors covered, sent or not), and a node decodes a download at.
+    pub lossy_values_per_s: f64,
     /// Bytes per second the server writes a published round at (fsynced).
     pub disk_bytes_per_s: f64,
 }
@@ -230,24 +271,38 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
         .map(|e| e + one_way)
         .collect();
     let last_in = landed.iter().copied().fold(0.0, f64::max);
-    let largest_up = up.iter().copied().fold(0.0, f64::max);
-    // Fold the last upload, close (the model in fp32), write the round (fp32 + its delta).
+    // Seconds to fold (server) or apply (node) a payload of `bytes` on this wire.
+    let fold_s = |bytes: f64| {
+        if option.lossy() {
+            bytes / b / input.lossy_values_per_s
+        } else {
+            bytes / input.aggregate_bytes_per_s
+        }
+    };
+    // The server folds uploads one at a time as they land, each shard its slice.
+    let mut order: Vec<usize> = (0..up.len()).collect();
+    order.sort_by(|&i, &j| landed[i].total_cmp(&landed[j]));
+    let folded = order.iter().fold(0.0f64, |done, &i| {
+        done.max(landed[i]) + fold_s(up[i]) / shards
+    });
+    // Then close (the model in fp32) and write the round (fp32 + its delta).
     let model_fp32 = 4.0 * total;
     let delta = if option == WireOption::Fp32 {
         0.0
     } else {
         b * total
     };
-    let server_s = (largest_up + model_fp32) / input.aggregate_bytes_per_s / shards
+    let published = folded
+        + model_fp32 / input.aggregate_bytes_per_s / shards
         + (model_fp32 + delta) / input.disk_bytes_per_s / shards;
-    let published = last_in + server_s;
-    // Every node already waits on its fetch: the data leaves at once and lands one way later,
-    // and is applied at the server's folding rate.
+    let server_s = published - last_in;
+    // Every node already waits on its fetch: the data leaves at once, lands one way later and
+    // is applied.
     let flows: Vec<(f64, f64, f64)> = down.iter().map(|&d| (published, d, node_down)).collect();
     let loaded: Vec<f64> = transfers(&flows, server_out)
         .into_iter()
         .zip(&down)
-        .map(|(e, d)| e + one_way + d / input.aggregate_bytes_per_s)
+        .map(|(e, d)| e + one_way + fold_s(*d))
         .collect();
     let sync: Vec<f64> = loaded.iter().map(|l| l - compute_s).collect();
     let n = input.nodes as f64;
@@ -311,14 +366,25 @@ pub fn table(input: &PlanInput) -> String {
     out
 }
 
-/// The fewest shards (up to 64) that keep the sparse+overlap option's idle share at or below
-/// `target`; `None` if no count does.
-pub fn shards_needed(input: &PlanInput, target: f64) -> Option<usize> {
+/// The fewest shards (up to 64) that keep `option`'s idle share at or below `target`; `None`
+/// if no count does.
+pub fn shards_needed(input: &PlanInput, option: WireOption, target: f64) -> Option<usize> {
     (1..=64).find(|&k| {
         let mut i = input.clone();
         i.shards = k;
-        plan(&i, WireOption::SparseOverlap).idle_share <= target
+        plan(&i, option).idle_share <= target
     })
+}
+
+/// `input` with a server of unlimited link, folding and disk: what no number of shards beats.
+pub fn unlimited_server(input: &PlanInput) -> PlanInput {
+    let mut free = input.clone();
+    free.server_link.up_bps = f64::INFINITY;
+    free.server_link.down_bps = f64::INFINITY;
+    free.aggregate_bytes_per_s = f64::INFINITY;
+    free.lossy_values_per_s = f64::INFINITY;
+    free.disk_bytes_per_s = f64::INFINITY;
+    free
 }
 
 #[cfg(test)]
@@ -337,6 +403,7 @@ mod tests {
             sync_steps: 100,
             density: 0.03,
             aggregate_bytes_per_s: 1e9,
+            lossy_values_per_s: 0.15e9,
             disk_bytes_per_s: 1e9,
         }
     }
@@ -371,22 +438,27 @@ mod tests {
         let overlap = plan(&i, WireOption::Overlap);
         assert!(overlap.idle_share < skip.idle_share);
         assert!(overlap.round_s >= overlap.compute_s);
-        // Issue 8's targets: ≤ 0.25× the fp32 bytes, ≤ 5 % idle with overlap.
-        let sparse = plan(&i, WireOption::SparseOverlap);
-        let ratio = (sparse.up_bytes + sparse.down_bytes) / (fp32.up_bytes + fp32.down_bytes);
+        // Issue 8's targets: ≤ 0.25× the fp32 bytes, ≤ 5 % idle with overlap. At the folding
+        // rates measured on 2 cores, one server cannot decode 16 nodes' 2-bit uploads within a
+        // round; a few shards (or a faster server) can.
+        let int2 = plan(&i, WireOption::Int2Overlap);
+        let ratio = (int2.up_bytes + int2.down_bytes) / (fp32.up_bytes + fp32.down_bytes);
         assert!(ratio <= 0.25, "{ratio}");
-        assert!(sparse.idle_share <= 0.05, "{}", sparse.idle_share);
+        assert!(int2.idle_share > 0.05, "{}", int2.idle_share);
+        let k = shards_needed(&i, WireOption::Int2Overlap, 0.05).unwrap();
+        assert!((2..=8).contains(&k), "{k} shards");
     }
 
     #[test]
     fn a_saturated_server_link_is_fixed_by_shards() {
-        // 64 DiLoCo nodes of 1b on 100 Mbit/s, behind one 1 Gbit/s server.
+        // 64 DiLoCo nodes of 1b on 100 Mbit/s, behind one 1 Gbit/s server that folds fast.
         let mut i = input(64);
         i.diloco = true;
         i.server_link = "1gbit".parse().unwrap();
+        i.lossy_values_per_s = f64::INFINITY;
         let one = plan(&i, WireOption::SparseOverlap);
         assert!(one.idle_share > 0.05, "{}", one.idle_share);
-        let k = shards_needed(&i, 0.05).unwrap();
+        let k = shards_needed(&i, WireOption::SparseOverlap, 0.05).unwrap();
         assert!(k > 1);
         i.shards = k;
         assert!(plan(&i, WireOption::SparseOverlap).idle_share <= 0.05);

@@ -32,7 +32,7 @@ use spes_data::ValWindows;
 use spes_model::MoeModel;
 use spes_sync::{
     Combine, Coordinator, Layout, MergeSchedule, Named, RoundDelta, RoundReport, RoundRules, Scope,
-    Standing, WireForm,
+    Standing,
 };
 use spes_train::trainer::MetricsLog;
 use spes_train::{AggregateRule, Mode, RunConfig, Wire};
@@ -398,8 +398,10 @@ impl State {
         for peer in coord.scope().members() {
             let path = self.pending_path(open, peer);
             if path.exists() {
-                let named = payload::read(&path)?;
-                match coord.upload(peer, 0, open, named, self.now()) {
+                let now = self.now();
+                let fold = |named| coord.upload(peer, 0, open, named, now);
+                // Safety: as in `accept`.
+                match unsafe { payload::with_mapped(&path, fold) }? {
                     Ok(()) => tracing::info!(
                         "re-applied the acknowledged upload of peer {peer} for round {open}"
                     ),
@@ -428,7 +430,8 @@ impl State {
 }
 
 /// The wire tensors (name, shape, kind) that carry a parameter's upload: the fp32 value, its
-/// bf16 delta, or a sparse delta's int32 indices and bf16 values.
+/// bf16 delta, a sparse delta's int32 indices and bf16 values, or a quantized delta's codes
+/// and scales.
 fn wire_entries(cfg: &RunConfig, name: &str, shape: &[i64]) -> Vec<(String, Vec<i64>, tch::Kind)> {
     use tch::Kind;
     match cfg.sync.wire {
@@ -439,6 +442,15 @@ fn wire_entries(cfg: &RunConfig, name: &str, shape: &[i64]) -> Vec<(String, Vec<
             vec![
                 (spes_sync::delta::idx_name(name), vec![k], Kind::Int),
                 (spes_sync::delta::val_name(name), vec![k], Kind::BFloat16),
+            ]
+        }
+        Wire::Int8Delta | Wire::Int4Delta | Wire::Int2Delta => {
+            use spes_sync::delta::{quantized_sizes, WirePart};
+            let bits = cfg.sync.wire.quantized_bits().unwrap_or(8);
+            let (groups, bytes) = quantized_sizes(shape.iter().product(), bits);
+            vec![
+                (WirePart::Codes.name(name), vec![bytes], Kind::Uint8),
+                (WirePart::Scale.name(name), vec![groups], Kind::BFloat16),
             ]
         }
     }
@@ -705,12 +717,15 @@ impl State {
     /// `pending/` until the round is published, so an acknowledged upload survives a crash.
     fn accept(&self, peer: usize, header: &PayloadHeader, part: &Path) -> Result<(), Status> {
         let accepted = (|| {
-            let named = payload::read(part).map_err(|e| {
-                refusal::status(Code::InvalidArgument, Kind::Invalid, 0, format!("{e:#}"))
-            })?;
             let mut coord = self.coord.lock().unwrap();
-            coord
-                .upload(peer, header.session, header.round, named, self.now())
+            let now = self.now();
+            let fold = |named| coord.upload(peer, header.session, header.round, named, now);
+            // Safety: `Coordinator::upload` keeps none of an upload's storage, and `part` is
+            // this call's own file.
+            unsafe { payload::with_mapped(part, fold) }
+                .map_err(|e| {
+                    refusal::status(Code::InvalidArgument, Kind::Invalid, 0, format!("{e:#}"))
+                })?
                 .map_err(|e| refusal::of_round_error(&e))?;
             let kept = self.pending_path(header.round, peer);
             std::fs::rename(part, &kept)
@@ -872,13 +887,7 @@ fn rules_of(cfg: &RunConfig) -> RoundRules {
         },
         max_update_rms: (s.max_update_factor > 0.0)
             .then_some(s.max_update_factor * s.sync_steps as f64 * cfg.train.lr),
-        wire: match s.wire {
-            Wire::Fp32 => WireForm::Values,
-            Wire::Bf16Delta => WireForm::Bf16Delta,
-            Wire::SparseDelta => WireForm::Sparse {
-                density: s.sparse_density,
-            },
-        },
+        wire: crate::wire_form(s),
     }
 }
 

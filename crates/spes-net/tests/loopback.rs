@@ -654,21 +654,14 @@ fn a_corrupt_newest_round_falls_back_and_the_node_follows_the_rollback() {
     assert_eq!(rounds, vec![0, 1, 2, 3, 4], "each round logged once");
 }
 
-#[test]
-fn sparse_deltas_with_overlap_train_on_a_fraction_of_the_bytes() {
+/// Runs 2 nodes for 4 rounds with overlap on a lossy wire; checks that the loss falls and that
+/// every round's upload and download stay under `up_limit` and `down_limit` of fp32's bytes.
+fn lossy_wire_run(wire: &[&str], up_limit: f64, down_limit: f64) {
     let tmp = tempfile::tempdir().unwrap();
     let data = data(tmp.path());
-    let cfg = config(
-        &data,
-        "spes",
-        2,
-        &[
-            "sync.wire=sparse_delta",
-            "sync.sparse_density=0.1",
-            "sync.overlap=true",
-            "train.max_steps=8",
-        ],
-    );
+    let mut sets = vec!["sync.overlap=true", "train.max_steps=8"];
+    sets.extend_from_slice(wire);
+    let cfg = config(&data, "spes", 2, &sets);
     let server = Server::start(cfg.clone(), &tmp.path().join("server"), None);
     for t in spawn_nodes(&cfg, &server.url(), tmp.path(), 0..2) {
         assert_eq!(t.join().unwrap().steps, 8);
@@ -677,24 +670,46 @@ fn sparse_deltas_with_overlap_train_on_a_fraction_of_the_bytes() {
     assert_eq!(summary.rounds, 4);
     assert!(summary.final_val_loss.unwrap() < summary.initial_val_loss.unwrap());
     let model = MoeModel::new(&cfg.model, Device::Cpu).unwrap();
-    let total: u64 = model.params().iter().map(|p| p.tensor.numel() as u64).sum();
+    let fp32 = 4.0
+        * model
+            .params()
+            .iter()
+            .map(|p| p.tensor.numel() as f64)
+            .sum::<f64>();
     for peer in 0..2 {
         let s = syncs(tmp.path(), peer);
         assert_eq!(s.len(), 4, "peer {peer}");
         for sync in &s {
             let (up, down) = (
-                sync["bytes_up"].as_u64().unwrap(),
-                sync["bytes_down"].as_u64().unwrap(),
+                sync["bytes_up"].as_u64().unwrap() as f64,
+                sync["bytes_down"].as_u64().unwrap() as f64,
             );
-            // About 10 % of the values at 6 bytes each, against 4 bytes each in fp32.
-            assert!(up > 0 && up < total * 4 / 4, "peer {peer}: {up} bytes up");
             assert!(
-                down > 0 && down < total * 4 / 5,
-                "peer {peer}: {down} bytes down of {}",
-                total * 4
+                up > 0.0 && up < up_limit * fp32,
+                "{wire:?} peer {peer}: {up} bytes up"
+            );
+            assert!(
+                down > 0.0 && down < down_limit * fp32,
+                "{wire:?} peer {peer}: {down} bytes down of {fp32} in fp32"
             );
         }
     }
+}
+
+#[test]
+fn sparse_deltas_with_overlap_train_on_a_fraction_of_the_bytes() {
+    // About 10 % of the values at 6 bytes each, against 4 bytes each in fp32.
+    lossy_wire_run(
+        &["sync.wire=sparse_delta", "sync.sparse_density=0.1"],
+        0.25,
+        0.2,
+    );
+}
+
+#[test]
+fn two_bit_deltas_with_overlap_train_on_a_fourteenth_of_the_bytes() {
+    // 0.28 bytes per value (codes and scales) against 4: at most 7 % of fp32, plus headers.
+    lossy_wire_run(&["sync.wire=int2_delta"], 0.08, 0.08);
 }
 
 /// Runs `cfg` to the end with nodes that reach the server(s) at `urls` (comma-separated

@@ -10,8 +10,8 @@
 
 use crate::delta::{self, RoundDelta, WireForm};
 use crate::round::{
-    merge_experts, validate, validate_delta, validate_sparse, Aggregator, Combine, Combined,
-    Layout, MergeEvent, MergeSchedule, Named, Scope,
+    all_finite, merge_experts, validate, validate_compressed, validate_delta, Aggregator, Combine,
+    Combined, Layout, MergeEvent, MergeSchedule, Named, Scope,
 };
 use serde::Serialize;
 use std::collections::HashMap;
@@ -325,6 +325,7 @@ impl Coordinator {
     }
 
     /// Accepts `peer`'s upload for `round`, or says why not; a rejection changes nothing.
+    /// Keeps none of `tensors`' storage, so they may view a mapped file (see [`Aggregator::add`]).
     pub fn upload(
         &mut self,
         peer: usize,
@@ -339,12 +340,12 @@ impl Coordinator {
         match self.rules.wire {
             WireForm::Values => validate(layout, scope, peer, &tensors, &self.global, bound),
             WireForm::Bf16Delta => validate_delta(layout, scope, peer, &tensors, bound),
-            WireForm::Sparse { density } => {
-                let sparse = validate_sparse(layout, scope, peer, tensors, density, bound)
+            form @ (WireForm::Sparse { .. } | WireForm::Quantized { .. }) => {
+                let deltas = validate_compressed(layout, scope, peer, tensors, form, bound)
                     .map_err(invalid)?;
                 return self
                     .agg
-                    .add_sparse(&self.layout, peer, sparse)
+                    .add_compressed(&self.layout, peer, deltas)
                     .map_err(|e| invalid(e.to_string()));
             }
         }
@@ -480,7 +481,7 @@ impl Coordinator {
         let Combined {
             mut averaged,
             mut owned,
-            mut owned_sparse,
+            mut owned_compressed,
         } = combined;
         let merge = merge_alpha.zip(self.rules.merge);
         let mut out = RoundDelta::default();
@@ -498,16 +499,16 @@ impl Coordinator {
                 } else {
                     change = Some(d.to_kind(Kind::Float));
                 }
-            } else if let Some((peer, s)) = owned_sparse.remove(name) {
+            } else if let Some((peer, c)) = owned_compressed.remove(name) {
                 if merge.is_none() {
                     value = base.copy();
-                    delta::apply_sparse_(&mut value, &s);
-                    let wire = s.into_wire(name);
+                    c.apply_(&mut value);
+                    let wire = c.into_wire(name);
                     let names = wire.iter().map(|(n, _)| n.clone());
                     out.verbatim.entry(peer).or_default().extend(names);
                     out.delta.extend(wire);
                 } else {
-                    change = Some(delta::dense(&s, base));
+                    change = Some(c.dense(base));
                 }
             }
             next.push((name.clone(), value));
@@ -543,22 +544,20 @@ impl Coordinator {
                 continue;
             };
             *value = match self.rules.wire {
-                WireForm::Sparse { density } => {
+                form if form.is_lossy() => {
                     let mut v = change;
                     if let Some(r) = self.residual.get(name) {
                         v += r;
                     }
-                    let s = delta::top_k(&v, delta::sparse_k(v.numel() as i64, density));
-                    self.residual
-                        .insert(name.clone(), v - delta::dense(&s, base));
+                    let c = delta::compress(&v, form);
                     let mut value = base.copy();
-                    delta::apply_sparse_(&mut value, &s);
-                    out.delta.extend(s.into_wire(name));
+                    c.apply_(&mut value);
+                    self.residual.insert(name.clone(), c.subtract_from(&v));
+                    out.delta.extend(c.into_wire(name));
                     value
                 }
                 _ => {
-                    let d = change.to_kind(Kind::BFloat16);
-                    let value = delta::apply(base, &d);
+                    let (d, value) = delta::encode_into(base, change);
                     out.delta.push((name.clone(), d));
                     value
                 }
@@ -572,6 +571,6 @@ fn first_non_finite(named: &Named) -> Option<String> {
     named
         .iter()
         .filter(|(_, t)| matches!(t.kind(), Kind::Float | Kind::BFloat16))
-        .find(|(_, t)| !bool::try_from(t.isfinite().all()).unwrap_or(false))
+        .find(|(_, t)| !all_finite(t))
         .map(|(n, _)| n.clone())
 }

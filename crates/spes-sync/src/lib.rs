@@ -12,6 +12,6 @@ pub use coordinator::{Coordinator, RoundError, RoundReport, RoundRules, Standing
 pub use delta::{RoundDelta, Sparse, WireForm};
 pub use ownership::Ownership;
 pub use round::{
-    merge_experts, validate, validate_delta, validate_sparse, Aggregator, Combine, Combined,
+    merge_experts, validate, validate_compressed, validate_delta, Aggregator, Combine, Combined,
     Layout, MergeEvent, MergeSchedule, Named, Scope,
 };

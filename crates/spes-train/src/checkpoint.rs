@@ -77,10 +77,85 @@ fn write_tensors(path: &Path, named: &[(String, Tensor)]) -> Result<()> {
 /// Writes `root/step-<state.step>` atomically and prunes all but the newest `keep`.
 pub fn save(
     root: &Path,
+    state: TrainState,
+    model: &[(String, Tensor)],
+    optimizer: &[(String, Tensor)],
+    keep: usize,
+) -> Result<PathBuf> {
+    save_with(root, state, model, optimizer, keep, &[])
+}
+
+/// A checkpoint's contents copied off the training state, so that it can be written on
+/// another thread while training goes on: one CPU copy of the model and optimizer state.
+pub struct Snapshot {
+    root: PathBuf,
+    state: TrainState,
+    model: Vec<(String, Tensor)>,
+    optimizer: Vec<(String, Tensor)>,
+    keep: usize,
+    extra: Vec<(String, Vec<u8>)>,
+}
+
+impl Snapshot {
+    /// Copies `model` and `optimizer` (to the CPU) for a checkpoint of `state` under `root`.
+    pub fn new(
+        root: &Path,
+        state: TrainState,
+        model: &[(String, Tensor)],
+        optimizer: &[(String, Tensor)],
+        keep: usize,
+    ) -> Snapshot {
+        let copy = |named: &[(String, Tensor)]| -> Vec<(String, Tensor)> {
+            tch::no_grad(|| {
+                named
+                    .iter()
+                    .map(|(n, t)| {
+                        let c = if t.device() == Device::Cpu {
+                            t.copy()
+                        } else {
+                            t.to_device(Device::Cpu)
+                        };
+                        (n.clone(), c)
+                    })
+                    .collect()
+            })
+        };
+        Snapshot {
+            root: root.to_owned(),
+            state,
+            model: copy(model),
+            optimizer: copy(optimizer),
+            keep,
+            extra: Vec::new(),
+        }
+    }
+
+    /// Adds a small file to the checkpoint directory, renamed into place with the rest.
+    pub fn with_file(mut self, name: &str, bytes: Vec<u8>) -> Snapshot {
+        self.extra.push((name.to_owned(), bytes));
+        self
+    }
+
+    /// Writes it as [`save`] does.
+    pub fn write(self) -> Result<PathBuf> {
+        save_with(
+            &self.root,
+            self.state,
+            &self.model,
+            &self.optimizer,
+            self.keep,
+            &self.extra,
+        )
+    }
+}
+
+fn save_with(
+    root: &Path,
     mut state: TrainState,
     model: &[(String, Tensor)],
     optimizer: &[(String, Tensor)],
     keep: usize,
+    extra: &[(String, Vec<u8>)],
 ) -> Result<PathBuf> {
     std::fs::create_dir_all(root).with_context(|| format!("cannot create {}", root.display()))?;
     let final_dir = root.join(format!("step-{}", state.step));
@@ -97,6 +172,9 @@ pub fn save(
             let path = tmp.join(f);
             std::fs::File::open(&path)?.sync_all()?;
             state.files.insert(f.to_owned(), hash_file(&path)?);
+        }
+        for (name, bytes) in extra {
+            write_atomic(&tmp.join(name), bytes)?;
         }
         write_atomic(
             &tmp.join(STATE_FILE),

@@ -43,6 +43,31 @@ pub enum Wire {
     /// (6 bytes each) and carries the rest over to later rounds (error feedback); the global
     /// model stays bit-identical everywhere. For slow links (README: sync cost).
     SparseDelta,
+    /// Deltas in 8 bits per value plus a bf16 scale per 64 values (0.53× the bytes of
+    /// `bf16_delta`), the rounding carried over to later rounds (error feedback); bit-identical.
+    Int8Delta,
+    /// As `int8_delta` with 4 bits per value (0.27× the bytes of `bf16_delta`).
+    Int4Delta,
+    /// As `int8_delta` with 2 bits per value, sending −1, 0 or +1 times a group's mean
+    /// magnitude (0.14× the bytes of `bf16_delta`).
+    Int2Delta,
+}
+
+impl Wire {
+    /// Bits per code of a quantized wire.
+    pub fn quantized_bits(self) -> Option<u8> {
+        match self {
+            Wire::Int8Delta => Some(8),
+            Wire::Int4Delta => Some(4),
+            Wire::Int2Delta => Some(2),
+            _ => None,
+        }
+    }
+
+    /// Whether a round sends only part of each delta and carries the rest over.
+    pub fn is_lossy(self) -> bool {
+        self == Wire::SparseDelta || self.quantized_bits().is_some()
+    }
 }
 
 /// How the server combines the averaged (shared) parameters of a round's uploads.
@@ -69,7 +94,8 @@ pub struct SyncConfig {
     /// Explicit expert ownership: `ownership[p]` lists node p's expert indices (the same in every
     /// layer). Empty: contiguous blocks, node p owns `p·E/N .. (p+1)·E/N`.
     pub ownership: Vec<Vec<usize>>,
-    /// "bf16_delta" (default), "sparse_delta" or "fp32".
+    /// "bf16_delta" (default), "int8_delta", "int4_delta", "int2_delta", "sparse_delta" or
+    /// "fp32" (README: sync cost).
     pub wire: Wire,
     /// Sparse wire: the fraction of each tensor's entries a round sends, in (0, 0.3].
     pub sparse_density: f64,

@@ -170,7 +170,28 @@ impl Trainer {
 
     /// Writes a checkpoint of the current state under `root`.
     pub fn save_checkpoint(&self, root: &Path) -> Result<PathBuf> {
-        let state = TrainState {
+        checkpoint::save(
+            root,
+            self.train_state(),
+            &self.model_tensors(),
+            &self.opt.state(),
+            self.cfg.train.keep_checkpoints,
+        )
+    }
+
+    /// A copy of the current state to write under `root` while training goes on.
+    pub fn snapshot(&self, root: &Path) -> checkpoint::Snapshot {
+        checkpoint::Snapshot::new(
+            root,
+            self.train_state(),
+            &self.model_tensors(),
+            &self.opt.state(),
+            self.cfg.train.keep_checkpoints,
+        )
+    }
+
+    fn train_state(&self) -> TrainState {
+        TrainState {
             format_version: 1,
             step: self.step,
             tokens: self.tokens,
@@ -179,14 +200,7 @@ impl Trainer {
             optimizer_steps: self.opt.steps,
             config: self.cfg.clone(),
             files: Default::default(),
-        };
-        checkpoint::save(
-            root,
-            state,
-            &self.model_tensors(),
-            &self.opt.state(),
-            self.cfg.train.keep_checkpoints,
-        )
+        }
     }
 
     /// Restores model, optimizer, step, token count and data position from a checkpoint.
