@@ -80,6 +80,18 @@ pub struct RouterAux {
     pub expert_counts: Tensor,
 }
 
+/// One MoE layer's output and router statistics.
+struct MoeOutput {
+    /// `[N, d]` in fp32.
+    y: Tensor,
+    /// Load-balancing loss of the layer.
+    lb: Tensor,
+    /// Router z-loss of the layer.
+    router_z: Tensor,
+    /// Top-k assignments per expert, `[E]`.
+    counts: Tensor,
+}
+
 /// Loss weights (SPES.md §1).
 #[derive(Clone, Copy, Debug)]
 pub struct LossWeights {
@@ -318,28 +330,26 @@ impl MoeModel {
         let (mut lb, mut rz, mut counts) = (Vec::new(), Vec::new(), Vec::new());
         let d = cfg.d_model as i64;
         for layer in &self.layers {
-            let (y, aux) = match cfg.norm_placement {
+            let (y, moe) = match cfg.norm_placement {
                 NormPlacement::Pre => {
                     let h = rms_norm(&x, &layer.attn_norm, cfg.norm_eps);
                     x = x + self.attention(layer, &h, &cos, &sin);
                     let h = rms_norm(&x, &layer.ffn_norm, cfg.norm_eps);
-                    let (y, aux) = self.moe(layer, &h.view([b * t, d]));
-                    (y.view([b, t, d]), aux)
+                    let moe = self.moe(layer, &h.view([b * t, d]));
+                    (moe.y.view([b, t, d]), moe)
                 }
                 NormPlacement::Post => {
                     let a = self.attention(layer, &x, &cos, &sin);
                     x = x + rms_norm(&a, &layer.attn_norm, cfg.norm_eps);
-                    let (y, aux) = self.moe(layer, &x.view([b * t, d]));
-                    (
-                        rms_norm(&y.view([b, t, d]), &layer.ffn_norm, cfg.norm_eps),
-                        aux,
-                    )
+                    let moe = self.moe(layer, &x.view([b * t, d]));
+                    let y = rms_norm(&moe.y.view([b, t, d]), &layer.ffn_norm, cfg.norm_eps);
+                    (y, moe)
                 }
             };
             x = x + y;
-            lb.push(aux.0);
-            rz.push(aux.1);
-            counts.push(aux.2);
+            lb.push(moe.lb);
+            rz.push(moe.router_z);
+            counts.push(moe.counts);
         }
         let x = rms_norm(&x, &self.final_norm, cfg.norm_eps);
         let logits = self.linear(&x, &self.head);
@@ -394,8 +404,8 @@ impl MoeModel {
         self.linear(&y.transpose(1, 2).reshape([b, t, hq * hd]), &layer.o_proj)
     }
 
-    /// Dropless top-k MoE over flattened tokens `[N, d]`: returns output, (lb, router z, counts).
-    fn moe(&self, layer: &Layer, x: &Tensor) -> (Tensor, (Tensor, Tensor, Tensor)) {
+    /// Dropless top-k MoE over flattened tokens `[N, d]`.
+    fn moe(&self, layer: &Layer, x: &Tensor) -> MoeOutput {
         let cfg = &self.cfg;
         let (e, k) = (cfg.n_experts as i64, cfg.top_k as i64);
         let router_logits = x.matmul(&layer.router.tr()).to_kind(Kind::Float);
@@ -406,21 +416,25 @@ impl MoeModel {
         }
 
         // Group the N·k (token, expert) assignments by expert: one sort, one host sync for the
-        // per-expert counts, then each expert runs on a contiguous slice of its tokens.
+        // per-expert counts, one gather of the tokens in that order (whose backward is one
+        // scatter, not one per expert), then each expert runs on its contiguous slice.
         let flat_experts = experts.view([-1]);
         let (_, order) = flat_experts.sort_stable(true, 0, false);
         let counts = flat_experts.bincount(None::<Tensor>, e);
         let host_counts = Vec::<i64>::try_from(&counts.to_device(Device::Cpu)).unwrap();
         let token_of = order.divide_scalar_mode(k, "floor");
+        let grouped = x.index_select(0, &token_of);
         let mut outputs = Vec::with_capacity(cfg.n_experts);
-        let mut start = 0;
-        for (ex, &n) in layer.experts.iter().zip(&host_counts) {
+        for ((ex, &n), xe) in layer
+            .experts
+            .iter()
+            .zip(&host_counts)
+            .zip(grouped.split_with_sizes(&host_counts, 0))
+        {
             if n > 0 {
-                let xe = x.index_select(0, &token_of.narrow(0, start, n));
                 let hidden = self.linear(&xe, &ex.gate).silu() * self.linear(&xe, &ex.up);
                 outputs.push(self.linear(&hidden, &ex.down));
             }
-            start += n;
         }
         let expert_out = Tensor::cat(&outputs, 0).to_kind(Kind::Float);
         let w = weights.view([-1]).index_select(0, &order).unsqueeze(-1);
@@ -439,7 +453,12 @@ impl MoeModel {
             .logsumexp([-1], false)
             .square()
             .mean(Kind::Float);
-        (y, (lb, router_z, counts))
+        MoeOutput {
+            y,
+            lb,
+            router_z,
+            counts,
+        }
     }
 
     /// Forward plus the weighted objective on a `[B, T+1]` window batch.
