@@ -86,7 +86,11 @@ impl ModelConfig {
                 ..olmoe(4, 256, 4, 16, 2, 256)
             },
             "1b" => olmoe(12, 768, 12, 16, 2, 2048),
-            "7b" => olmoe(16, 2048, 16, 32, 4, 2048),
+            // RoPE θ as in the authors' 7B config.
+            "7b" => ModelConfig {
+                rope_theta: 32_000.0,
+                ..olmoe(16, 2048, 16, 32, 4, 2048)
+            },
             "9b" => ModelConfig {
                 // Qwen3-1.7B's embedding rows, so its upcycled checkpoint loads as is.
                 vocab_size: 151_936,

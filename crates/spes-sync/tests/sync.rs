@@ -710,12 +710,11 @@ fn the_server_keeps_no_upload_storage() {
         let mut r = rules();
         r.wire = form;
         r.merge = None;
-        let mut published = Vec::new();
-        for clobber in [false, true] {
-            let mut c = coordinator(&m, 2, r, 0.0);
-            tch::manual_seed(5);
-            for peer in 0..2 {
-                let u: Named = upload(&layout, c.scope(), peer, 0.0)
+        // The same uploads for both runs (made once: other tests share the global RNG).
+        let scope = coordinator(&m, 2, r, 0.0).scope().clone();
+        let uploads: Vec<Named> = (0..2)
+            .map(|peer| {
+                upload(&layout, &scope, peer, 0.0)
                     .into_iter()
                     .flat_map(|(n, t)| {
                         let change = t.randn_like() * 1e-3;
@@ -725,7 +724,14 @@ fn the_server_keeps_no_upload_storage() {
                             lossy => delta::compress(&change, lossy).into_wire(&n).into(),
                         }
                     })
-                    .collect();
+                    .collect()
+            })
+            .collect();
+        let mut published = Vec::new();
+        for clobber in [false, true] {
+            let mut c = coordinator(&m, 2, r, 0.0);
+            for (peer, u) in uploads.iter().enumerate() {
+                let u = copy(u);
                 let views: Vec<Tensor> = u.iter().map(|(_, t)| t.shallow_clone()).collect();
                 c.upload(peer, 100 + peer as u64, 1, u, 0.0).unwrap();
                 if clobber {

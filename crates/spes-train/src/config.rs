@@ -204,6 +204,10 @@ pub struct TrainConfig {
     /// Peak learning rate.
     pub lr: f64,
     pub warmup_steps: u64,
+    /// The step at which the cosine decay reaches the floor, after which the rate stays there;
+    /// 0: `max_steps`. Larger than `max_steps`, a run ends before the decay does (the SPES 9B
+    /// run's schedule), so it can be continued on the same curve.
+    pub t_max: u64,
     /// Warm-up starts from, and cosine decay ends at, this fraction of the peak.
     pub lr_floor: f64,
     pub weight_decay: f64,
@@ -240,6 +244,7 @@ impl Default for TrainConfig {
             seq_len: 256,
             lr: 5e-4,
             warmup_steps: 100,
+            t_max: 0,
             lr_floor: 0.1,
             weight_decay: 0.1,
             beta1: 0.9,
@@ -315,6 +320,13 @@ impl RunConfig {
         }
         if !(t.lr > 0.0 && t.lr.is_finite()) {
             bail!("train.lr must be a positive number, got {}", t.lr);
+        }
+        if t.t_max != 0 && t.t_max <= t.warmup_steps {
+            bail!(
+                "train.t_max ({}) must be 0 (use train.max_steps) or more than train.warmup_steps ({})",
+                t.t_max,
+                t.warmup_steps
+            );
         }
         if !(0.0..=1.0).contains(&t.lr_floor) {
             bail!("train.lr_floor must be in [0, 1], got {}", t.lr_floor);

@@ -232,13 +232,18 @@ pub struct Retarget {
 }
 
 /// Learning rate at step `s` (0-based): linear warm-up from `floor·peak` to `peak`, then cosine
-/// down to `floor·peak` at `max_steps`.
+/// down to `floor·peak` at `t_max` (0: `max_steps`), flat after.
 pub fn lr_at(s: u64, cfg: &TrainConfig) -> f64 {
     let (peak, floor) = (cfg.lr, cfg.lr_floor * cfg.lr);
     if s < cfg.warmup_steps {
         return floor + (peak - floor) * s as f64 / cfg.warmup_steps as f64;
     }
-    let span = cfg.max_steps.saturating_sub(cfg.warmup_steps).max(1);
+    let end = if cfg.t_max == 0 {
+        cfg.max_steps
+    } else {
+        cfg.t_max
+    };
+    let span = end.saturating_sub(cfg.warmup_steps).max(1);
     let progress = ((s - cfg.warmup_steps) as f64 / span as f64).min(1.0);
     floor + (peak - floor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
 }
@@ -263,6 +268,21 @@ mod tests {
         assert!((lr_at(60, &cfg) - 0.55).abs() < 1e-12);
         assert!((lr_at(110, &cfg) - 0.1).abs() < 1e-12);
         assert!((lr_at(500, &cfg) - 0.1).abs() < 1e-12);
+        // t_max shorter than the run: the floor from t_max on.
+        let short = TrainConfig {
+            t_max: 60,
+            ..cfg.clone()
+        };
+        assert!((lr_at(35, &short) - 0.55).abs() < 1e-12);
+        assert!((lr_at(60, &short) - 0.1).abs() < 1e-12);
+        assert!((lr_at(100, &short) - 0.1).abs() < 1e-12);
+        // t_max longer than the run: the run ends halfway down the same curve.
+        let long = TrainConfig {
+            t_max: 210,
+            ..cfg.clone()
+        };
+        assert!((lr_at(110, &long) - 0.55).abs() < 1e-12);
+        assert_eq!(lr_at(10, &long), lr_at(10, &cfg));
     }
 
     /// Two AdamW steps on a quadratic, checked against the closed-form PyTorch update.
