@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check, self-contained: on a machine with an NVIDIA GPU and PyTorch 2.11 installed (no
 # network needed), runs a spes binary built elsewhere against that PyTorch's libtorch, confirms
-# CUDA is used, benchmarks bf16 training steps and trains the tiny preset in bf16.
+# CUDA is used, benchmarks bf16 training steps, trains the tiny preset in bf16 (nodes must end
+# bit-identical to the server) and trains it over 4-bit deltas.
 #   scripts/gpu-check.sh [path/to/spes]      (PYTHON=... picks the interpreter that has torch)
 set -euo pipefail
 bin=$(realpath "${1:-target/release/spes}")
