@@ -74,7 +74,7 @@ pub fn run(a: Args) -> Result<()> {
             "sync.merge_every=0".into(),
             "train.eval_batches=2".into(),
         ];
-        overrides.extend(option.overrides().iter().map(|s| s.to_string()));
+        overrides.extend(option.overrides());
         let cfg = demo::config(&data, &overrides)?;
         eprintln!("bench-link: {} over {:?} …", option.label(), a.link);
         demo::launch(&out, &cfg, "cpu", Some(a.link), false)?;

@@ -323,10 +323,11 @@ impl Sent {
     }
 }
 
-/// The deltas of a payload by tensor, checked against the model's shapes.
+/// The deltas of a payload by tensor, checked against the model's shapes and the run's wire.
 fn group_deltas(
     named: Named,
     params: &[spes_model::Param],
+    form: delta::WireForm,
     source: &str,
 ) -> Result<HashMap<String, Sent>> {
     let shape_of = |name: &str| {
@@ -355,46 +356,18 @@ fn group_deltas(
     }
     for (name, mut got) in parts {
         let numel: i64 = shape_of(&name)?.iter().product();
-        let mut take = |part| got.remove(&part);
-        let c = match (
-            take(WirePart::Idx),
-            take(WirePart::Val),
-            take(WirePart::Codes),
-            take(WirePart::Scale),
-        ) {
-            (Some(idx), Some(val), None, None) => sparse_delta(idx, val, numel),
-            (None, None, Some(codes), Some(scale)) => quantized_delta(codes, scale, numel),
-            _ => None,
+        let pair = form.parts().and_then(|(a, b)| {
+            let (a, b) = (got.remove(&a)?, got.remove(&b)?);
+            got.is_empty().then_some((a, b))
+        });
+        let Some((a, b)) = pair else {
+            bail!("{source}: `{name}` is not a {form:?} delta");
         };
-        let Some(c) = c else {
-            bail!("{source}: `{name}` is not a sparse or quantized delta of a tensor of {numel} values");
-        };
+        let c = delta::Compressed::from_parts(form, numel, a, b)
+            .map_err(|e| anyhow::anyhow!("{source}: `{name}`: {e}"))?;
         out.insert(name, Sent::Compressed(c));
     }
     Ok(out)
-}
-
-/// A sparse delta of a tensor of `numel` values, if its parts make one.
-fn sparse_delta(idx: Tensor, val: Tensor, numel: i64) -> Option<delta::Compressed> {
-    let k = idx.size1().unwrap_or(-1);
-    let in_range = k > 0
-        && idx.kind() == Kind::Int
-        && val.kind() == Kind::BFloat16
-        && val.size() == [k]
-        && idx.min().int64_value(&[]) >= 0
-        && idx.max().int64_value(&[]) < numel;
-    in_range.then(|| delta::Compressed::Sparse(delta::Sparse { idx, val }))
-}
-
-/// A quantized delta of a tensor of `numel` values, if its parts make one (of 8, 4 or 2 bits,
-/// told by the codes' length).
-fn quantized_delta(codes: Tensor, scale: Tensor, numel: i64) -> Option<delta::Compressed> {
-    let bits = [8u8, 4, 2].into_iter().find(|&b| {
-        let (groups, bytes) = delta::quantized_sizes(numel, b);
-        codes.size() == [bytes] && scale.size() == [groups]
-    })?;
-    (codes.kind() == Kind::Uint8 && scale.kind() == Kind::BFloat16)
-        .then(|| delta::Compressed::Quantized(delta::Quantized { codes, scale, bits }))
 }
 
 /// The last loaded global model's trained tensors (fp32, on the node's device), and its round.
@@ -485,8 +458,8 @@ struct Shard {
     names: Option<Arc<HashSet<String>>>,
     /// The exact size of its whole fp32 slice on the wire; another announced size is refused.
     full_bytes: u64,
-    /// The most a delta of its slice may take: every tensor in bf16 (sparse deltas, at most
-    /// 30 % density, take less), with room for the parts' headers.
+    /// The most a delta of its slice may take: every tensor in bf16 (sparse and quantized
+    /// deltas take less), with room for the parts' headers.
     delta_max: u64,
 }
 
@@ -780,7 +753,8 @@ impl Node {
                     .map(move |(n, _, s)| (n.as_str(), s.as_slice(), kind))
             };
             shard.full_bytes = payload::expected_size(entries(Kind::Float));
-            // Dense bf16 deltas, or sparse ones of density ≤ 0.3 (≤ 1.8 bytes per value).
+            // Dense bf16 deltas; sparse (density ≤ 0.3: ≤ 1.8 bytes per value) and quantized
+            // ones (≤ 1.04 bytes per value) take less.
             shard.delta_max = 2 * payload::expected_size(entries(Kind::BFloat16));
             shard.names =
                 (k > 1).then(|| Arc::new(slice.entries.into_iter().map(|(n, _, _)| n).collect()));
@@ -1404,7 +1378,8 @@ impl Node {
                 )
             })?;
         let params = self.trainer.model.params();
-        let mut deltas = group_deltas(named, &params, source)?;
+        let form = crate::wire_form(&self.trainer.cfg.sync);
+        let mut deltas = group_deltas(named, &params, form, source)?;
         if header.skipped_own {
             for (name, d) in &self.sent {
                 if self.expert_names.contains(name) {

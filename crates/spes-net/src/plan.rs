@@ -61,41 +61,32 @@ impl WireOption {
         }
     }
 
-    /// The `--set` overrides that select this option in a run.
-    pub fn overrides(self) -> &'static [&'static str] {
+    /// The `sync.wire` value of this option.
+    fn wire(self) -> &'static str {
         match self {
-            WireOption::Fp32 => &["sync.wire=fp32", "sync.overlap=false"],
-            WireOption::Bf16Delta => &[
-                "sync.wire=bf16_delta",
-                "sync.skip_own_experts=false",
-                "sync.overlap=false",
-            ],
-            WireOption::Bf16DeltaSkipOwn => &[
-                "sync.wire=bf16_delta",
-                "sync.skip_own_experts=true",
-                "sync.overlap=false",
-            ],
-            WireOption::Overlap => &[
-                "sync.wire=bf16_delta",
-                "sync.skip_own_experts=true",
-                "sync.overlap=true",
-            ],
-            WireOption::Int4Overlap => &[
-                "sync.wire=int4_delta",
-                "sync.skip_own_experts=true",
-                "sync.overlap=true",
-            ],
-            WireOption::Int2Overlap => &[
-                "sync.wire=int2_delta",
-                "sync.skip_own_experts=true",
-                "sync.overlap=true",
-            ],
-            WireOption::SparseOverlap => &[
-                "sync.wire=sparse_delta",
-                "sync.skip_own_experts=true",
-                "sync.overlap=true",
-            ],
+            WireOption::Fp32 => "fp32",
+            WireOption::Bf16Delta | WireOption::Bf16DeltaSkipOwn | WireOption::Overlap => {
+                "bf16_delta"
+            }
+            WireOption::Int4Overlap => "int4_delta",
+            WireOption::Int2Overlap => "int2_delta",
+            WireOption::SparseOverlap => "sparse_delta",
         }
+    }
+
+    /// Whether a node leaves its own experts out of the download (never on the fp32 wire).
+    fn skips_own(self) -> bool {
+        !matches!(self, WireOption::Fp32 | WireOption::Bf16Delta)
+    }
+
+    /// The `--set` overrides that select this option in a run.
+    pub fn overrides(self) -> Vec<String> {
+        let mut out = vec![format!("sync.wire={}", self.wire())];
+        if self != WireOption::Fp32 {
+            out.push(format!("sync.skip_own_experts={}", self.skips_own()));
+        }
+        out.push(format!("sync.overlap={}", self.overlapped()));
+        out
     }
 
     fn bytes_per_value(self, density: f64) -> f64 {
@@ -251,7 +242,7 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     let b = option.bytes_per_value(input.density);
     let values = node_values(input);
     let up: Vec<f64> = values.iter().map(|(v, _)| v * b).collect();
-    let skip_own = !matches!(option, WireOption::Fp32 | WireOption::Bf16Delta);
+    let skip_own = option.skips_own();
     let down: Vec<f64> = values
         .iter()
         .map(|(_, own)| (total - if skip_own { *own } else { 0.0 }) * b)

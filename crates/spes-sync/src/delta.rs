@@ -26,11 +26,9 @@ pub fn encode(value: &Tensor, base: &Tensor) -> Tensor {
 /// `base + f32(delta)` on `base`'s device: the one formula the server and every node use.
 pub fn apply(base: &Tensor, delta: &Tensor) -> Tensor {
     tch::no_grad(|| {
-        let wide = delta.to_device(base.device()).to_kind(Kind::Float);
-        let owned = wide.data_ptr() != delta.data_ptr();
-        // IEEE addition commutes, so adding `base` into the fresh f32 copy gives the bits of
+        // IEEE addition commutes, so adding `base` into a fresh f32 copy gives the bits of
         // `base + f32(delta)` with one allocation instead of two.
-        let mut out = if owned { wide } else { wide.copy() };
+        let mut out = delta.to_device_(base.device(), Kind::Float, false, true);
         out += base;
         out
     })
@@ -57,7 +55,7 @@ pub fn apply_(base: &mut Tensor, delta: &Tensor) {
 /// What a round publishes in delta mode.
 #[derive(Default)]
 pub struct RoundDelta {
-    /// The changed tensors' deltas in wire form (bf16, or sparse pairs).
+    /// The changed tensors' deltas in wire form: bf16, or the parts of compressed deltas.
     pub delta: Named,
     /// `verbatim[p]`: wire names of entries in `delta` that are peer p's own upload, bit for bit.
     pub verbatim: BTreeMap<usize, Vec<String>>,
@@ -87,12 +85,17 @@ pub struct Sparse {
 }
 
 impl Sparse {
+    /// Both parts through `f` (a shallow copy, a deep one, a move to a device).
+    fn map(&self, f: impl Fn(&Tensor) -> Tensor) -> Sparse {
+        Sparse {
+            idx: f(&self.idx),
+            val: f(&self.val),
+        }
+    }
+
     /// The shallow copy of both parts.
     pub fn share(&self) -> Sparse {
-        Sparse {
-            idx: self.idx.shallow_clone(),
-            val: self.val.shallow_clone(),
-        }
+        self.map(Tensor::shallow_clone)
     }
 
     /// The two wire tensors of tensor `name`.
@@ -207,7 +210,16 @@ pub enum WireForm {
 impl WireForm {
     /// Whether a round's delta is sent only in part, the rest carried over (error feedback).
     pub fn is_lossy(self) -> bool {
-        matches!(self, WireForm::Sparse { .. } | WireForm::Quantized { .. })
+        self.parts().is_some()
+    }
+
+    /// The two wire parts a lossy form sends per tensor, in [`Compressed::from_parts`] order.
+    pub fn parts(self) -> Option<(WirePart, WirePart)> {
+        match self {
+            WireForm::Sparse { .. } => Some((WirePart::Idx, WirePart::Val)),
+            WireForm::Quantized { .. } => Some((WirePart::Codes, WirePart::Scale)),
+            WireForm::Values | WireForm::Bf16Delta => None,
+        }
     }
 }
 
@@ -320,14 +332,19 @@ impl Quantized {
         })
     }
 
+    /// Both tensors through `f` (a shallow copy, a deep one, a move to a device).
+    fn map(&self, f: impl Fn(&Tensor) -> Tensor) -> Quantized {
+        Quantized {
+            codes: f(&self.codes),
+            scale: f(&self.scale),
+            bits: self.bits,
+        }
+    }
+
     /// A copy on `device`: codes travel to a GPU at 1/16 of the bytes of the fp32 values they
     /// decode to there.
     fn on(&self, device: tch::Device) -> Quantized {
-        Quantized {
-            codes: self.codes.to_device(device),
-            scale: self.scale.to_device(device),
-            bits: self.bits,
-        }
+        self.map(|t| t.to_device(device))
     }
 
     /// The two wire tensors of tensor `name`.
@@ -357,16 +374,87 @@ pub fn compress(v: &Tensor, form: WireForm) -> Compressed {
 }
 
 impl Compressed {
+    /// The delta of a tensor of `numel` values from its two wire parts in `form` (in
+    /// [`WireForm::parts`] order), checked: kinds and sizes, sparse indices unique and in range,
+    /// quantized scales not negative. Says what is wrong otherwise.
+    pub fn from_parts(
+        form: WireForm,
+        numel: i64,
+        first: Tensor,
+        second: Tensor,
+    ) -> Result<Compressed, String> {
+        match form {
+            WireForm::Sparse { density } => {
+                let (idx, val) = (first, second);
+                let k = sparse_k(numel, density);
+                if idx.kind() != Kind::Int
+                    || idx.size() != [k]
+                    || val.kind() != Kind::BFloat16
+                    || val.size() != [k]
+                {
+                    return Err(format!(
+                        "expected {k} int32 indices and {k} bf16 values, got {:?} {:?} and {:?} {:?}",
+                        idx.kind(), idx.size(), val.kind(), val.size()
+                    ));
+                }
+                let (sorted, _) = idx.sort(0, false);
+                let (lo, hi) = (sorted.int64_value(&[0]), sorted.int64_value(&[k - 1]));
+                let unique = k == 1
+                    || bool::try_from(
+                        sorted
+                            .diff(1, 0, None::<Tensor>, None::<Tensor>)
+                            .gt(0)
+                            .all(),
+                    )
+                    .unwrap_or(false);
+                if lo < 0 || hi >= numel || !unique {
+                    return Err(format!("indices must be unique and in 0..{numel}"));
+                }
+                Ok(Compressed::Sparse(Sparse { idx, val }))
+            }
+            WireForm::Quantized { bits } => {
+                let (codes, scale) = (first, second);
+                let (groups, bytes) = quantized_sizes(numel, bits);
+                if codes.kind() != Kind::Uint8
+                    || codes.size() != [bytes]
+                    || scale.kind() != Kind::BFloat16
+                    || scale.size() != [groups]
+                {
+                    return Err(format!(
+                        "expected {bytes} uint8 codes and {groups} bf16 scales ({bits}-bit), got {:?} {:?} and {:?} {:?}",
+                        codes.kind(), codes.size(), scale.kind(), scale.size()
+                    ));
+                }
+                // Negative scales would let one code mean two values; a NaN shows in the norm.
+                if groups > 0 && scale.min().double_value(&[]) < 0.0 {
+                    return Err("has a negative scale".into());
+                }
+                Ok(Compressed::Quantized(Quantized { codes, scale, bits }))
+            }
+            WireForm::Values | WireForm::Bf16Delta => {
+                Err(format!("{form:?} sends no compressed deltas"))
+            }
+        }
+    }
+
+    /// The L2 norm of `f32(self)` (fp32 scalar), without decoding it.
+    pub fn norm(&self) -> Tensor {
+        match self {
+            Compressed::Sparse(s) => s.val.norm(),
+            Compressed::Quantized(q) => q.norm(),
+        }
+    }
+
+    fn map(&self, f: impl Fn(&Tensor) -> Tensor) -> Compressed {
+        match self {
+            Compressed::Sparse(s) => Compressed::Sparse(s.map(f)),
+            Compressed::Quantized(q) => Compressed::Quantized(q.map(f)),
+        }
+    }
+
     /// A shallow copy (the same storage).
     pub fn share(&self) -> Compressed {
-        match self {
-            Compressed::Sparse(s) => Compressed::Sparse(s.share()),
-            Compressed::Quantized(q) => Compressed::Quantized(Quantized {
-                codes: q.codes.shallow_clone(),
-                scale: q.scale.shallow_clone(),
-                bits: q.bits,
-            }),
-        }
+        self.map(Tensor::shallow_clone)
     }
 
     /// The device its tensors are on.
@@ -379,17 +467,7 @@ impl Compressed {
 
     /// A deep copy (its own storage).
     pub fn copy(&self) -> Compressed {
-        match self {
-            Compressed::Sparse(s) => Compressed::Sparse(Sparse {
-                idx: s.idx.copy(),
-                val: s.val.copy(),
-            }),
-            Compressed::Quantized(q) => Compressed::Quantized(Quantized {
-                codes: q.codes.copy(),
-                scale: q.scale.copy(),
-                bits: q.bits,
-            }),
-        }
+        self.map(Tensor::copy)
     }
 
     /// In place: `base ← base + f32(self)`, the one formula the server and every node use.

@@ -5,9 +5,7 @@
 //! Uploads are folded into running sums as they arrive, so the server holds one model's worth of
 //! accumulators however many nodes there are.
 
-use crate::delta::{
-    self, quantized_sizes, sparse_k, split_wire_name, Compressed, WireForm, WirePart,
-};
+use crate::delta::{split_wire_name, Compressed, WireForm};
 use crate::ownership::Ownership;
 use anyhow::{bail, Result};
 use serde::Serialize;
@@ -247,9 +245,14 @@ pub fn validate(
     })
 }
 
-/// Whether every value of `t` is finite. A finite sum proves it at a fifth of the cost of
-/// `isfinite().all()`; only a sum that is not (a NaN, an infinity, or an overflow) needs the
-/// exact check.
+/// `t` as fp32 in storage of its own (a copy even when it already is fp32).
+fn own_f32(t: &Tensor) -> Tensor {
+    t.to_dtype(Kind::Float, false, true)
+}
+
+/// Whether every value of `t` is finite. A finite sum proves it at a twentieth of the cost of
+/// `isfinite().all()` (0.7 against 16.6 ms for 6 M values here); only a sum that is not (a NaN,
+/// an infinity, or an overflow) needs the exact check.
 pub(crate) fn all_finite(t: &Tensor) -> bool {
     t.sum(t.kind()).double_value(&[]).is_finite()
         || bool::try_from(t.isfinite().all()).unwrap_or(false)
@@ -409,20 +412,12 @@ impl Aggregator {
                             let wide = self.scratch.widen(&t);
                             let _ = sum.g_add_(&wide);
                         }
-                        None if t.kind() == Kind::Float => {
-                            self.sums.insert(name.clone(), t.copy());
-                        }
                         None => {
-                            self.sums.insert(name.clone(), t.to_kind(Kind::Float));
+                            self.sums.insert(name.clone(), own_f32(&t));
                         }
                     }
                 } else {
-                    let wide = if t.kind() == Kind::Float {
-                        t.copy()
-                    } else {
-                        t.to_kind(Kind::Float)
-                    };
-                    self.kept.entry(name.clone()).or_default().push(wide);
+                    self.kept.entry(name.clone()).or_default().push(own_f32(&t));
                 }
             }
         });
@@ -530,11 +525,9 @@ pub fn validate_compressed(
     form: WireForm,
     max_rms: Option<f64>,
 ) -> std::result::Result<Vec<(String, Compressed)>, String> {
-    let (first, second) = match form {
-        WireForm::Sparse { .. } => (WirePart::Idx, WirePart::Val),
-        WireForm::Quantized { .. } => (WirePart::Codes, WirePart::Scale),
-        _ => unreachable!("validate_compressed is called for lossy wires only"),
-    };
+    let (first, second) = form
+        .parts()
+        .expect("validate_compressed is called for lossy wires only");
     let mut parts: HashMap<String, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
     for (wire, t) in upload {
         let place = match split_wire_name(&wire) {
@@ -578,17 +571,9 @@ pub fn validate_compressed(
             ));
         };
         let numel: i64 = shape.iter().product();
-        let c = match form {
-            WireForm::Quantized { bits } => check_quantized(name, numel, bits, a, b)?,
-            WireForm::Sparse { density } => check_sparse(name, numel, density, a, b)?,
-            _ => unreachable!(),
-        };
-        let norm = match &c {
-            Compressed::Sparse(s) => s.val.norm(),
-            Compressed::Quantized(q) => q.norm(),
-        }
-        .to_kind(Kind::Double)
-        .double_value(&[]);
+        let c = Compressed::from_parts(form, numel, a, b)
+            .map_err(|e| format!("tensor `{name}`: {e}"))?;
+        let norm = c.norm().to_kind(Kind::Double).double_value(&[]);
         if !norm.is_finite() {
             return Err(format!("tensor `{name}` holds non-finite values"));
         }
@@ -601,72 +586,6 @@ pub fn validate_compressed(
         out.push((name.clone(), c));
     }
     Ok(out)
-}
-
-fn check_sparse(
-    name: &str,
-    numel: i64,
-    density: f64,
-    idx: Tensor,
-    val: Tensor,
-) -> std::result::Result<Compressed, String> {
-    let k = sparse_k(numel, density);
-    if idx.kind() != Kind::Int
-        || idx.size() != [k]
-        || val.kind() != Kind::BFloat16
-        || val.size() != [k]
-    {
-        return Err(format!(
-            "tensor `{name}`: expected {k} int32 indices and {k} bf16 values, got {:?} {:?} and {:?} {:?}",
-            idx.kind(), idx.size(), val.kind(), val.size()
-        ));
-    }
-    let (sorted, _) = idx.sort(0, false);
-    let lo = sorted.int64_value(&[0]);
-    let hi = sorted.int64_value(&[k - 1]);
-    let unique = k == 1
-        || bool::try_from(
-            sorted
-                .diff(1, 0, None::<Tensor>, None::<Tensor>)
-                .gt(0)
-                .all(),
-        )
-        .unwrap_or(false);
-    if lo < 0 || hi >= numel || !unique {
-        return Err(format!(
-            "tensor `{name}`: indices must be unique and in 0..{numel}"
-        ));
-    }
-    Ok(Compressed::Sparse(delta::Sparse { idx, val }))
-}
-
-fn check_quantized(
-    name: &str,
-    numel: i64,
-    bits: u8,
-    codes: Tensor,
-    scale: Tensor,
-) -> std::result::Result<Compressed, String> {
-    let (groups, bytes) = quantized_sizes(numel, bits);
-    if codes.kind() != Kind::Uint8
-        || codes.size() != [bytes]
-        || scale.kind() != Kind::BFloat16
-        || scale.size() != [groups]
-    {
-        return Err(format!(
-            "tensor `{name}`: expected {bytes} uint8 codes and {groups} bf16 scales ({bits}-bit), got {:?} {:?} and {:?} {:?}",
-            codes.kind(), codes.size(), scale.kind(), scale.size()
-        ));
-    }
-    // Negative scales would let one code mean two values; NaN fails the norm check after.
-    if groups > 0 && scale.min().double_value(&[]) < 0.0 {
-        return Err(format!("tensor `{name}` has a negative scale"));
-    }
-    Ok(Compressed::Quantized(delta::Quantized {
-        codes,
-        scale,
-        bits,
-    }))
 }
 
 /// Trimmed mean or median of equally shaped tensors, per element.

@@ -109,14 +109,7 @@ impl Snapshot {
             tch::no_grad(|| {
                 named
                     .iter()
-                    .map(|(n, t)| {
-                        let c = if t.device() == Device::Cpu {
-                            t.copy()
-                        } else {
-                            t.to_device(Device::Cpu)
-                        };
-                        (n.clone(), c)
-                    })
+                    .map(|(n, t)| (n.clone(), t.to_device_(Device::Cpu, t.kind(), false, true)))
                     .collect()
             })
         };
