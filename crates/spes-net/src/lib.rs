@@ -45,6 +45,19 @@ pub fn scope_of(cfg: &spes_train::RunConfig) -> anyhow::Result<spes_sync::Scope>
     })
 }
 
+/// The server's outer optimizer rules of the run's `sync.outer_*` and `sync.expert_outer_*`.
+pub fn outer_rules(sync: &spes_train::SyncConfig) -> spes_sync::OuterRules {
+    let rule = |lr, momentum| spes_sync::OuterRule {
+        lr,
+        momentum,
+        nesterov: sync.outer_nesterov,
+    };
+    spes_sync::OuterRules {
+        averaged: rule(sync.outer_lr, sync.outer_momentum),
+        owned: rule(sync.expert_outer_lr, sync.expert_outer_momentum),
+    }
+}
+
 /// The wire form of the run's `sync.wire`, as spes-sync validates and publishes it.
 pub fn wire_form(sync: &spes_train::SyncConfig) -> spes_sync::WireForm {
     use spes_sync::WireForm;

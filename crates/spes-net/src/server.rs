@@ -115,6 +115,16 @@ struct PublishedRound {
     /// Delta wire: the round's bf16 deltas from the round before, as files a fetch streams.
     #[serde(default)]
     parts: Vec<DeltaPart>,
+    /// What the coordinator carries into the next round (outer momenta, lossy residuals).
+    #[serde(default)]
+    carried: Option<CarriedFile>,
+}
+
+/// The file of a round's carried state.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct CarriedFile {
+    file: String,
+    xxh3: String,
 }
 
 /// One file of a round's published delta.
@@ -239,6 +249,8 @@ struct Publication<'a> {
     record: serde_json::Value,
     /// Delta wire: what the round publishes (none for round 0).
     delta: Option<&'a RoundDelta>,
+    /// [`Coordinator::carried`] after the round.
+    carried: Named,
 }
 
 impl State {
@@ -260,6 +272,20 @@ impl State {
         };
         // The whole fp32 model: the restart point, and what a node without round − 1 fetches.
         let (bytes, xxh3) = payload::write(&path, p.global, tch::Kind::Float)?;
+        let carried = if p.carried.is_empty() {
+            None
+        } else {
+            let file = format!("round-{:06}.carried.safetensors", p.round);
+            let (_, x) = payload::write(
+                &self.out.join("global").join(&file),
+                &p.carried,
+                tch::Kind::Float,
+            )?;
+            Some(CarriedFile {
+                file,
+                xxh3: hex_of(x),
+            })
+        };
         fault::point("publish", p.round);
         let every = self.cfg.sync.checkpoint_every_rounds;
         if p.round.is_multiple_of(every) || p.round == self.final_round {
@@ -278,6 +304,7 @@ impl State {
             owners: p.next.owners(),
             members: p.next.members().into_iter().collect(),
             parts,
+            carried,
         };
         {
             let mut st = self.progress.lock().unwrap();
@@ -743,6 +770,8 @@ struct Opened {
     /// The tensors this server (shard) owns.
     layout: Layout,
     global: Named,
+    /// The newest round's [`Coordinator::carried`].
+    carried: Named,
     progress: ServerState,
     fresh: bool,
 }
@@ -781,7 +810,17 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
             let loaded = intact
                 .then(|| payload::read(&path).and_then(|named| in_layout(&layout, named, &path)))
                 .and_then(Result::ok);
-            if let Some(global) = loaded {
+            let carried = match &newest.carried {
+                None => Some(Vec::new()),
+                Some(c) => {
+                    let path = opts.out.join("global").join(&c.file);
+                    let intact = payload::digest(&path)
+                        .ok()
+                        .is_some_and(|(_, x)| hex_of(x) == c.xxh3);
+                    intact.then(|| payload::read(&path).ok()).flatten()
+                }
+            };
+            if let (Some(global), Some(carried)) = (loaded, carried) {
                 tracing::info!(
                     "resuming after round {} from {}",
                     newest.round,
@@ -791,6 +830,7 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
                     model,
                     layout,
                     global,
+                    carried,
                     progress: st,
                     fresh: false,
                 });
@@ -798,7 +838,7 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
             st.rounds.pop();
             st.record = json!({});
             tracing::error!(
-                "{} is missing or corrupt; falling back to the round before it",
+                "{} or its carried state is missing or corrupt; falling back to the round before it",
                 path.display()
             );
             st.save(&opts.out)?;
@@ -828,6 +868,7 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
         model,
         layout,
         global,
+        carried: Vec::new(),
         progress: st,
         fresh: true,
     })
@@ -888,6 +929,7 @@ fn rules_of(cfg: &RunConfig) -> RoundRules {
         max_update_rms: (s.max_update_factor > 0.0)
             .then_some(s.max_update_factor * s.sync_steps as f64 * cfg.train.lr),
         wire: crate::wire_form(s),
+        outer: crate::outer_rules(s),
     }
 }
 
@@ -952,6 +994,7 @@ fn run_closer(
                     report,
                     global,
                     delta,
+                    coord.carried(),
                     coord.scope().clone(),
                     coord.gone().clone(),
                     t0.elapsed().as_secs_f64(),
@@ -960,7 +1003,7 @@ fn run_closer(
                 None
             }
         };
-        if let Some((report, global, delta, next, gone, aggregation_s)) = closed {
+        if let Some((report, global, delta, carried, next, gone, aggregation_s)) = closed {
             let tokens = s.progress.lock().unwrap().newest().tokens
                 + report.peers.len() as u64 * s.cfg.sync.sync_steps * s.cfg.tokens_per_step();
             let io = {
@@ -979,6 +1022,7 @@ fn run_closer(
                 gone: &gone,
                 record: record.clone(),
                 delta: delta.as_ref(),
+                carried,
             };
             let mut pause = Duration::from_millis(500);
             while let Err(e) = s.publish(&publication) {
@@ -1104,17 +1148,21 @@ pub async fn serve(
     if progress.initial_val_loss.is_none() {
         progress.initial_val_loss = logged.as_ref().and_then(|l| l.initial_val_loss);
     }
+    let mut coord = Coordinator::new(
+        layout.clone(),
+        scope.clone(),
+        rules_of(&cfg),
+        shallow(&opened.global),
+        published_round,
+        gone,
+        0.0,
+    );
+    coord
+        .restore_carried(opened.carried)
+        .map_err(|e| anyhow::anyhow!("round {published_round}'s carried state: {e}"))?;
     let state = Arc::new(State {
         final_round: cfg.train.max_steps / cfg.sync.sync_steps,
-        coord: Mutex::new(Coordinator::new(
-            layout.clone(),
-            scope.clone(),
-            rules_of(&cfg),
-            shallow(&opened.global),
-            published_round,
-            gone,
-            0.0,
-        )),
+        coord: Mutex::new(coord),
         layout,
         limits: opts.limits,
         cfg: cfg.clone(),
@@ -1140,6 +1188,7 @@ pub async fn serve(
             gone: &BTreeSet::new(),
             record: record.clone(),
             delta: None,
+            carried: Vec::new(),
         })?;
         let _ = score_tx.send(ScoreJob {
             step: 0,

@@ -9,6 +9,7 @@
 //! the next round's ownership is rebalanced over the new members ([`Scope::with_members`]).
 
 use crate::delta::{self, RoundDelta, WireForm};
+use crate::outer::{OuterRules, OuterState, Source};
 use crate::round::{
     all_finite, merge_experts, validate, validate_compressed, validate_delta, Aggregator, Combine,
     Combined, Layout, MergeEvent, MergeSchedule, Named, Scope,
@@ -40,6 +41,8 @@ pub struct RoundRules {
     pub max_update_rms: Option<f64>,
     /// What uploads and published rounds carry ([`crate::delta`]).
     pub wire: WireForm,
+    /// The outer optimizer applied to each round's change ([`crate::outer`]).
+    pub outer: OuterRules,
 }
 
 /// Why the coordinator refused a call. The server maps each to one gRPC status whose details
@@ -130,7 +133,21 @@ pub struct Coordinator {
     last_delta: Option<RoundDelta>,
     /// Sparse wire: what the published deltas have not carried yet, per tensor (fp32).
     residual: HashMap<String, Tensor>,
+    outer: OuterState,
 }
+
+/// What a close computes before it is accepted.
+struct Closing {
+    global: Named,
+    merges: Vec<MergeEvent>,
+    /// Delta wire: what the round publishes.
+    published: Option<RoundDelta>,
+    /// The outer optimizer's new momenta, kept only if the round is.
+    momenta: Named,
+}
+
+const MOMENTUM: &str = "momentum/";
+const RESIDUAL: &str = "residual/";
 
 impl Coordinator {
     /// Starts after `published` rounds, with `global` the model published last and `scope` the
@@ -162,6 +179,7 @@ impl Coordinator {
             agg: Aggregator::new(scope, rules.combine),
             last_delta: None,
             residual: HashMap::new(),
+            outer: OuterState::default(),
             layout,
             rules,
             round: published + 1,
@@ -196,6 +214,58 @@ impl Coordinator {
     /// Evicted peers (persisted, so a restart remembers them).
     pub fn gone(&self) -> &BTreeSet<usize> {
         &self.gone
+    }
+
+    /// What the server carries from round to round besides the model, for its restart point:
+    /// the outer optimizer's momenta (`momentum/<name>`) and the lossy wires' residuals
+    /// (`residual/<name>`), fp32.
+    pub fn carried(&self) -> Named {
+        let mut residual: Named = self
+            .residual
+            .iter()
+            .map(|(n, t)| (format!("{RESIDUAL}{n}"), t.shallow_clone()))
+            .collect();
+        residual.sort_by(|a, b| a.0.cmp(&b.0));
+        let momenta = self.outer.state().into_iter();
+        momenta
+            .map(|(n, t)| (format!("{MOMENTUM}{n}"), t))
+            .chain(residual)
+            .collect()
+    }
+
+    /// Restores what [`Coordinator::carried`] returned, or says which entry does not fit this
+    /// layout (and restores nothing).
+    pub fn restore_carried(&mut self, named: Named) -> Result<(), String> {
+        let mut momenta = Vec::new();
+        let mut residual = HashMap::new();
+        for (key, t) in named {
+            let (kind, name) = [MOMENTUM, RESIDUAL]
+                .into_iter()
+                .find_map(|p| key.strip_prefix(p).map(|n| (p, n.to_owned())))
+                .ok_or_else(|| format!("`{key}` is neither {MOMENTUM}… nor {RESIDUAL}…"))?;
+            let shape = self
+                .layout
+                .entries
+                .iter()
+                .find(|(n, _, _)| *n == name)
+                .map(|(_, _, s)| s)
+                .ok_or_else(|| format!("`{key}`: this server holds no tensor `{name}`"))?;
+            if t.size() != *shape || t.kind() != Kind::Float {
+                return Err(format!(
+                    "`{key}` is {:?} {:?}, expected Float {shape:?}",
+                    t.kind(),
+                    t.size()
+                ));
+            }
+            if kind == MOMENTUM {
+                momenta.push((name, t));
+            } else {
+                residual.insert(name, t);
+            }
+        }
+        self.outer.restore(momenta);
+        self.residual = residual;
+        Ok(())
     }
 
     /// Members of the open round whose lease is current.
@@ -390,15 +460,26 @@ impl Coordinator {
             .collect();
         let step = self.round * self.rules.sync_steps;
         let mut merge_alpha = self.rules.merge.and_then(|m| m.alpha(step));
-        let (global, mut merges, published) = if self.rules.wire != WireForm::Values {
+        let Closing {
+            global,
+            mut merges,
+            published,
+            momenta,
+        } = if self.rules.wire != WireForm::Values {
             self.close_deltas(agg.finish_deltas(), merge_alpha)
         } else {
             let mut global = agg.finish(&self.layout, &self.global);
+            let momenta = self.outer_values(&mut global, &scope);
             let merges = match (merge_alpha, self.rules.merge) {
                 (Some(a), Some(m)) => merge_experts(&mut global, &self.layout, m.top_k, a),
                 _ => Vec::new(),
             };
-            (global, merges, None)
+            Closing {
+                global,
+                merges,
+                published: None,
+                momenta,
+            }
         };
         // The published delta decides the model (base + delta, base finite): check it alone.
         let changed = published.as_ref().map_or(&global, |p| &p.delta);
@@ -412,6 +493,7 @@ impl Coordinator {
         } else {
             self.global = global;
             self.last_delta = published;
+            self.outer.commit(momenta);
         }
 
         let expired = |p: &usize| {
@@ -473,34 +555,33 @@ impl Coordinator {
     /// is its change encoded for the wire: the combined delta, or, on merge rounds, the merged
     /// value minus the base. Either way the model is the base plus the published delta, computed
     /// as every node computes it.
-    fn close_deltas(
-        &mut self,
-        combined: Combined,
-        merge_alpha: Option<f64>,
-    ) -> (Named, Vec<MergeEvent>, Option<RoundDelta>) {
+    fn close_deltas(&mut self, combined: Combined, merge_alpha: Option<f64>) -> Closing {
         let Combined {
             mut averaged,
             mut owned,
             mut owned_compressed,
         } = combined;
         let merge = merge_alpha.zip(self.rules.merge);
+        // An owner's expert is published as sent unless the server changes it.
+        let verbatim = merge.is_none() && self.rules.outer.owned.is_average();
         let mut out = RoundDelta::default();
+        let mut momenta = Vec::new();
         // The next model, starting from the base, and each tensor's fp32 change still to encode.
         let mut next: Named = Vec::with_capacity(self.global.len());
         let mut changes: Vec<Option<Tensor>> = Vec::with_capacity(self.global.len());
         for (name, base) in &self.global {
             let mut value = base.shallow_clone();
-            let mut change = averaged.remove(name);
+            let mut change = averaged.remove(name).map(|c| (Source::Averaged, c));
             if let Some((peer, d)) = owned.remove(name) {
-                if merge.is_none() {
+                if verbatim {
                     value = delta::apply(base, &d);
                     out.verbatim.entry(peer).or_default().push(name.clone());
                     out.delta.push((name.clone(), d));
                 } else {
-                    change = Some(d.to_kind(Kind::Float));
+                    change = Some((Source::Owned, d.to_kind(Kind::Float)));
                 }
             } else if let Some((peer, c)) = owned_compressed.remove(name) {
-                if merge.is_none() {
+                if verbatim {
                     value = base.copy();
                     c.apply_(&mut value);
                     let wire = c.into_wire(name);
@@ -508,9 +589,18 @@ impl Coordinator {
                     out.verbatim.entry(peer).or_default().extend(names);
                     out.delta.extend(wire);
                 } else {
-                    change = Some(c.dense(base));
+                    change = Some((Source::Owned, c.dense(base)));
                 }
             }
+            let change = change.map(|(source, c)| {
+                let rule = self.rules.outer.of(source);
+                if rule.is_average() {
+                    return c;
+                }
+                let step = self.outer.step(name, rule, c);
+                momenta.extend(step.momentum.map(|m| (name.clone(), m)));
+                step.change
+            });
             next.push((name.clone(), value));
             changes.push(change);
         }
@@ -563,7 +653,35 @@ impl Coordinator {
                 }
             };
         }
-        (next, merges, Some(out))
+        Closing {
+            global: next,
+            merges,
+            published: Some(out),
+            momenta,
+        }
+    }
+
+    /// The fp32 wire's outer step: every tensor the round changed becomes the base plus its
+    /// outer step; returns the new momenta.
+    fn outer_values(&self, global: &mut Named, scope: &Scope) -> Named {
+        let mut momenta = Vec::new();
+        for (((name, role, _), (_, value)), (_, base)) in
+            self.layout.entries.iter().zip(global).zip(&self.global)
+        {
+            let source = if scope.averaged(*role) {
+                Source::Averaged
+            } else {
+                Source::Owned
+            };
+            let rule = self.rules.outer.of(source);
+            if rule.is_average() || value.data_ptr() == base.data_ptr() {
+                continue;
+            }
+            let step = self.outer.step(name, rule, &*value - base);
+            *value = base + step.change;
+            momenta.extend(step.momentum.map(|m| (name.clone(), m)));
+        }
+        momenta
     }
 }
 

@@ -112,7 +112,7 @@ impl Scope {
     }
 
     /// Whether the server averages this parameter over nodes (else: takes the owner's copy).
-    fn averaged(&self, role: Role) -> bool {
+    pub fn averaged(&self, role: Role) -> bool {
         matches!((self, role), (Scope::Diloco { .. }, _) | (_, Role::Shared))
     }
 

@@ -1,7 +1,7 @@
 use spes_model::{expert_tensor_name, ModelConfig, MoeModel, NormPlacement, QkNorm, Role};
 use spes_sync::{
     delta, merge_experts, validate, Aggregator, Combine, Coordinator, Layout, MergeSchedule, Named,
-    Ownership, RoundError, RoundRules, Scope, Standing, WireForm,
+    OuterRule, OuterRules, Ownership, RoundError, RoundRules, Scope, Standing, WireForm,
 };
 use std::collections::BTreeSet;
 use tch::{Device, Kind, Tensor};
@@ -296,6 +296,7 @@ fn rules() -> RoundRules {
         combine: Combine::Mean,
         max_update_rms: None,
         wire: WireForm::Values,
+        outer: OuterRules::AVERAGE,
     }
 }
 
@@ -919,5 +920,135 @@ fn quantized_deltas_keep_the_global_bit_identical_and_carry_the_rest_over() {
             behind.iter().all(|b| *b < limit) && behind[3] < 2.0 * behind[0],
             "{bits} bits: the global lags the nodes by {behind:?}"
         );
+    }
+}
+
+/// Round 1 and 2 of a 2-node run where node 0 uploads 1.0 and node 1 uploads 3.0 everywhere.
+fn outer_round(c: &mut Coordinator, layout: &Layout, wire: WireForm, now: f64) {
+    for peer in 0..2 {
+        c.join(peer, 100 + peer as u64, false, now).unwrap();
+    }
+    if wire == WireForm::Values {
+        up(c, layout, 0, 1.0, now).unwrap();
+        up(c, layout, 1, 3.0, now).unwrap();
+    } else {
+        for (peer, v) in [(0usize, 1.0), (1, 3.0)] {
+            let round = c.round();
+            let base = copy(c.global().0);
+            let wire: Named = upload(layout, c.scope(), peer, v)
+                .into_iter()
+                .map(|(n, t)| {
+                    let d = delta::encode(&t, get(&base, &n));
+                    (n, d)
+                })
+                .collect();
+            c.upload(peer, 100 + peer as u64, round, wire, now).unwrap();
+        }
+    }
+    c.close(now + 0.5);
+}
+
+#[test]
+fn the_outer_optimizer_steps_each_change_with_momentum_and_survives_a_restart() {
+    let m = model(1, 4);
+    let layout = Layout::of(&m);
+    let outer = OuterRules {
+        averaged: OuterRule {
+            lr: 0.5,
+            momentum: 0.5,
+            nesterov: true,
+        },
+        owned: OuterRule {
+            lr: 2.0,
+            momentum: 0.0,
+            nesterov: true,
+        },
+    };
+    let theta0 = snapshot(&m);
+    let shared = "model.embed_tokens.weight";
+    let expert = expert_tensor_name(0, 0, "gate_proj"); // node 0's
+    for wire in [WireForm::Values, WireForm::Bf16Delta] {
+        let r = RoundRules {
+            merge: None,
+            wire,
+            outer,
+            ..rules()
+        };
+        let mut c = coordinator(&m, 2, r, 0.0);
+        outer_round(&mut c, &layout, wire, 1.0);
+        let g1 = copy(c.global().0);
+        // Δ = mean − θ0 = 2 − θ0; Nesterov: θ0 + lr·(Δ + μ·Δ) = θ0 + 0.75·Δ.
+        let t0 = get(&theta0, shared);
+        let want = t0 + (t0.neg() + 2.0) * 0.75;
+        // bf16 uploads of changes near 2 are exact to ~1 %.
+        let tol = if wire == WireForm::Values { 1e-5 } else { 2e-2 };
+        let close = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]) < tol;
+        assert!(close(get(&g1, shared), &want), "{wire:?}: shared round 1");
+        // The owner's change 1 − θ0, doubled.
+        let e0 = get(&theta0, &expert);
+        assert!(close(get(&g1, &expert), &(e0 + (e0.neg() + 1.0) * 2.0)));
+        if wire == WireForm::Bf16Delta {
+            let published = c.delta().unwrap();
+            assert!(
+                published.verbatim.is_empty(),
+                "the server changed the experts"
+            );
+            let mut node = copy(&theta0);
+            apply_published(&mut node, published, &Vec::new());
+            for ((name, a), (_, b)) in node.iter().zip(c.global().0) {
+                assert!(
+                    a.equal(b),
+                    "{name}: a node's model differs from the server's"
+                );
+            }
+        }
+        let carried = c.carried();
+        assert!(carried.iter().all(|(n, _)| n.starts_with("momentum/")));
+        assert!(carried
+            .iter()
+            .any(|(n, _)| *n == format!("momentum/{shared}")));
+        assert!(
+            !carried.iter().any(|(n, _)| n.contains(".experts.")),
+            "no momentum kept for μ = 0"
+        );
+        // A restarted server resumes with the momenta; one without them steps differently.
+        let scope = c.scope().clone();
+        let restart = |restore: bool| {
+            let mut d = Coordinator::new(
+                layout.clone(),
+                scope.clone(),
+                r,
+                copy(&g1),
+                1,
+                BTreeSet::new(),
+                2.0,
+            );
+            if restore {
+                d.restore_carried(copy(&carried)).unwrap();
+            }
+            outer_round(&mut d, &layout, wire, 2.0);
+            copy(d.global().0)
+        };
+        let (resumed, forgot) = (restart(true), restart(false));
+        outer_round(&mut c, &layout, wire, 2.0);
+        for ((name, a), (_, b)) in c.global().0.iter().zip(&resumed) {
+            assert!(a.equal(b), "{wire:?}: `{name}` differs after a restart");
+        }
+        assert!(!get(&forgot, shared).equal(get(c.global().0, shared)));
+        // Round 2: Δ2 = 2 − θ1, m2 = μ·Δ1 + Δ2, θ2 = θ1 + lr·(Δ2 + μ·m2).
+        let t1 = get(&g1, shared);
+        let (d1, d2) = (t0.neg() + 2.0, t1.neg() + 2.0);
+        let m2 = &d1 * 0.5 + &d2;
+        let want2 = t1 + (&d2 + m2 * 0.5) * 0.5;
+        assert!(
+            close(get(c.global().0, shared), &want2),
+            "{wire:?}: round 2"
+        );
+        let mut bad = c.carried();
+        bad[0].0 = "momentum/no.such.tensor".into();
+        assert!(c
+            .restore_carried(bad)
+            .unwrap_err()
+            .contains("no.such.tensor"));
     }
 }

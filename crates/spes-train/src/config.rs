@@ -131,6 +131,18 @@ pub struct SyncConfig {
     pub merge_alpha: f64,
     pub merge_until: u64,
     pub merge_top_k: usize,
+    /// The server's outer optimizer on each round's change of the averaged (shared) tensors,
+    /// DiLoCo's `θ ← θ + lr·(Δ + μ·m)` with `m ← μ·m + Δ` (spes-sync's `outer`): learning rate,
+    /// momentum μ in [0, 1), and Nesterov (else heavy-ball `θ ← θ + lr·m`). lr 1 with μ 0 is
+    /// the plain average of the published algorithm.
+    pub outer_lr: f64,
+    pub outer_momentum: f64,
+    pub outer_nesterov: bool,
+    /// The same for each expert's change, taken from its owner (SPES mode; DiLoCo averages
+    /// experts under the `outer_*` rule). Anything but lr 1 with μ 0 makes every owner download
+    /// its experts back, since the server changes them.
+    pub expert_outer_lr: f64,
+    pub expert_outer_momentum: f64,
     /// Decayed load balancing (SPES.md §6): a node scales its own experts' counts by γ rising
     /// linearly from `decayed_lb_start` to 1 over the first `decayed_lb_fraction` of training.
     pub decayed_lb: bool,
@@ -167,6 +179,11 @@ impl Default for SyncConfig {
             merge_alpha: 0.01,
             merge_until: 10_000,
             merge_top_k: 4,
+            outer_lr: 1.0,
+            outer_momentum: 0.0,
+            outer_nesterov: true,
+            expert_outer_lr: 1.0,
+            expert_outer_momentum: 0.0,
             decayed_lb: false,
             decayed_lb_start: 0.7,
             decayed_lb_fraction: 0.2,
@@ -375,6 +392,21 @@ impl RunConfig {
                     "sync.max_update_factor must be ≥ 0 (0 disables the check), got {}",
                     s.max_update_factor
                 );
+            }
+            for (key, lr, momentum) in [
+                ("sync.outer", s.outer_lr, s.outer_momentum),
+                (
+                    "sync.expert_outer",
+                    s.expert_outer_lr,
+                    s.expert_outer_momentum,
+                ),
+            ] {
+                if !(lr > 0.0 && lr.is_finite()) {
+                    bail!("{key}_lr must be a positive number, got {lr}");
+                }
+                if !(0.0..1.0).contains(&momentum) {
+                    bail!("{key}_momentum must be in [0, 1), got {momentum}");
+                }
             }
             if !(s.sparse_density > 0.0 && s.sparse_density <= 0.3) {
                 bail!(
