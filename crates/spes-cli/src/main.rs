@@ -2,6 +2,7 @@
 
 mod demo;
 mod device;
+mod experiment;
 mod link_bench;
 mod plan_sync;
 mod report;
@@ -376,6 +377,18 @@ enum Command {
         #[arg(long)]
         link: Option<spes_net::link::LinkSpec>,
     },
+    /// Run named variants of one config (centralized, SPES, DiLoCo, overrides) on the same data
+    /// and tokens for several seeds, one after another on loopback, and write a table and a
+    /// plot of their validation loss (experiments/tiny-ablation.toml). Resumes.
+    Experiment {
+        /// The experiment spec (TOML).
+        #[arg(long)]
+        spec: PathBuf,
+        #[arg(long, default_value = "runs/experiment")]
+        out: PathBuf,
+        #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+        device: DeviceChoice,
+    },
     /// What a round costs on given links, for every wire option: a discrete-event model of
     /// compute, uploads and downloads over per-node links and the server's shared link.
     PlanSync(plan_sync::Args),
@@ -429,24 +442,7 @@ fn eval(
         .map(|(n, t)| (n, t.to_device(device)))
         .collect();
     model.load(&named, &checkpoint.display().to_string())?;
-    let manifest = spes_data::Manifest::load(&cfg.data.path).ok();
-    let tok_path = match (tokenizer, &manifest) {
-        (Some(t), _) => t.to_owned(),
-        (None, Some(m)) => cfg.data.path.join(&m.tokenizer),
-        (None, None) => anyhow::bail!(
-            "the checkpoint's data directory {} is gone; pass --tokenizer",
-            cfg.data.path.display()
-        ),
-    };
-    let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
-        .map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", tok_path.display()))?;
-    let sc = spes_eval::Scoring {
-        tokenizer,
-        eos: manifest.map_or(0, |m| m.eos_id),
-        ctx: cfg.train.seq_len,
-        batch,
-        device,
-    };
+    let sc = scoring(cfg, tokenizer, batch, device)?;
     if let Some(path) = text {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
@@ -460,6 +456,34 @@ fn eval(
         results.push(spes_eval::score_task(&model, &sc, &task, limit, true)?);
     }
     Ok(serde_json::json!({ "tasks": results }))
+}
+
+/// How a model of `cfg` is scored: its training data's tokenizer (or `tokenizer`) and
+/// windows of its training context.
+fn scoring(
+    cfg: &RunConfig,
+    tokenizer: Option<&Path>,
+    batch: usize,
+    device: tch::Device,
+) -> Result<spes_eval::Scoring> {
+    let manifest = spes_data::Manifest::load(&cfg.data.path).ok();
+    let tok_path = match (tokenizer, &manifest) {
+        (Some(t), _) => t.to_owned(),
+        (None, Some(m)) => cfg.data.path.join(&m.tokenizer),
+        (None, None) => anyhow::bail!(
+            "the checkpoint's data directory {} is gone; pass --tokenizer",
+            cfg.data.path.display()
+        ),
+    };
+    let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
+        .map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", tok_path.display()))?;
+    Ok(spes_eval::Scoring {
+        tokenizer,
+        eos: manifest.map_or(0, |m| m.eos_id),
+        ctx: cfg.train.seq_len,
+        batch,
+        device,
+    })
 }
 
 fn gen_cert(out: &Path, hosts: Vec<String>) -> Result<()> {
@@ -841,6 +865,11 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::PlanSync(args) => plan_sync::run(args)?,
         Command::BenchLink(args) => link_bench::run(args)?,
+        Command::Experiment { spec, out, device } => {
+            let name = device.to_possible_value().expect("named");
+            let dev = device::select(device)?;
+            experiment::run(&spec, &out, dev, name.get_name()).context("experiment failed")?;
+        }
         Command::Demo {
             out,
             overrides,

@@ -138,6 +138,15 @@ fn line_chart(
     draw_legend(&mut chart)
 }
 
+/// Writes one line chart of named `(tokens, loss)` series to `path`.
+pub fn loss_plot(path: &Path, title: &str, series: &[(String, Vec<(f64, f64)>)]) -> Result<()> {
+    let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_err)?;
+    line_chart(&root, title, "training tokens", "loss (nats/token)", series)?;
+    root.present().map_err(plot_err)
+}
+
 /// Writes `loss.png`, `expert_load.png` and `report.md` under `out`.
 pub fn write(out: &Path, summary: &Value, config_toml: &str) -> Result<()> {
     // Registering twice (a second report in one process) fails harmlessly.

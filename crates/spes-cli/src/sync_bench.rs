@@ -167,6 +167,7 @@ pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
             combine: Combine::Mean,
             max_update_rms: Some(1.0),
             wire: form,
+            outer: spes_sync::OuterRules::AVERAGE,
         };
         let mut coord = Coordinator::new(
             layout.clone(),

@@ -408,3 +408,89 @@ fn ctrl_c_stops_every_demo_process() {
     let left = processes_mentioning(out.to_str().unwrap());
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }
+
+/// The experiment harness on a shrunken model: a centralized and a SPES run on one token
+/// budget, scored on a held-out text; a spec whose budgets differ is refused before training.
+#[test]
+fn experiment_runs_variants_and_writes_the_table_and_plot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/spes-tiny.toml");
+    let small: Vec<String> = SMALL
+        .iter()
+        .filter(|a| **a != "--set")
+        .map(|a| format!("{a:?}"))
+        .collect();
+    let wiki = std::fs::read_to_string(shared("data/wikitext-2/valid.txt")).unwrap();
+    let held_out = tmp.path().join("held-out.txt");
+    std::fs::write(&held_out, wiki.chars().take(20_000).collect::<String>()).unwrap();
+    let spec = |centralized_steps: u32| {
+        format!(
+            r#"config = {config:?}
+seeds = [3]
+set = [{small}, "train.max_steps=4", "train.eval_every=2", "train.eval_batches=2",
+       "sync.nodes=2", "sync.sync_steps=2", "sync.merge_every=2", "sync.merge_until=4"]
+eval_texts = [{held_out:?}]
+[data]
+inputs = [{text:?}]
+vocab = 512
+[[run]]
+name = "centralized"
+set = ["sync.mode=centralized", "train.batch_size=8", "train.max_steps={centralized_steps}"]
+[[run]]
+name = "spes"
+set = ["sync.mode=spes", "sync.outer_lr=0.7", "sync.outer_momentum=0.9"]
+"#,
+            config = config.display().to_string(),
+            small = small.join(", "),
+            text = shared("data/tinyshakespeare.txt"),
+            held_out = held_out.display().to_string(),
+        )
+    };
+    let path = tmp.path().join("spec.toml");
+    let out = tmp.path().join("out");
+    let run = || {
+        spes(&[
+            "experiment",
+            "--spec",
+            path.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ])
+    };
+    std::fs::write(&path, spec(8)).unwrap();
+    let o = run();
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("run `spes` trains on 1024 tokens, `centralized` on 2048"),
+        "{}",
+        text(&o)
+    );
+    std::fs::write(&path, spec(4)).unwrap();
+    let o = run();
+    assert!(o.status.success(), "{}", text(&o));
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["ratio"], 1.0, "the baseline against itself");
+    for r in rows {
+        assert_eq!(r["tokens"], 4 * 8 * 32, "{r}");
+        let ce = r["held_out"][0]["ce"].as_f64().unwrap();
+        assert!(
+            ce > 1.0 && ce < 7.0,
+            "held-out CE of a barely trained model: {r}"
+        );
+    }
+    assert!(rows[1]["bytes_per_round"].as_f64().unwrap() > 0.0);
+    let png = std::fs::read(out.join("val_ce.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+    // Finished runs are kept: a second invocation only writes the table again.
+    let o = run();
+    assert!(
+        o.status.success() && !text(&o).contains("[1/2]"),
+        "{}",
+        text(&o)
+    );
+}
