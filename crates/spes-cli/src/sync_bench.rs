@@ -168,6 +168,7 @@ pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
             max_update_rms: Some(1.0),
             wire: form,
             outer: spes_sync::OuterRules::AVERAGE,
+            rotate_every: 0,
         };
         let mut coord = Coordinator::new(
             layout.clone(),

@@ -930,6 +930,7 @@ fn rules_of(cfg: &RunConfig) -> RoundRules {
             .then_some(s.max_update_factor * s.sync_steps as f64 * cfg.train.lr),
         wire: crate::wire_form(s),
         outer: crate::outer_rules(s),
+        rotate_every: s.rotate_every_rounds,
     }
 }
 

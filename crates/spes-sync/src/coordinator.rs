@@ -43,6 +43,8 @@ pub struct RoundRules {
     pub wire: WireForm,
     /// The outer optimizer applied to each round's change ([`crate::outer`]).
     pub outer: OuterRules,
+    /// Rotate expert ownership ([`Scope::rotated`]) after every this many rounds; 0: never.
+    pub rotate_every: u64,
 }
 
 /// Why the coordinator refused a call. The server maps each to one gRPC status whose details
@@ -523,11 +525,19 @@ impl Coordinator {
             self.gone.insert(*p);
             self.leases.remove(p);
         }
-        if next != members {
-            let scope = scope
+        let mut next_scope = if next != members {
+            scope
                 .with_members(&next)
-                .expect("members stay within 1..=experts");
-            self.agg = Aggregator::new(scope, self.rules.combine);
+                .expect("members stay within 1..=experts")
+        } else {
+            scope.clone()
+        };
+        let every = self.rules.rotate_every;
+        if every > 0 && self.round.is_multiple_of(every) {
+            next_scope = next_scope.rotated();
+        }
+        if next_scope != scope {
+            self.agg = Aggregator::new(next_scope, self.rules.combine);
         }
         let report = RoundReport {
             round: self.round,

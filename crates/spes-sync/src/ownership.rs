@@ -124,6 +124,19 @@ impl Ownership {
         Ok(Ownership { owner })
     }
 
+    /// Every expert passes to the next member in peer order (the last member's to the first),
+    /// so over `members` rotations each expert is trained on every member's data.
+    pub fn rotated(&self) -> Self {
+        let members: Vec<usize> = self.members().into_iter().collect();
+        let next = |o: usize| {
+            let i = members.iter().position(|&m| m == o).expect("an owner");
+            members[(i + 1) % members.len()]
+        };
+        Ownership {
+            owner: self.owner.iter().map(|&o| next(o)).collect(),
+        }
+    }
+
     /// The peer owning expert index `e`.
     pub fn owner_of(&self, e: usize) -> usize {
         self.owner[e]
@@ -205,5 +218,32 @@ mod tests {
         assert_eq!(j.owners().len(), 16);
         assert_eq!(j.rebalance(&j.members()).unwrap(), j);
         assert!(o.rebalance(&BTreeSet::new()).is_err());
+    }
+
+    #[test]
+    fn rotation_passes_blocks_along_and_covers_every_member() {
+        let o = Ownership::contiguous(6, 3)
+            .unwrap()
+            .rebalance(&BTreeSet::from([0, 2, 5]))
+            .unwrap();
+        let start = o.clone();
+        let mut seen: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); 6];
+        let mut r = o;
+        for _ in 0..3 {
+            for (e, s) in seen.iter_mut().enumerate() {
+                s.insert(r.owner_of(e));
+            }
+            let next = r.rotated();
+            for p in [0, 2, 5] {
+                assert_eq!(next.experts_of(p).len(), 2, "shares are kept");
+            }
+            assert_eq!(next.members(), r.members());
+            r = next;
+        }
+        assert!(seen.iter().all(|s| *s == BTreeSet::from([0, 2, 5])));
+        assert_eq!(r, start, "three rotations come back to the start");
+        let first = start.rotated();
+        assert_eq!(first.experts_of(2), start.experts_of(0));
+        assert_eq!(first.experts_of(0), start.experts_of(5));
     }
 }

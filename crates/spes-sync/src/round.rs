@@ -146,6 +146,14 @@ impl Scope {
         })
     }
 
+    /// SPES: every expert passes to the next member ([`Ownership::rotated`]); DiLoCo: the same.
+    pub fn rotated(&self) -> Scope {
+        match self {
+            Scope::Spes(o) => Scope::Spes(o.rotated()),
+            Scope::Diloco { .. } => self.clone(),
+        }
+    }
+
     /// The most members a run can have: SPES needs an expert per member.
     pub fn max_members(&self) -> usize {
         match self {

@@ -297,6 +297,7 @@ fn rules() -> RoundRules {
         max_update_rms: None,
         wire: WireForm::Values,
         outer: OuterRules::AVERAGE,
+        rotate_every: 0,
     }
 }
 
@@ -1051,4 +1052,45 @@ fn the_outer_optimizer_steps_each_change_with_momentum_and_survives_a_restart() 
             .unwrap_err()
             .contains("no.such.tensor"));
     }
+}
+
+#[test]
+fn ownership_rotates_after_every_r_rounds_and_uploads_follow_it() {
+    let m = model(1, 4);
+    let layout = Layout::of(&m);
+    let r = RoundRules {
+        merge: None,
+        rotate_every: 2,
+        ..rules()
+    };
+    let mut c = coordinator(&m, 2, r, 0.0);
+    let mut owners = vec![c.scope().owners()];
+    for round in 1..=4u64 {
+        let now = round as f64;
+        for peer in 0..2 {
+            c.join(peer, 100 + peer as u64, false, now).unwrap();
+        }
+        up(&mut c, &layout, 0, 1.0, now).unwrap();
+        up(&mut c, &layout, 1, 1.0, now).unwrap();
+        let report = c.close(now + 0.5);
+        assert_eq!(report.owners, owners[round as usize - 1], "round {round}");
+        owners.push(c.scope().owners());
+    }
+    assert_eq!(owners[0], vec![0, 0, 1, 1]);
+    assert_eq!(owners[1], owners[0], "no rotation after round 1");
+    assert_eq!(owners[2], vec![1, 1, 0, 0], "rotated after round 2");
+    assert_eq!(owners[3], owners[2]);
+    assert_eq!(owners[4], owners[0], "and back after round 4");
+    // An upload of the old ownership is refused once it rotated.
+    let stale = upload(
+        &layout,
+        &Scope::Spes(Ownership::from_owners(vec![1, 1, 0, 0]).unwrap()),
+        0,
+        1.0,
+    );
+    let round = c.round();
+    assert!(matches!(
+        c.upload(0, 100, round, stale, 5.0),
+        Err(RoundError::Invalid { .. })
+    ));
 }

@@ -143,6 +143,10 @@ pub struct SyncConfig {
     /// its experts back, since the server changes them.
     pub expert_outer_lr: f64,
     pub expert_outer_momentum: f64,
+    /// SPES: after every this many rounds each expert passes to the next node (peer order), so
+    /// every expert trains on every node's data; a node starts fresh AdamW moments for the
+    /// experts it receives. 0: fixed ownership (the published algorithm).
+    pub rotate_every_rounds: u64,
     /// Decayed load balancing (SPES.md §6): a node scales its own experts' counts by γ rising
     /// linearly from `decayed_lb_start` to 1 over the first `decayed_lb_fraction` of training.
     pub decayed_lb: bool,
@@ -184,6 +188,7 @@ impl Default for SyncConfig {
             outer_nesterov: true,
             expert_outer_lr: 1.0,
             expert_outer_momentum: 0.0,
+            rotate_every_rounds: 0,
             decayed_lb: false,
             decayed_lb_start: 0.7,
             decayed_lb_fraction: 0.2,
