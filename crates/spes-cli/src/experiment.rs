@@ -56,6 +56,8 @@ struct RunSpec {
     name: String,
     #[serde(default)]
     set: Vec<String>,
+    /// Some of the spec's seeds only (a cheaper screen of a variant); default: all.
+    seeds: Option<Vec<u64>>,
 }
 
 /// What one run of one seed measured (`<run>/seed-<s>/result.json`).
@@ -83,7 +85,7 @@ struct RunResult {
 impl Spec {
     /// Reads and checks a spec: known keys, files that exist, runs that parse, and one token
     /// budget for every run.
-    pub fn load(path: &Path) -> Result<(Spec, Vec<RunConfig>)> {
+    pub fn load(path: &Path) -> Result<Spec> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read experiment spec {}", path.display()))?;
         let mut spec: Spec =
@@ -117,16 +119,29 @@ impl Spec {
             let ok = !r.name.is_empty()
                 && r.name
                     .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_".contains(c));
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
             if !ok || spec.run[..i].iter().any(|o| o.name == r.name) {
                 bail!(
-                    "{}: run name `{}` must be unique and made of letters, digits, - and _",
+                    "{}: run name `{}` must be unique and made of letters, digits, -, _ and .",
                     path.display(),
                     r.name
                 );
             }
         }
         let baseline = spec.baseline.clone().unwrap_or(spec.run[0].name.clone());
+        for r in &spec.run {
+            let seeds = r.seeds.as_deref().unwrap_or_default();
+            if seeds.iter().any(|s| !spec.seeds.contains(s))
+                || (r.name == baseline && r.seeds.is_some())
+            {
+                bail!(
+                    "{}: run `{}`: `seeds` must be some of the spec's seeds, and the baseline \
+                     runs them all",
+                    path.display(),
+                    r.name
+                );
+            }
+        }
         if !spec.run.iter().any(|r| r.name == baseline) {
             bail!("{}: baseline `{baseline}` is not a run", path.display());
         }
@@ -152,7 +167,7 @@ impl Spec {
                 );
             }
         }
-        Ok((spec, configs))
+        Ok(spec)
     }
 
     fn config_of(&self, run: &RunSpec, data: &Path, seed: u64) -> Result<RunConfig> {
@@ -161,6 +176,10 @@ impl Spec {
         all.push(format!("data.path={}", data.display()));
         all.push(format!("train.seed={seed}"));
         RunConfig::load(&self.config, &all)
+    }
+
+    fn seeds_of<'a>(&'a self, r: &'a RunSpec) -> &'a [u64] {
+        r.seeds.as_deref().unwrap_or(&self.seeds)
     }
 
     fn baseline(&self) -> &str {
@@ -179,17 +198,17 @@ fn tokens_of(cfg: &RunConfig) -> u64 {
 
 /// Runs every (seed, run) not finished yet under `out`, then writes the results.
 pub fn run(spec_path: &Path, out: &Path, device: tch::Device, device_arg: &str) -> Result<()> {
-    let (spec, _) = Spec::load(spec_path)?;
+    let spec = Spec::load(spec_path)?;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     spes_data::shard::write_atomic(
         &out.join("spec.toml"),
         &std::fs::read(spec_path).context("cannot copy the spec")?,
     )?;
     let data = prepare_data(&spec.data, out)?;
-    let total = spec.seeds.len() * spec.run.len();
+    let total: usize = spec.run.iter().map(|r| spec.seeds_of(r).len()).sum();
     let mut done = 0;
     for &seed in &spec.seeds {
-        for r in &spec.run {
+        for r in spec.run.iter().filter(|r| spec.seeds_of(r).contains(&seed)) {
             done += 1;
             let dir = out.join(&r.name).join(format!("seed-{seed}"));
             let result = dir.join("result.json");
@@ -354,7 +373,7 @@ fn summarize(spec: &Spec, out: &Path) -> Result<()> {
     let mut results: Vec<Vec<RunResult>> = Vec::new();
     for r in &spec.run {
         let mut per_seed = Vec::new();
-        for seed in &spec.seeds {
+        for seed in spec.seeds_of(r) {
             let path = out.join(&r.name).join(format!("seed-{seed}/result.json"));
             let text = std::fs::read_to_string(&path)
                 .with_context(|| format!("cannot read {}", path.display()))?;
@@ -367,17 +386,20 @@ fn summarize(spec: &Spec, out: &Path) -> Result<()> {
         .iter()
         .position(|r| r.name == spec.baseline())
         .expect("checked by load");
-    let pm = |(m, s): (f64, f64)| {
-        if spec.seeds.len() > 1 {
+    let pm = |(m, s): (f64, f64), n: usize| {
+        if n > 1 {
             format!("{m:.4} ± {s:.4}")
         } else {
             format!("{m:.4}")
         }
     };
+    // Each seed's value over the baseline's of the same seed.
     let ratios = |rs: &[RunResult], f: &dyn Fn(&RunResult) -> f64| -> Vec<f64> {
         rs.iter()
-            .zip(&results[base])
-            .map(|(a, b)| f(a) / f(b))
+            .map(|a| {
+                let b = results[base].iter().find(|b| b.seed == a.seed);
+                f(a) / f(b.expect("the baseline runs every seed"))
+            })
             .collect()
     };
     let texts: Vec<String> = spec
@@ -391,17 +413,16 @@ fn summarize(spec: &Spec, out: &Path) -> Result<()> {
         })
         .collect();
     let mut md = format!(
-        "Validation cross-entropy (nats/token) of {} seeds ({:?}), mean ± half the spread; \
-         ratios are to `{}` of the same seed, then averaged.\n\n",
-        spec.seeds.len(),
+        "Validation cross-entropy (nats/token), mean ± half the spread over seeds {:?} (or \
+         those a run lists); ratios are to `{}` of the same seed, then averaged.\n\n",
         spec.seeds,
         spec.baseline()
     );
-    md += "| run | final val CE | ratio | best val CE |";
+    md += "| run | seeds | final val CE | ratio | best val CE |";
     for t in &texts {
         md += &format!(" {t} CE | ratio |");
     }
-    md += " tokens | wall s | optimizer MiB / node | MiB / node round |\n|---|---|---|---|";
+    md += " tokens | wall s | optimizer MiB / node | MiB / node round |\n|---|---|---|---|---|";
     md += &"---|---|".repeat(texts.len());
     md += "---|---|---|---|\n";
     let mut json_rows = Vec::new();
@@ -409,18 +430,19 @@ fn summarize(spec: &Spec, out: &Path) -> Result<()> {
         let col = |f: &dyn Fn(&RunResult) -> f64| rs.iter().map(f).collect::<Vec<f64>>();
         let final_ce = mean_spread(&col(&|x| x.final_ce));
         let ratio = mean_spread(&ratios(rs, &|x| x.final_ce));
+        let n = rs.len();
         md += &format!(
-            "| {} | {} | {} | {} |",
+            "| {} | {n} | {} | {} | {} |",
             r.name,
-            pm(final_ce),
-            pm(ratio),
-            pm(mean_spread(&col(&|x| x.best_ce)))
+            pm(final_ce, n),
+            pm(ratio, n),
+            pm(mean_spread(&col(&|x| x.best_ce)), n)
         );
         let mut held = Vec::new();
         for (i, text) in texts.iter().enumerate() {
             let ce = mean_spread(&col(&|x| x.held_out_ce[i]));
             let ratio = mean_spread(&ratios(rs, &|x| x.held_out_ce[i]));
-            md += &format!(" {} | {} |", pm(ce), pm(ratio));
+            md += &format!(" {} | {} |", pm(ce, n), pm(ratio, n));
             held.push(serde_json::json!({"text": text, "ce": ce.0, "ratio": ratio.0}));
         }
         let wall = mean_spread(&col(&|x| x.wall_s)).0;
@@ -431,7 +453,7 @@ fn summarize(spec: &Spec, out: &Path) -> Result<()> {
             rs[0].tokens
         );
         json_rows.push(serde_json::json!({
-            "run": r.name, "final_ce": final_ce.0, "final_ce_spread": final_ce.1,
+            "run": r.name, "seeds": spec.seeds_of(r), "final_ce": final_ce.0, "final_ce_spread": final_ce.1,
             "ratio": ratio.0, "ratio_spread": ratio.1, "held_out": held,
             "tokens": rs[0].tokens, "wall_s": wall, "optimizer_bytes": rs[0].optimizer_bytes,
             "bytes_per_round": rs[0].bytes_per_round,

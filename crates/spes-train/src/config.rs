@@ -546,5 +546,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("train.seq_len"), "{err}");
+        let spes = |key: &str| {
+            let o = [
+                "sync.mode=spes".into(),
+                "sync.sync_steps=5".into(),
+                key.into(),
+            ];
+            RunConfig::parse(BASE, &o).map_err(|e| e.to_string())
+        };
+        let err = spes("sync.outer_momentum=1.0").unwrap_err();
+        assert!(
+            err.contains("sync.outer_momentum must be in [0, 1)"),
+            "{err}"
+        );
+        let err = spes("sync.expert_outer_lr=0").unwrap_err();
+        assert!(
+            err.contains("sync.expert_outer_lr must be a positive"),
+            "{err}"
+        );
+        assert_eq!(
+            spes("sync.outer_momentum=0.9").unwrap().sync.outer_momentum,
+            0.9
+        );
     }
 }
