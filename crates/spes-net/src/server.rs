@@ -804,20 +804,16 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
         })?;
         while let Some(newest) = st.rounds.last().cloned() {
             let path = opts.out.join("global").join(&newest.file);
-            let intact = payload::digest(&path)
-                .ok()
-                .is_some_and(|(_, x)| hex_of(x) == newest.xxh3);
-            let loaded = intact
+            let loaded = intact(&path, &newest.xxh3)
                 .then(|| payload::read(&path).and_then(|named| in_layout(&layout, named, &path)))
                 .and_then(Result::ok);
             let carried = match &newest.carried {
                 None => Some(Vec::new()),
                 Some(c) => {
                     let path = opts.out.join("global").join(&c.file);
-                    let intact = payload::digest(&path)
-                        .ok()
-                        .is_some_and(|(_, x)| hex_of(x) == c.xxh3);
-                    intact.then(|| payload::read(&path).ok()).flatten()
+                    intact(&path, &c.xxh3)
+                        .then(|| payload::read(&path).ok())
+                        .flatten()
                 }
             };
             if let (Some(global), Some(carried)) = (loaded, carried) {
@@ -872,6 +868,13 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
         progress: st,
         fresh: true,
     })
+}
+
+/// Whether the file at `path` exists and has checksum `xxh3` (hex).
+fn intact(path: &Path, xxh3: &str) -> bool {
+    payload::digest(path)
+        .ok()
+        .is_some_and(|(_, x)| hex_of(x) == xxh3)
 }
 
 /// `named` in `layout`'s order, if it holds exactly the layout's tensors with their shapes.

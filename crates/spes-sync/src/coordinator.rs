@@ -133,7 +133,7 @@ pub struct Coordinator {
     gone: BTreeSet<usize>,
     /// Delta mode: what the last closed round published.
     last_delta: Option<RoundDelta>,
-    /// Sparse wire: what the published deltas have not carried yet, per tensor (fp32).
+    /// Lossy wires: what the published deltas have not carried yet, per tensor (fp32).
     residual: HashMap<String, Tensor>,
     outer: OuterState,
 }

@@ -1,7 +1,8 @@
 //! SPES as plain functions and a small state machine over named tensors, testable without a
 //! network: who owns which expert (`ownership`), how a round's uploads become the next global
-//! model, expert merging included (`round`), the server's optional outer optimizer (`outer`), and when rounds close and who is a member
-//! (`coordinator`), and the exact bf16 deltas that travel instead of whole tensors (`delta`).
+//! model, expert merging included (`round`), the server's optional outer optimizer (`outer`),
+//! when rounds close and who is a member (`coordinator`), and the exact bf16 deltas that travel
+//! instead of whole tensors (`delta`).
 
 pub mod coordinator;
 pub mod delta;

@@ -54,6 +54,7 @@ impl OuterRules {
         owned: OuterRule::AVERAGE,
     };
 
+    /// The rule for a change from `source`.
     pub fn of(&self, source: Source) -> OuterRule {
         match source {
             Source::Averaged => self.averaged,
