@@ -617,14 +617,15 @@ fn run(cli: Cli) -> Result<()> {
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
-                println!("| preset | device | precision | batch×seq | trainable params | optimizer state | step ms | tokens/s | peak RSS | GPU memory |");
-                println!("|---|---|---|---|---|---|---|---|---|---|");
+                println!("| preset | device | precision | batch×seq | trainable params | optimizer state | step ms | optimizer ms | tokens/s | peak RSS | GPU memory |");
+                println!("|---|---|---|---|---|---|---|---|---|---|---|");
                 println!(
-                    "| {preset} | {device:?} | {precision:?} | {batch_size}×{seq_len} | {:.1} M of {:.1} M | {:.1} MiB | {:.0} | {:.0} | {:.0} MiB | {} |",
+                    "| {preset} | {device:?} | {precision:?} | {batch_size}×{seq_len} | {:.1} M of {:.1} M | {:.1} MiB | {:.0} | {:.1} | {:.0} | {:.0} MiB | {} |",
                     r.trainable_params as f64 / 1e6,
                     r.total_params as f64 / 1e6,
                     r.optimizer_state_bytes as f64 / (1 << 20) as f64,
                     r.step_ms,
+                    r.optimizer_ms,
                     r.tokens_per_s,
                     r.peak_rss_mb,
                     r.gpu_memory_mb.map_or("n/a".into(), |m| format!("{m:.0} MiB"))

@@ -74,7 +74,7 @@ warmup_steps = 1
     let cfg = RunConfig::parse(&text, &[]).unwrap();
     let mut tr = Trainer::new(cfg, Device::Cpu, |_| true).unwrap();
     for _ in 0..5 {
-        tr.train_step();
+        tr.train_step().unwrap();
     }
     tr.save_checkpoint(&dir.join("ck")).unwrap()
 }

@@ -1026,7 +1026,7 @@ impl Node {
         let log_every = self.trainer.cfg.train.log_every;
         loop {
             self.set_decayed_lb();
-            let s = self.trainer.train_step();
+            let s = self.trainer.train_step()?;
             if !s.loss.is_finite() {
                 bail!(
                     "node {}: loss became {} at step {}",

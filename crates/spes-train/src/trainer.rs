@@ -118,7 +118,7 @@ impl Trainer {
     }
 
     /// One optimizer step over `grad_accum` micro-batches from the data stream.
-    pub fn train_step(&mut self) -> StepStats {
+    pub fn train_step(&mut self) -> Result<StepStats> {
         let (rows, accum) = (self.cfg.train.batch_size, self.cfg.train.grad_accum);
         let batches: Vec<Tensor> = (0..accum)
             .map(|_| {
@@ -134,10 +134,10 @@ impl Trainer {
             self.cfg.train.grad_clip,
             lr,
             &batches,
-        );
+        )?;
         self.step += 1;
         self.tokens += s.tokens;
-        s
+        Ok(s)
     }
 
     /// Trains the parameters for which `trainable` holds from now on (a node's ownership
@@ -317,7 +317,7 @@ pub fn step_on_batches(
     grad_clip: f64,
     lr: f64,
     batches: &[Tensor],
-) -> StepStats {
+) -> Result<StepStats> {
     let start = Instant::now();
     let n = batches.len() as f64;
     // Loss parts stay on the device until one read at the end: a read is a GPU sync.
@@ -335,16 +335,16 @@ pub fn step_on_batches(
             None => parts,
         });
     }
-    let grad_norm = opt.clip_grad_norm(grad_clip);
-    opt.step(lr);
-    opt.zero_grad();
+    let grad_norm = opt.clip_grad_norm(grad_clip)?;
+    opt.step(lr)?;
+    opt.zero_grad()?;
     let read = Tensor::cat(
         &[sums.expect("at least one batch"), grad_norm.reshape([1])],
         0,
     );
     let v = Vec::<f64>::try_from(&read.to_kind(Kind::Double).to_device(Device::Cpu))
         .expect("six scalars");
-    StepStats {
+    Ok(StepStats {
         loss: v[0],
         ce: v[1],
         z_loss: v[2],
@@ -354,7 +354,7 @@ pub fn step_on_batches(
         lr,
         tokens,
         seconds: start.elapsed().as_secs_f64(),
-    }
+    })
 }
 
 /// Outcome of [`run`].
@@ -461,7 +461,7 @@ pub fn run(
     let mut final_val_loss = initial_val_loss.unwrap_or(f64::NAN);
     let first_step = tr.step;
     while tr.step < t.max_steps {
-        let s = tr.train_step();
+        let s = tr.train_step()?;
         if !s.loss.is_finite() {
             bail!(
                 "loss became {} at step {}; lower train.lr or check the data",

@@ -132,8 +132,8 @@ fn checkpoint_round_trip_is_exact_and_corruption_is_named() {
     let data = data(tmp.path());
     let cfg = config(&data, &[]);
     let mut tr = Trainer::new(cfg.clone(), Device::Cpu, |_| true).unwrap();
-    tr.train_step();
-    tr.train_step();
+    tr.train_step().unwrap();
+    tr.train_step().unwrap();
     let root = tmp.path().join("ck");
     let dir = tr.save_checkpoint(&root).unwrap();
     let back = Trainer::resume_from(cfg.clone(), Device::Cpu, &dir, |_| true).unwrap();
@@ -177,7 +177,7 @@ fn frozen_experts_stay_bit_identical_with_no_optimizer_state() {
     let mut tr = Trainer::new(config(&data, &[]), Device::Cpu, own).unwrap();
     let before = named(&tr);
     for _ in 0..4 {
-        tr.train_step();
+        tr.train_step().unwrap();
     }
     let after = named(&tr);
     let roles: Vec<Role> = tr.model.params().iter().map(|p| p.role).collect();

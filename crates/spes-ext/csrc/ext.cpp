@@ -1,0 +1,101 @@
+// spes-ext: the libtorch operations tch 0.24 does not expose, behind a C ABI.
+//
+// Tensors cross as the `at::Tensor*` handles torch-sys gives out (tch's `Tensor::as_ptr`).
+// Every entry point catches C++ exceptions and returns them as a malloc'd message (NULL on
+// success) for the Rust side to turn into an error and free; nothing unwinds across the FFI.
+
+#include <ATen/ATen.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <vector>
+
+namespace {
+
+char* copy_message(const char* what) {
+  size_t n = std::strlen(what) + 1;
+  char* out = static_cast<char*>(std::malloc(n));
+  if (out != nullptr) std::memcpy(out, what, n);
+  return out;
+}
+
+// The handles as a list of tensors (new references to the same storages).
+std::vector<at::Tensor> tensors(at::Tensor* const* handles, size_t n) {
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) out.push_back(*handles[i]);
+  return out;
+}
+
+template <typename F>
+char* guarded(F&& body) {
+  try {
+    body();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return copy_message(e.what());
+  } catch (...) {
+    return copy_message("unknown C++ exception");
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void spes_ext_free_error(char* message) { std::free(message); }
+
+// One AdamW update (decoupled weight decay, bias correction from each tensor's own step
+// counter) in libtorch's fused kernel: one pass over each tensor on CPU, a few multi-tensor
+// launches on CUDA. The caller advances the counters (spes_ext_add_scalar).
+char* spes_ext_fused_adamw(at::Tensor* const* params, at::Tensor* const* grads,
+                           at::Tensor* const* exp_avgs, at::Tensor* const* exp_avg_sqs,
+                           at::Tensor* const* steps, size_t n, double lr, double beta1,
+                           double beta2, double weight_decay, double eps) {
+  return guarded([&] {
+    if (n == 0) return;
+    auto p = tensors(params, n);
+    auto g = tensors(grads, n);
+    auto m = tensors(exp_avgs, n);
+    auto v = tensors(exp_avg_sqs, n);
+    auto s = tensors(steps, n);
+    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, lr, beta1, beta2, weight_decay, eps,
+                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt,
+                      /*found_inf=*/std::nullopt);
+  });
+}
+
+// Scales the gradients in place so their global L2 norm is at most max_norm; *total receives
+// the pre-clip norm as a new fp32 scalar tensor on the gradients' device (no host sync).
+char* spes_ext_clip_grad_norm(at::Tensor* const* grads, size_t n, double max_norm,
+                              at::Tensor** total) {
+  return guarded([&] {
+    auto g = tensors(grads, n);
+    auto norms = at::_foreach_norm(g, 2, at::kFloat);
+    auto t = at::linalg_vector_norm(at::stack(norms), 2);
+    auto coef = at::clamp_max(at::reciprocal((t + 1e-6) / max_norm), 1.0);
+    at::_foreach_mul_(g, coef);
+    *total = new at::Tensor(std::move(t));
+  });
+}
+
+// Adds value to every tensor in place.
+char* spes_ext_add_scalar(at::Tensor* const* ts, size_t n, double value) {
+  return guarded([&] {
+    if (n == 0) return;
+    auto t = tensors(ts, n);
+    at::_foreach_add_(t, value);
+  });
+}
+
+// Sets every tensor to zero in place.
+char* spes_ext_zero(at::Tensor* const* ts, size_t n) {
+  return guarded([&] {
+    if (n == 0) return;
+    auto t = tensors(ts, n);
+    at::_foreach_zero_(t);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,162 @@
+//! The one C++ shim of spes: libtorch operations that tch 0.24 does not expose, compiled by
+//! `build.rs` against the installed libtorch headers (the same libtorch tch links).
+//!
+//! - [`fused_adamw`]: libtorch's `_fused_adamw_` (one pass per tensor instead of ~10 kernels).
+//! - [`clip_grad_norm`]: `_foreach_norm` and `_foreach_mul_`, no host sync.
+//! - [`zero`], [`add_scalar`]: `_foreach_zero_`, `_foreach_add_`.
+//!
+//! Every function works on CPU and CUDA tensors alike. C++ exceptions come back as [`ExtError`].
+
+use std::ffi::{c_char, CStr};
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+/// A libtorch error raised inside the shim, with libtorch's message.
+#[derive(Debug, thiserror::Error)]
+#[error("libtorch ({op}): {message}")]
+pub struct ExtError {
+    pub op: &'static str,
+    pub message: String,
+}
+
+/// Hyper-parameters of one AdamW update (PyTorch's `torch.optim.AdamW` semantics).
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWHyper {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub weight_decay: f64,
+    pub eps: f64,
+}
+
+/// Parallel lists for [`fused_adamw`]: entry i of each belongs to tensor i.
+pub struct AdamWGroup<'a> {
+    pub params: &'a [Tensor],
+    pub grads: &'a [Tensor],
+    pub exp_avgs: &'a [Tensor],
+    pub exp_avg_sqs: &'a [Tensor],
+    /// fp32 scalar step counters on the parameters' device, one per tensor.
+    pub steps: &'a [Tensor],
+}
+
+mod ffi {
+    use super::*;
+    extern "C" {
+        pub fn spes_ext_free_error(message: *mut c_char);
+        pub fn spes_ext_fused_adamw(
+            params: *const *const C_tensor,
+            grads: *const *const C_tensor,
+            exp_avgs: *const *const C_tensor,
+            exp_avg_sqs: *const *const C_tensor,
+            steps: *const *const C_tensor,
+            n: usize,
+            lr: f64,
+            beta1: f64,
+            beta2: f64,
+            weight_decay: f64,
+            eps: f64,
+        ) -> *mut c_char;
+        pub fn spes_ext_clip_grad_norm(
+            grads: *const *const C_tensor,
+            n: usize,
+            max_norm: f64,
+            total: *mut *mut C_tensor,
+        ) -> *mut c_char;
+        pub fn spes_ext_zero(ts: *const *const C_tensor, n: usize) -> *mut c_char;
+        pub fn spes_ext_add_scalar(ts: *const *const C_tensor, n: usize, value: f64)
+            -> *mut c_char;
+    }
+}
+
+fn handles(ts: &[Tensor]) -> Vec<*const C_tensor> {
+    ts.iter().map(|t| t.as_ptr()).collect()
+}
+
+/// Turns the shim's returned message (NULL on success) into a Result, freeing it.
+fn check(op: &'static str, message: *mut c_char) -> Result<(), ExtError> {
+    if message.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null return is a NUL-terminated string malloc'd by the shim, freed once here.
+    let text = unsafe { CStr::from_ptr(message) }
+        .to_string_lossy()
+        .into_owned();
+    unsafe { ffi::spes_ext_free_error(message) };
+    Err(ExtError { op, message: text })
+}
+
+/// Applies one AdamW update in place to every parameter and its moments, with bias
+/// correction from that tensor's own step counter (already advanced for this step). All
+/// tensors must share one device, and each list's dtype be uniform (as for PyTorch's
+/// `fused=True`).
+pub fn fused_adamw(group: &AdamWGroup<'_>, h: AdamWHyper) -> Result<(), ExtError> {
+    let n = group.params.len();
+    for (what, len) in [
+        ("grads", group.grads.len()),
+        ("exp_avgs", group.exp_avgs.len()),
+        ("exp_avg_sqs", group.exp_avg_sqs.len()),
+        ("steps", group.steps.len()),
+    ] {
+        if len != n {
+            return Err(ExtError {
+                op: "fused_adamw",
+                message: format!("{what} has {len} tensors, params has {n}"),
+            });
+        }
+    }
+    let (p, g) = (handles(group.params), handles(group.grads));
+    let (m, v, s) = (
+        handles(group.exp_avgs),
+        handles(group.exp_avg_sqs),
+        handles(group.steps),
+    );
+    // SAFETY: five arrays of n live tensor handles, borrowed for the duration of the call.
+    let message = unsafe {
+        ffi::spes_ext_fused_adamw(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            s.as_ptr(),
+            n,
+            h.lr,
+            h.beta1,
+            h.beta2,
+            h.weight_decay,
+            h.eps,
+        )
+    };
+    check("fused_adamw", message)
+}
+
+/// Scales `grads` in place so their global L2 norm is at most `max_norm` and returns the
+/// pre-clip norm as an fp32 scalar on their device (reading it is the only host sync).
+pub fn clip_grad_norm(grads: &[Tensor], max_norm: f64) -> Result<Tensor, ExtError> {
+    if grads.is_empty() {
+        return Ok(Tensor::from(0f32));
+    }
+    let g = handles(grads);
+    let mut total: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: n live handles; on success the shim stores a new heap tensor in `total`.
+    let message =
+        unsafe { ffi::spes_ext_clip_grad_norm(g.as_ptr(), g.len(), max_norm, &mut total) };
+    check("clip_grad_norm", message)?;
+    // SAFETY: `total` is a fresh `at::Tensor*` we now own; tch frees it on drop.
+    Ok(unsafe { Tensor::from_ptr(total) })
+}
+
+/// Sets every tensor to zero in place, in one multi-tensor call.
+pub fn zero(ts: &[Tensor]) -> Result<(), ExtError> {
+    let h = handles(ts);
+    // SAFETY: n live handles borrowed for the call.
+    check("zero", unsafe { ffi::spes_ext_zero(h.as_ptr(), h.len()) })
+}
+
+/// Adds `value` to every tensor in place, in one multi-tensor call.
+pub fn add_scalar(ts: &[Tensor], value: f64) -> Result<(), ExtError> {
+    let h = handles(ts);
+    // SAFETY: n live handles borrowed for the call.
+    check("add_scalar", unsafe {
+        ffi::spes_ext_add_scalar(h.as_ptr(), h.len(), value)
+    })
+}

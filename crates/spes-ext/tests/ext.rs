@@ -1,0 +1,102 @@
+//! The shim's operations against plain tch arithmetic, and its error path.
+
+use spes_ext::{add_scalar, clip_grad_norm, fused_adamw, zero, AdamWGroup, AdamWHyper};
+use tch::{Device, Kind, Tensor};
+
+const FLOAT: (Kind, Device) = (Kind::Float, Device::Cpu);
+
+const H: AdamWHyper = AdamWHyper {
+    lr: 0.1,
+    beta1: 0.9,
+    beta2: 0.95,
+    weight_decay: 0.1,
+    eps: 1e-8,
+};
+
+#[test]
+fn clipping_returns_the_norm_and_scales_only_above_the_max() {
+    let grads = [
+        Tensor::from_slice(&[3.0f32, 0.0]),
+        Tensor::from_slice(&[4.0f32]),
+    ];
+    let total = clip_grad_norm(&grads, 1.0).unwrap();
+    assert!((total.double_value(&[]) - 5.0).abs() < 1e-6);
+    assert!((grads[0].double_value(&[0]) - 0.6).abs() < 1e-6);
+    assert!((grads[1].double_value(&[0]) - 0.8).abs() < 1e-6);
+    // Below the max: untouched (the coefficient is clamped to 1).
+    let small = [Tensor::from_slice(&[0.3f32, 0.4])];
+    let _ = clip_grad_norm(&small, 1.0).unwrap();
+    assert_eq!(Vec::<f32>::try_from(&small[0]).unwrap(), vec![0.3, 0.4]);
+    assert_eq!(clip_grad_norm(&[], 1.0).unwrap().double_value(&[]), 0.0);
+}
+
+#[test]
+fn zero_and_add_work_in_place_on_every_tensor() {
+    let ts = [Tensor::ones([3], FLOAT), Tensor::ones([2, 2], FLOAT)];
+    add_scalar(&ts, 2.0).unwrap();
+    assert_eq!(ts[1].sum(Kind::Float).double_value(&[]), 12.0);
+    zero(&ts).unwrap();
+    assert!(ts
+        .iter()
+        .all(|t| t.abs().sum(Kind::Float).double_value(&[]) == 0.0));
+}
+
+/// One fused step from zero moments at step 1: bias correction makes the update
+/// `-lr·sign(g)` (up to eps) after decay.
+#[test]
+fn fused_adamw_first_step_is_a_signed_lr_step() {
+    let w = Tensor::from_slice(&[1.0f32, -2.0]);
+    let g = Tensor::from_slice(&[0.5f32, -3.0]);
+    let (m, v) = (w.zeros_like(), w.zeros_like());
+    let steps = [Tensor::full([], 1.0, FLOAT)];
+    let group = AdamWGroup {
+        params: std::slice::from_ref(&w),
+        grads: std::slice::from_ref(&g),
+        exp_avgs: std::slice::from_ref(&m),
+        exp_avg_sqs: std::slice::from_ref(&v),
+        steps: &steps,
+    };
+    fused_adamw(&group, H).unwrap();
+    let got = Vec::<f32>::try_from(&w).unwrap();
+    let decay = 1.0 - 0.1 * 0.1;
+    assert!((got[0] - (decay - 0.1)).abs() < 1e-6, "{got:?}");
+    assert!((got[1] - (-2.0 * decay + 0.1)).abs() < 1e-6, "{got:?}");
+    assert!((m.double_value(&[1]) - 0.1 * -3.0).abs() < 1e-6);
+}
+
+/// Bad input is an error naming the operation, never an abort: mismatched list lengths are
+/// caught in Rust, a dtype libtorch refuses comes back as its C++ exception.
+#[test]
+fn bad_input_is_a_typed_error() {
+    let w = Tensor::ones([2], FLOAT);
+    let one = std::slice::from_ref(&w);
+    let err = fused_adamw(
+        &AdamWGroup {
+            params: one,
+            grads: &[],
+            exp_avgs: one,
+            exp_avg_sqs: one,
+            steps: one,
+        },
+        H,
+    )
+    .unwrap_err();
+    assert_eq!(err.op, "fused_adamw");
+    assert!(err.message.contains("grads has 0 tensors"), "{err}");
+
+    let ints = [Tensor::ones([2], (Kind::Int64, Device::Cpu))];
+    let steps = [Tensor::ones([], FLOAT)];
+    let err = fused_adamw(
+        &AdamWGroup {
+            params: &ints,
+            grads: &ints,
+            exp_avgs: &ints,
+            exp_avg_sqs: &ints,
+            steps: &steps,
+        },
+        H,
+    )
+    .unwrap_err();
+    assert_eq!(err.op, "fused_adamw");
+    assert!(!err.message.is_empty());
+}
