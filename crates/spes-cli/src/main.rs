@@ -334,6 +334,9 @@ enum Command {
         /// Train only this many experts per layer (as a SPES node does); default all.
         #[arg(long)]
         own_experts: Option<usize>,
+        /// Recompute each block during backward instead of keeping its activations.
+        #[arg(long)]
+        activation_checkpointing: bool,
         #[command(flatten)]
         runtime: RuntimeArgs,
         /// Print the result as JSON instead of a table.
@@ -598,6 +601,7 @@ fn run(cli: Cli) -> Result<()> {
             warmup,
             precision,
             own_experts,
+            activation_checkpointing,
             runtime,
             json,
         } => {
@@ -612,6 +616,7 @@ fn run(cli: Cli) -> Result<()> {
                 steps: steps.max(1),
                 warmup,
                 own_experts,
+                activation_checkpointing,
             };
             let r = bench(&o)?;
             if json {

@@ -6,6 +6,6 @@ pub mod model;
 
 pub use config::{ModelConfig, NormPlacement, ParamCounts, QkNorm, PRESETS};
 pub use model::{
-    expert_tensor_name, load_balancing_loss, token_losses, LossWeights, Losses, MoeModel, Param,
-    Role, EXPERT_PARTS,
+    expert_tensor_name, load_balancing_loss, LossWeights, Losses, MoeModel, Param, Role,
+    EXPERT_PARTS,
 };

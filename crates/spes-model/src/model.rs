@@ -64,6 +64,8 @@ pub struct MoeModel {
     compute: Kind,
     /// Per-expert multiplier of the load-balancing counts `[E]` (SPES.md §6), if any.
     lb_count_scale: Option<Tensor>,
+    /// Logits elements per chunk of the LM-head loss ([`MoeModel::set_logits_chunk`]).
+    logits_chunk: i64,
     embed: Tensor,
     layers: Vec<Layer>,
     final_norm: Tensor,
@@ -92,15 +94,15 @@ struct MoeOutput {
     counts: Tensor,
 }
 
-/// Loss weights (SPES.md §1).
-#[derive(Clone, Copy, Debug)]
+/// Loss weights (SPES.md §1); the default weighs the cross-entropy alone.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct LossWeights {
     pub z_loss: f64,
     pub lb: f64,
     pub router_z: f64,
 }
 
-/// The training objective and its parts, each a scalar tensor.
+/// The training objective and its parts, as scalar values (no graph).
 pub struct Losses {
     pub total: Tensor,
     pub ce: Tensor,
@@ -109,6 +111,34 @@ pub struct Losses {
     pub router_z: Tensor,
     pub expert_counts: Tensor,
 }
+
+impl Losses {
+    fn new(ce: Tensor, z_loss: Tensor, aux: RouterAux, w: &LossWeights) -> Self {
+        let (lb, router_z) = (aux.lb.detach(), aux.router_z.detach());
+        let total = &ce + &z_loss * w.z_loss + &lb * w.lb + &router_z * w.router_z;
+        Losses {
+            total,
+            ce,
+            z_loss,
+            lb,
+            router_z,
+            expert_counts: aux.expert_counts,
+        }
+    }
+}
+
+/// The LM head's losses over a batch and the surrogate that carries their gradient.
+struct HeadLosses {
+    ce: Tensor,
+    z_loss: Tensor,
+    /// A scalar whose gradient with respect to the hidden states and the head is the scaled
+    /// gradient of the head's losses; its value means nothing.
+    surrogate: Tensor,
+}
+
+/// Default logits elements per chunk of the LM-head loss (256 MiB in fp32): large enough to
+/// keep matmuls efficient, small beside the `[B·T, V]` tensor it replaces.
+const LOGITS_CHUNK_ELEMENTS: i64 = 1 << 26;
 
 /// erf(3/√2): sampling erfinv(u) for u in ±this gives a normal truncated at ±3σ.
 const ERF_3_SIGMA: f64 = 0.997_300_203_936_739_8;
@@ -194,6 +224,7 @@ impl MoeModel {
             cfg: cfg.clone(),
             compute: Kind::Float,
             lb_count_scale: None,
+            logits_chunk: LOGITS_CHUNK_ELEMENTS,
             embed: w(&[v, d]),
             layers,
             final_norm: ones(d),
@@ -210,6 +241,23 @@ impl MoeModel {
     /// A SPES node uses it to penalise routing to its own experts less early in training.
     pub fn set_lb_count_scale(&mut self, scale: Option<Tensor>) {
         self.lb_count_scale = scale;
+    }
+
+    /// Caps the LM-head loss's working set at about `elements` fp32 logits per chunk (rows of
+    /// the batch at a time); smaller saves memory, larger may run faster.
+    pub fn set_logits_chunk(&mut self, elements: i64) {
+        self.logits_chunk = elements.max(1);
+    }
+
+    /// RoPE cos and sin tables for the positions of `tokens` `[B, T]`.
+    fn rope(&self, tokens: &Tensor) -> (Tensor, Tensor) {
+        let t = tokens.size()[1];
+        rope_tables(
+            t,
+            self.cfg.head_dim as i64,
+            self.cfg.rope_theta,
+            tokens.device(),
+        )
     }
 
     /// `x · wᵀ` in the compute precision.
@@ -318,47 +366,50 @@ impl MoeModel {
         Ok(())
     }
 
-    /// Logits `[B, T, V]` for tokens `[B, T]`, plus router statistics.
-    // `x += y` on a Tensor is an in-place add, which would overwrite the residual that the
-    // RMSNorm backward still needs; the residual adds must allocate.
-    #[allow(clippy::assign_op_pattern)]
+    /// Logits `[B, T, V]` for tokens `[B, T]`, plus router statistics (for evaluation; training
+    /// goes through [`MoeModel::backward`], which never builds the whole logits tensor).
     pub fn forward(&self, tokens: &Tensor) -> (Tensor, RouterAux) {
-        let (b, t) = tokens.size2().expect("tokens must be [batch, seq]");
-        let cfg = &self.cfg;
-        let (cos, sin) = rope_tables(t, cfg.head_dim as i64, cfg.rope_theta, tokens.device());
+        let (h, aux) = self.trunk(tokens);
+        (self.linear(&h, &self.head), aux)
+    }
+
+    /// Embedding, every block and the final norm: hidden states `[B, T, d]` before the head.
+    fn trunk(&self, tokens: &Tensor) -> (Tensor, RouterAux) {
+        let (cos, sin) = self.rope(tokens);
         let mut x = Tensor::embedding(&self.embed, tokens, -1, false, false);
-        let (mut lb, mut rz, mut counts) = (Vec::new(), Vec::new(), Vec::new());
-        let d = cfg.d_model as i64;
+        let mut moes = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
-            let (y, moe) = match cfg.norm_placement {
-                NormPlacement::Pre => {
-                    let h = rms_norm(&x, &layer.attn_norm, cfg.norm_eps);
-                    x = x + self.attention(layer, &h, &cos, &sin);
-                    let h = rms_norm(&x, &layer.ffn_norm, cfg.norm_eps);
-                    let moe = self.moe(layer, &h.view([b * t, d]));
-                    (moe.y.view([b, t, d]), moe)
-                }
-                NormPlacement::Post => {
-                    let a = self.attention(layer, &x, &cos, &sin);
-                    x = x + rms_norm(&a, &layer.attn_norm, cfg.norm_eps);
-                    let moe = self.moe(layer, &x.view([b * t, d]));
-                    let y = rms_norm(&moe.y.view([b, t, d]), &layer.ffn_norm, cfg.norm_eps);
-                    (y, moe)
-                }
-            };
-            x = x + y;
-            lb.push(moe.lb);
-            rz.push(moe.router_z);
-            counts.push(moe.counts);
+            let (y, moe) = self.block(layer, &x, &cos, &sin);
+            x = y;
+            moes.push(moe);
         }
-        let x = rms_norm(&x, &self.final_norm, cfg.norm_eps);
-        let logits = self.linear(&x, &self.head);
-        let aux = RouterAux {
-            lb: Tensor::stack(&lb, 0).mean(Kind::Float),
-            router_z: Tensor::stack(&rz, 0).sum(Kind::Float),
-            expert_counts: Tensor::stack(&counts, 0),
-        };
-        (logits, aux)
+        (
+            rms_norm(&x, &self.final_norm, self.cfg.norm_eps),
+            router_aux(moes),
+        )
+    }
+
+    /// One decoder block, `[B, T, d]` to `[B, T, d]`, with its MoE layer's statistics.
+    fn block(&self, layer: &Layer, x: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, MoeOutput) {
+        let cfg = &self.cfg;
+        let (b, t, d) = x.size3().expect("hidden states are [batch, seq, d]");
+        // Residual adds allocate (`x + y`), never `+=`: the RMSNorm backward still needs x.
+        match cfg.norm_placement {
+            NormPlacement::Pre => {
+                let h = rms_norm(x, &layer.attn_norm, cfg.norm_eps);
+                let x = x + self.attention(layer, &h, cos, sin);
+                let h = rms_norm(&x, &layer.ffn_norm, cfg.norm_eps);
+                let moe = self.moe(layer, &h.view([b * t, d]));
+                (x + moe.y.view([b, t, d]), moe)
+            }
+            NormPlacement::Post => {
+                let a = self.attention(layer, x, cos, sin);
+                let x = x + rms_norm(&a, &layer.attn_norm, cfg.norm_eps);
+                let moe = self.moe(layer, &x.view([b * t, d]));
+                let y = rms_norm(&moe.y.view([b, t, d]), &layer.ffn_norm, cfg.norm_eps);
+                (x + y, moe)
+            }
+        }
     }
 
     fn attention(&self, layer: &Layer, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
@@ -461,35 +512,161 @@ impl MoeModel {
         }
     }
 
-    /// Forward plus the weighted objective on a `[B, T+1]` window batch.
-    pub fn losses(&self, batch: &Tensor, w: &LossWeights) -> Losses {
+    /// Forward and backward of one `[B, T+1]` window batch: adds `scale` times the gradient of
+    /// the weighted objective to every trainable tensor's `.grad`, and returns the loss parts
+    /// (values only). The LM head and its losses run over row chunks, so no `[B·T, V]` fp32
+    /// logits tensor exists. With `checkpoint`, only each block's input is kept through the
+    /// forward pass and the block is recomputed during backward (activation checkpointing).
+    pub fn backward(
+        &self,
+        batch: &Tensor,
+        w: &LossWeights,
+        scale: f64,
+        checkpoint: bool,
+    ) -> Losses {
         let t = batch.size()[1] - 1;
         let inputs = batch.narrow(1, 0, t);
-        let targets = batch.narrow(1, 1, t);
-        let (logits, aux) = self.forward(&inputs);
-        let (ce, z_loss) = token_losses(&logits, &targets);
-        let total = &ce + &z_loss * w.z_loss + &aux.lb * w.lb + &aux.router_z * w.router_z;
-        Losses {
-            total,
+        let targets = batch.narrow(1, 1, t).reshape([-1]);
+        let d = self.cfg.d_model as i64;
+        if !checkpoint {
+            let (h, aux) = self.trunk(&inputs);
+            let head = self.head_losses(&h.view([-1, d]), &targets, w.z_loss, Some(scale));
+            let objective = head.surrogate + (&aux.lb * w.lb + &aux.router_z * w.router_z) * scale;
+            run_backward(&objective);
+            return Losses::new(head.ce, head.z_loss, aux, w);
+        }
+        // Forward without a graph, keeping each block's input.
+        let (cos, sin) = self.rope(&inputs);
+        let (block_inputs, aux, last) = tch::no_grad(|| {
+            let mut x = Tensor::embedding(&self.embed, &inputs, -1, false, false);
+            let mut kept = Vec::with_capacity(self.layers.len());
+            let mut moes = Vec::with_capacity(self.layers.len());
+            for layer in &self.layers {
+                let (y, moe) = self.block(layer, &x, &cos, &sin);
+                kept.push(std::mem::replace(&mut x, y));
+                moes.push(moe);
+            }
+            (kept, router_aux(moes), x)
+        });
+        // Head and final norm, then each block from the top, each recomputed with a graph and
+        // given the gradient of its output (`Σ out·g` has gradient g).
+        let x = last.set_requires_grad(true);
+        let h = rms_norm(&x, &self.final_norm, self.cfg.norm_eps);
+        let head = self.head_losses(&h.view([-1, d]), &targets, w.z_loss, Some(scale));
+        run_backward(&head.surrogate);
+        let mut g = x.grad();
+        let per_layer_lb = w.lb / self.layers.len() as f64;
+        for (layer, input) in self.layers.iter().zip(block_inputs).rev() {
+            let x = input.set_requires_grad(true);
+            let (y, moe) = self.block(layer, &x, &cos, &sin);
+            let objective = (&y * &g).sum(Kind::Float)
+                + (moe.lb * per_layer_lb + moe.router_z * w.router_z) * scale;
+            run_backward(&objective);
+            g = x.grad();
+        }
+        let embedded = Tensor::embedding(&self.embed, &inputs, -1, false, false);
+        run_backward(&(embedded * g).sum(Kind::Float));
+        Losses::new(head.ce, head.z_loss, aux, w)
+    }
+
+    /// The loss parts of a `[B, T+1]` window batch without any gradient (validation), with the
+    /// same chunked head as [`MoeModel::backward`].
+    pub fn loss_values(&self, batch: &Tensor, w: &LossWeights) -> Losses {
+        tch::no_grad(|| {
+            let t = batch.size()[1] - 1;
+            let (h, aux) = self.trunk(&batch.narrow(1, 0, t));
+            let targets = batch.narrow(1, 1, t).reshape([-1]);
+            let h = h.view([-1, self.cfg.d_model as i64]);
+            let head = self.head_losses(&h, &targets, w.z_loss, None);
+            Losses::new(head.ce, head.z_loss, aux, w)
+        })
+    }
+
+    /// Cross-entropy and z-loss of the LM head on final hidden states `h` `[N, d]` against
+    /// `targets` `[N]`, plus a surrogate whose gradient is `scale ×` that of
+    /// `ce + z_weight·z_loss` with respect to `h` and the head.
+    ///
+    /// The head runs over row chunks: each chunk's logits give its loss and, right away, its
+    /// gradient (`softmax·(1 + 2·z_weight·lse) − onehot`, over N), which is folded into the
+    /// gradients of `h` and of the head. So no fp32 logits tensor of the whole batch is ever
+    /// held, for forward or backward: with a 151k vocabulary that is ~5 GB per 8k tokens.
+    /// With `scale` `None`, only the losses (the surrogate is a constant).
+    fn head_losses(
+        &self,
+        h: &Tensor,
+        targets: &Tensor,
+        z_weight: f64,
+        scale: Option<f64>,
+    ) -> HeadLosses {
+        let (n, v) = (h.size()[0], self.cfg.vocab_size as i64);
+        let rows = (self.logits_chunk / v).max(1);
+        let train_head = scale.is_some() && self.head.requires_grad();
+        let train_h = scale.is_some() && h.requires_grad();
+        let scale = scale.unwrap_or(0.0);
+        let (ce, z_loss, grad_h, grad_head) = tch::no_grad(|| {
+            let head = self.head.to_kind(self.compute);
+            let mut grad_head = train_head.then(|| self.head.zeros_like());
+            let (mut ce, mut z) = (Vec::new(), Vec::new());
+            let mut grad_h = Vec::new();
+            for (hc, tc) in h.split(rows, 0).iter().zip(targets.split(rows, 0)) {
+                let hc = hc.to_kind(self.compute);
+                let logits = hc.matmul(&head.tr()).to_kind(Kind::Float);
+                let lse = logits.logsumexp([-1], true);
+                let tc = tc.unsqueeze(1);
+                ce.push((&lse - logits.gather(1, &tc, false)).sum(Kind::Float));
+                z.push(lse.square().sum(Kind::Float));
+                if !(train_h || train_head) {
+                    continue;
+                }
+                // d(ce + z_weight·z)/d logits, times scale: softmax·(1 + 2·z_weight·lse) − onehot.
+                let coef = (&lse * (2.0 * z_weight) + 1.0) * (scale / n as f64);
+                let mut g = (logits - &lse).exp_() * coef;
+                let onehot = Tensor::full(tc.size(), -scale / n as f64, (Kind::Float, g.device()));
+                let _ = g.scatter_add_(1, &tc, &onehot);
+                let g = g.to_kind(self.compute);
+                grad_h.push(g.matmul(&head).to_kind(Kind::Float));
+                if let Some(acc) = &mut grad_head {
+                    let _ = acc.addmm_(&g.tr(), &hc);
+                }
+            }
+            let sum = |xs: Vec<Tensor>| Tensor::stack(&xs, 0).sum(Kind::Float) / n as f64;
+            let grad_h = train_h.then(|| Tensor::cat(&grad_h, 0));
+            (sum(ce), sum(z), grad_h, grad_head)
+        });
+        let terms = [
+            grad_h.map(|g| (h * g).sum(Kind::Float)),
+            grad_head.map(|g| (&self.head * g).sum(Kind::Float)),
+        ];
+        let zero = Tensor::zeros([], (Kind::Float, h.device()));
+        let surrogate = terms.into_iter().flatten().fold(zero, |a, b| a + b);
+        HeadLosses {
             ce,
             z_loss,
-            lb: aux.lb,
-            router_z: aux.router_z,
-            expert_counts: aux.expert_counts,
+            surrogate,
         }
     }
 }
 
-/// Mean token cross-entropy and the output z-loss `mean(logsumexp(logits)²)`, in fp32.
-pub fn token_losses(logits: &Tensor, targets: &Tensor) -> (Tensor, Tensor) {
-    let v = logits.size()[2];
-    let logits = logits.reshape([-1, v]).to_kind(Kind::Float);
-    let lse = logits.logsumexp([-1], false);
-    let target_logit = logits
-        .gather(1, &targets.reshape([-1, 1]), false)
-        .squeeze_dim(1);
-    let ce = (&lse - target_logit).mean(Kind::Float);
-    (ce, lse.square().mean(Kind::Float))
+/// Backward from `objective`, unless nothing that needs a gradient depends on it.
+fn run_backward(objective: &Tensor) {
+    if objective.requires_grad() {
+        objective.backward();
+    }
+}
+
+/// Per-layer MoE statistics gathered into the model's router statistics.
+fn router_aux(moes: Vec<MoeOutput>) -> RouterAux {
+    let (mut lb, mut rz, mut counts) = (Vec::new(), Vec::new(), Vec::new());
+    for m in moes {
+        lb.push(m.lb);
+        rz.push(m.router_z);
+        counts.push(m.counts);
+    }
+    RouterAux {
+        lb: Tensor::stack(&lb, 0).mean(Kind::Float),
+        router_z: Tensor::stack(&rz, 0).sum(Kind::Float),
+        expert_counts: Tensor::stack(&counts, 0),
+    }
 }
 
 /// One layer's load-balancing loss `E/(T·k) · Σ_e c_e · p̄_e` (1.0 when uniform).

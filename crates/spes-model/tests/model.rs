@@ -242,7 +242,7 @@ fn frozen_experts_get_no_gradient_but_pass_activations() {
     let own = |r: Role| matches!(r, Role::Shared | Role::Expert { index: 0..=1, .. });
     m.set_trainable(own);
     let batch = Tensor::randint(97, [4, 13], (Kind::Int64, Device::Cpu));
-    m.losses(&batch, &W).total.backward();
+    m.backward(&batch, &W, 1.0, false);
     for p in m.params() {
         let has_grad = p.tensor.grad().defined();
         assert_eq!(has_grad, own(p.role), "{}", p.name);
@@ -265,7 +265,7 @@ fn gqa_and_per_head_norm_run_and_initial_loss_is_uniform() {
     tch::manual_seed(4);
     let m = MoeModel::new(&small(QkNorm::PerHead, 2, true), Device::Cpu).unwrap();
     let batch = Tensor::randint(97, [2, 9], (Kind::Int64, Device::Cpu));
-    let l = m.losses(&batch, &W);
+    let l = m.backward(&batch, &W, 1.0, false);
     let ce = l.ce.double_value(&[]);
     assert!((ce - (97f64).ln()).abs() < 0.05, "ce {ce}");
     let lb = l.lb.double_value(&[]);
@@ -313,11 +313,112 @@ fn biases_and_post_norm_blocks_train() {
     assert!(!names.iter().any(|x| x.ends_with("input_layernorm.weight")));
     m.set_trainable(|_| true);
     let batch = Tensor::randint(97, [2, 9], (Kind::Int64, Device::Cpu));
-    m.losses(&batch, &W).total.backward();
+    m.backward(&batch, &W, 1.0, false);
     for p in m.params() {
         if p.name.ends_with(".bias") || p.name.contains("feedforward_layernorm") {
             let g = p.tensor.grad().abs().sum(Kind::Float).double_value(&[]);
             assert!(g > 0.0, "{} gets no gradient", p.name);
+        }
+    }
+}
+
+/// The reference objective from whole logits: mean token cross-entropy and the output z-loss `mean(logsumexp(logits)²)`, in fp32.
+fn token_losses(logits: &Tensor, targets: &Tensor) -> (Tensor, Tensor) {
+    let v = logits.size()[2];
+    let logits = logits.reshape([-1, v]).to_kind(Kind::Float);
+    let lse = logits.logsumexp([-1], false);
+    let target_logit = logits
+        .gather(1, &targets.reshape([-1, 1]), false)
+        .squeeze_dim(1);
+    let ce = (&lse - target_logit).mean(Kind::Float);
+    (ce, lse.square().mean(Kind::Float))
+}
+
+/// Every parameter's gradient, by name (zeros where none), then cleared.
+fn take_grads(m: &MoeModel) -> Vec<(String, Tensor)> {
+    m.params()
+        .into_iter()
+        .map(|p| {
+            let g = p.tensor.grad();
+            let g = if g.defined() {
+                let copy = g.copy();
+                let _ = g.shallow_clone().zero_();
+                copy
+            } else {
+                p.tensor.zeros_like()
+            };
+            (p.name, g)
+        })
+        .collect()
+}
+
+fn assert_close(a: &[(String, Tensor)], b: &[(String, Tensor)], rel: f64, what: &str) {
+    for ((name, x), (_, y)) in a.iter().zip(b) {
+        let scale = y.abs().max().double_value(&[]).max(1e-12);
+        let diff = (x - y).abs().max().double_value(&[]);
+        assert!(
+            diff <= rel * scale,
+            "{what}: {name} differs by {diff} (scale {scale})"
+        );
+    }
+}
+
+/// The chunked LM-head loss (3 chunks here) gives the same losses as full logits through
+/// `token_losses` within 1e-5, and the same gradient for every parameter, scale included.
+#[test]
+fn chunked_head_loss_matches_full_logits() {
+    tch::manual_seed(6);
+    let mut m = MoeModel::new(&small(QkNorm::Full, 2, false), Device::Cpu).unwrap();
+    m.set_trainable(|_| true);
+    let batch = Tensor::randint(97, [3, 12], (Kind::Int64, Device::Cpu));
+    let w = LossWeights { z_loss: 0.05, ..W };
+
+    let (logits, aux) = m.forward(&batch.narrow(1, 0, 11));
+    let (ce, z) = token_losses(&logits, &batch.narrow(1, 1, 11));
+    let total = &ce + &z * w.z_loss + &aux.lb * w.lb + &aux.router_z * w.router_z;
+    (total * 0.5).backward();
+    let reference = take_grads(&m);
+
+    m.set_logits_chunk(14 * 97); // 14 rows of 33 per chunk: 3 chunks, the last short
+    let l = m.backward(&batch, &w, 0.5, false);
+    for (got, want) in [(&l.ce, &ce), (&l.z_loss, &z)] {
+        let (got, want) = (got.double_value(&[]), want.double_value(&[]));
+        assert!((got - want).abs() < 1e-5, "{got} vs {want}");
+    }
+    assert!(!l.total.requires_grad());
+    assert_close(&take_grads(&m), &reference, 1e-5, "chunked head");
+}
+
+/// Activation checkpointing recomputes each block in backward: same losses, and every
+/// gradient within 1e-6 relative, with pre- and post-norm blocks and frozen experts.
+#[test]
+fn activation_checkpointing_gives_the_same_gradients() {
+    for placement in [NormPlacement::Pre, NormPlacement::Post] {
+        tch::manual_seed(7);
+        let cfg = ModelConfig {
+            norm_placement: placement,
+            ..small(QkNorm::Full, 2, true)
+        };
+        let m = MoeModel::new(&cfg, Device::Cpu).unwrap();
+        m.set_trainable(|r| !matches!(r, Role::Expert { index: 4.., .. }));
+        let batch = Tensor::randint(97, [2, 14], (Kind::Int64, Device::Cpu));
+        let plain = m.backward(&batch, &W, 1.0, false);
+        let reference = take_grads(&m);
+        let ckpt = m.backward(&batch, &W, 1.0, true);
+        assert_eq!(
+            plain.total.double_value(&[]),
+            ckpt.total.double_value(&[]),
+            "{placement:?}"
+        );
+        assert!(plain.expert_counts.equal(&ckpt.expert_counts));
+        assert_close(&take_grads(&m), &reference, 1e-6, "checkpointed");
+        for p in m.params() {
+            assert_eq!(
+                p.tensor.grad().defined(),
+                p.tensor.requires_grad(),
+                "{}",
+                p.name
+            );
         }
     }
 }

@@ -21,6 +21,8 @@ pub struct BenchOptions {
     pub warmup: usize,
     /// Experts per layer this process trains (SPES node); `None` trains all of them.
     pub own_experts: Option<usize>,
+    /// Recompute blocks during backward (`train.activation_checkpointing`).
+    pub activation_checkpointing: bool,
 }
 
 /// One benchmark result row.
@@ -63,7 +65,15 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
     let mut timed = Vec::new();
     for i in 0..o.warmup + o.steps {
         let batch = Tensor::randint(vocab, shape, (Kind::Int64, o.device));
-        let s = step_on_batches(&model, &mut opt, &weights, 1.0, 1e-4, &[batch])?;
+        let s = step_on_batches(
+            &model,
+            &mut opt,
+            &weights,
+            1.0,
+            o.activation_checkpointing,
+            1e-4,
+            &[batch],
+        )?;
         if i >= o.warmup {
             timed.push(s.seconds);
         }
@@ -101,7 +111,7 @@ fn optimizer_seconds(
 ) -> Result<f64> {
     let shape = [o.batch_size as i64, o.seq_len as i64 + 1];
     let batch = Tensor::randint(o.model.vocab_size as i64, shape, (Kind::Int64, o.device));
-    model.losses(&batch, weights).total.backward();
+    model.backward(&batch, weights, 1.0, o.activation_checkpointing);
     let sync = || {
         if let Device::Cuda(i) = o.device {
             tch::Cuda::synchronize(i as i64);

@@ -241,6 +241,9 @@ pub struct TrainConfig {
     pub lb_loss_weight: f64,
     pub router_z_loss_weight: f64,
     pub precision: Precision,
+    /// Keep only each block's input through the forward pass and recompute the block during
+    /// backward: activation memory of one block instead of all, for ~1/3 more compute.
+    pub activation_checkpointing: bool,
     pub seed: u64,
     pub log_every: u64,
     pub eval_every: u64,
@@ -277,6 +280,7 @@ impl Default for TrainConfig {
             lb_loss_weight: 0.01,
             router_z_loss_weight: 0.001,
             precision: Precision::Auto,
+            activation_checkpointing: false,
             seed: 0,
             log_every: 10,
             eval_every: 100,

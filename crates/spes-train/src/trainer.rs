@@ -132,6 +132,7 @@ impl Trainer {
             &mut self.opt,
             &self.weights,
             self.cfg.train.grad_clip,
+            self.cfg.train.activation_checkpointing,
             lr,
             &batches,
         )?;
@@ -289,11 +290,10 @@ pub fn validation_stats(
             let batch = Tensor::from_slice(&flat)
                 .view([rows as i64, seq as i64])
                 .to_device(device);
-            let (logits, aux) = model.forward(&batch.narrow(1, 0, seq as i64 - 1));
-            let (ce, _) = spes_model::token_losses(&logits, &batch.narrow(1, 1, seq as i64 - 1));
-            total += ce.double_value(&[]) * rows as f64;
+            let l = model.loss_values(&batch, &LossWeights::default());
+            total += l.ce.double_value(&[]) * rows as f64;
             n += rows;
-            let c = aux.expert_counts.to_kind(Kind::Double);
+            let c = l.expert_counts.to_kind(Kind::Double);
             counts = Some(match counts.take() {
                 Some(acc) => acc + c,
                 None => c,
@@ -309,12 +309,14 @@ pub fn validation_stats(
     (total / n as f64, load)
 }
 
-/// Forward/backward over each batch (gradients averaged), clipping, and one AdamW update.
+/// Forward/backward over each batch (gradients averaged), clipping, and one AdamW update;
+/// `checkpoint` recomputes blocks in backward (activation checkpointing).
 pub fn step_on_batches(
     model: &MoeModel,
     opt: &mut AdamW,
     weights: &LossWeights,
     grad_clip: f64,
+    checkpoint: bool,
     lr: f64,
     batches: &[Tensor],
 ) -> Result<StepStats> {
@@ -326,10 +328,8 @@ pub fn step_on_batches(
     for batch in batches {
         let (rows, cols) = batch.size2().expect("batch is [rows, seq+1]");
         tokens += (rows * (cols - 1)) as u64;
-        let l = model.losses(batch, weights);
-        (&l.total / n).backward();
-        let parts =
-            Tensor::stack(&[&l.total, &l.ce, &l.z_loss, &l.lb, &l.router_z], 0).detach() / n;
+        let l = model.backward(batch, weights, 1.0 / n, checkpoint);
+        let parts = Tensor::stack(&[&l.total, &l.ce, &l.z_loss, &l.lb, &l.router_z], 0) / n;
         sums = Some(match sums.take() {
             Some(acc) => acc + parts,
             None => parts,
