@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what spes needs into the repository, idempotently (a no-op when already there):
-# a Python virtualenv .venv with PyTorch 2.11.0 from PyPI, whose bundled libtorch is what tch
+# Installs what spes needs, idempotently (a no-op when already there): Gloo's C++ headers
+# (Debian/Ubuntu libgloo-dev; spes-ext compiles c10d's process group against them), and in the
+# repository a Python virtualenv .venv with PyTorch 2.11.0 from PyPI, whose bundled libtorch is what tch
 # 0.24 builds and links against (.venv/libtorch -> site-packages/torch), and transformers for
 # the Hugging Face parity tests and interop. Needs python3 and cargo.
 set -euo pipefail
@@ -12,6 +13,11 @@ transformers_version=5.24.0
 for tool in python3 cargo; do
   command -v "$tool" >/dev/null || { echo "setup: $tool is required but not on PATH" >&2; exit 1; }
 done
+if [ ! -f "${GLOO_INCLUDE:-/usr/include}/gloo/algorithm.h" ]; then
+  echo "setup: installing libgloo-dev (Gloo headers for torch.distributed's process group)" >&2
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get install -y -q libgloo-dev >/dev/null || $sudo sh -c 'apt-get update -q && apt-get install -y -q libgloo-dev' >/dev/null
+fi
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 installed=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true)
 if [ "${installed%%+*}" != "$torch_version" ]; then

@@ -1,0 +1,143 @@
+// spes-ext, c10d part: a torch.distributed process group (TCPStore rendezvous, Gloo backend)
+// behind a C ABI, for data parallelism inside one node. Collectives are c10d's own; this file
+// only bundles tensors into flat buckets so one call moves many small tensors.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+namespace {
+
+char* copy_message(const char* what) {
+  size_t n = std::strlen(what) + 1;
+  char* out = static_cast<char*>(std::malloc(n));
+  if (out != nullptr) std::memcpy(out, what, n);
+  return out;
+}
+
+template <typename F>
+char* guarded(F&& body) {
+  try {
+    body();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return copy_message(e.what());
+  } catch (...) {
+    return copy_message("unknown C++ exception");
+  }
+}
+
+struct Group {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  int rank;
+  int world;
+};
+
+// Consecutive runs of tensors of one dtype and device, each at most bucket_bytes (a larger
+// tensor is a bucket of its own): the unit of one collective call.
+std::vector<std::vector<at::Tensor>> buckets(at::Tensor* const* ts, size_t n, size_t bucket_bytes) {
+  std::vector<std::vector<at::Tensor>> out;
+  size_t bytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = *ts[i];
+    size_t b = t.numel() * t.element_size();
+    bool fresh = out.empty() || bytes + b > bucket_bytes ||
+                 out.back().front().scalar_type() != t.scalar_type() ||
+                 out.back().front().device() != t.device();
+    if (fresh) {
+      out.emplace_back();
+      bytes = 0;
+    }
+    out.back().push_back(t);
+    bytes += b;
+  }
+  return out;
+}
+
+// Runs `collective` on each bucket flattened into one contiguous tensor, then copies the
+// result back into the bucket's tensors.
+template <typename F>
+void bucketed(at::Tensor* const* ts, size_t n, size_t bucket_bytes, F&& collective) {
+  for (auto& bucket : buckets(ts, n, bucket_bytes)) {
+    std::vector<at::Tensor> flat_parts;
+    flat_parts.reserve(bucket.size());
+    for (auto& t : bucket) flat_parts.push_back(t.reshape({-1}));
+    at::Tensor flat = at::cat(flat_parts);
+    collective(flat);
+    int64_t offset = 0;
+    for (auto& t : bucket) {
+      int64_t k = t.numel();
+      t.copy_(flat.narrow(0, offset, k).view(t.sizes()));
+      offset += k;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Joins the group: rank 0 serves the TCPStore at host:port, every rank connects to it; every
+// collective (and the rendezvous) fails after timeout_ms instead of hanging on a dead rank.
+char* spes_ext_pg_new(const char* host, int port, int rank, int world, int64_t timeout_ms,
+                      void** out) {
+  return guarded([&] {
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(port);
+    o.isServer = rank == 0;
+    o.numWorkers = world;
+    o.timeout = timeout;
+    auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), o);
+    auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, opts);
+    *out = new Group{store, pg, rank, world};
+  });
+}
+
+void spes_ext_pg_free(void* group) { delete static_cast<Group*>(group); }
+
+// In place on every rank: each tensor becomes the mean of that tensor over the ranks.
+char* spes_ext_pg_all_reduce_mean(void* group, at::Tensor* const* ts, size_t n,
+                                  size_t bucket_bytes) {
+  return guarded([&] {
+    auto* g = static_cast<Group*>(group);
+    bucketed(ts, n, bucket_bytes, [&](at::Tensor& flat) {
+      std::vector<at::Tensor> io{flat};
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = c10d::ReduceOp::SUM;
+      g->pg->allreduce(io, opts)->wait();
+      flat.div_(g->world);
+    });
+  });
+}
+
+// In place on every rank: each tensor becomes root's.
+char* spes_ext_pg_broadcast(void* group, at::Tensor* const* ts, size_t n, int root,
+                            size_t bucket_bytes) {
+  return guarded([&] {
+    auto* g = static_cast<Group*>(group);
+    bucketed(ts, n, bucket_bytes, [&](at::Tensor& flat) {
+      std::vector<at::Tensor> io{flat};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = root;
+      g->pg->broadcast(io, opts)->wait();
+    });
+  });
+}
+
+// Waits until every rank has called it.
+char* spes_ext_pg_barrier(void* group) {
+  return guarded([&] { static_cast<Group*>(group)->pg->barrier()->wait(); });
+}
+
+}  // extern "C"

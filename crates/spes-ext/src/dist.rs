@@ -1,0 +1,138 @@
+//! torch.distributed's c10d inside one node: a process group over a TCPStore rendezvous with
+//! the Gloo backend, and the collectives data parallelism needs, on whole lists of tensors
+//! (flattened into buckets so many small tensors cost a few calls).
+
+use crate::{check, handles, ExtError};
+use std::ffi::{c_char, c_void, CString};
+use std::time::Duration;
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+extern "C" {
+    fn spes_ext_pg_new(
+        host: *const c_char,
+        port: i32,
+        rank: i32,
+        world: i32,
+        timeout_ms: i64,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
+    fn spes_ext_pg_free(group: *mut c_void);
+    fn spes_ext_pg_all_reduce_mean(
+        group: *mut c_void,
+        ts: *const *const C_tensor,
+        n: usize,
+        bucket_bytes: usize,
+    ) -> *mut c_char;
+    fn spes_ext_pg_broadcast(
+        group: *mut c_void,
+        ts: *const *const C_tensor,
+        n: usize,
+        root: i32,
+        bucket_bytes: usize,
+    ) -> *mut c_char;
+    fn spes_ext_pg_barrier(group: *mut c_void) -> *mut c_char;
+}
+
+/// Where and how ranks meet: rank 0 serves the store at `host:port` (torchrun's MASTER_ADDR
+/// and MASTER_PORT).
+#[derive(Clone, Debug)]
+pub struct Rendezvous {
+    pub host: String,
+    pub port: u16,
+    pub rank: usize,
+    pub world: usize,
+    /// How long the rendezvous and every collective may wait for the other ranks.
+    pub timeout: Duration,
+}
+
+/// Bytes per flattened bucket of a collective (PyTorch DDP's default bucket size).
+const BUCKET_BYTES: usize = 25 << 20;
+
+/// A c10d process group (Gloo). Collectives block until every rank has joined them, or fail
+/// with an [`ExtError`] after the rendezvous timeout (e.g. when a rank died).
+pub struct ProcessGroup {
+    raw: *mut c_void,
+    rank: usize,
+    world: usize,
+}
+
+// SAFETY: a c10d process group may be handed to another thread; it is not Sync, so it is
+// never called from two threads at once.
+unsafe impl Send for ProcessGroup {}
+
+impl ProcessGroup {
+    /// Joins the group described by `r`; returns once every rank has.
+    pub fn join(r: &Rendezvous) -> Result<Self, ExtError> {
+        let host = CString::new(r.host.as_str()).map_err(|_| ExtError {
+            op: "process_group",
+            message: format!("host {:?} contains a NUL byte", r.host),
+        })?;
+        if r.rank >= r.world {
+            return Err(ExtError {
+                op: "process_group",
+                message: format!("rank {} is not below the world size {}", r.rank, r.world),
+            });
+        }
+        let mut raw: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid C string and out-pointer for the duration of the call.
+        let message = unsafe {
+            spes_ext_pg_new(
+                host.as_ptr(),
+                i32::from(r.port),
+                r.rank as i32,
+                r.world as i32,
+                r.timeout.as_millis() as i64,
+                &mut raw,
+            )
+        };
+        check("process_group", message)?;
+        Ok(ProcessGroup {
+            raw,
+            rank: r.rank,
+            world: r.world,
+        })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Replaces every tensor, in place, by its mean over the ranks. Every rank passes the
+    /// same list (shapes, dtypes, order).
+    pub fn all_reduce_mean(&self, ts: &[Tensor]) -> Result<(), ExtError> {
+        let h = handles(ts);
+        // SAFETY: live group and n live tensor handles for the call.
+        check("all_reduce", unsafe {
+            spes_ext_pg_all_reduce_mean(self.raw, h.as_ptr(), h.len(), BUCKET_BYTES)
+        })
+    }
+
+    /// Replaces every tensor, in place, by rank `root`'s.
+    pub fn broadcast(&self, ts: &[Tensor], root: usize) -> Result<(), ExtError> {
+        let h = handles(ts);
+        // SAFETY: as for all_reduce_mean.
+        check("broadcast", unsafe {
+            spes_ext_pg_broadcast(self.raw, h.as_ptr(), h.len(), root as i32, BUCKET_BYTES)
+        })
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&self) -> Result<(), ExtError> {
+        // SAFETY: live group.
+        check("barrier", unsafe { spes_ext_pg_barrier(self.raw) })
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from spes_ext_pg_new and is freed once.
+        unsafe { spes_ext_pg_free(self.raw) }
+    }
+}
