@@ -13,7 +13,8 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/c10d.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     println!("cargo:rerun-if-env-changed=GLOO_INCLUDE");
-    let gloo = PathBuf::from(std::env::var("GLOO_INCLUDE").unwrap_or_else(|_| "/usr/include".into()));
+    let gloo =
+        PathBuf::from(std::env::var("GLOO_INCLUDE").unwrap_or_else(|_| "/usr/include".into()));
     if !gloo.join("gloo/algorithm.h").exists() {
         panic!(
             "spes-ext needs Gloo's C++ headers for c10d's process group: {} has no gloo/algorithm.h. \

@@ -260,7 +260,7 @@ fn prepare_data(d: &DataSpec, out: &Path) -> Result<PathBuf> {
 fn train(cfg: &RunConfig, dir: &Path, device: tch::Device, device_arg: &str) -> Result<()> {
     if cfg.sync.mode == Mode::Centralized {
         let resume = dir.join("checkpoints").exists();
-        spes_train::run(cfg.clone(), dir, device, resume, None, false)?;
+        spes_train::run(cfg.clone(), dir, device, resume, None, false, None)?;
     } else {
         demo::launch(dir, cfg, device_arg, None, false)?;
     }

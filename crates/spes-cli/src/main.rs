@@ -4,6 +4,7 @@ mod demo;
 mod device;
 mod experiment;
 mod link_bench;
+mod local_ranks;
 mod plan_sync;
 mod report;
 mod sync_bench;
@@ -46,6 +47,46 @@ impl RuntimeArgs {
         }
         device::select(self.device)
     }
+}
+
+/// `spes train` in this process: alone, or as one rank of a data-parallel node when a
+/// launcher's environment (WORLD_SIZE > 1) says so; only rank 0 prints the summary.
+fn train(
+    cfg: RunConfig,
+    out: &Path,
+    resume: bool,
+    init: Option<&Path>,
+    runtime: &RuntimeArgs,
+    dist_timeout: u64,
+) -> Result<()> {
+    use spes_train::data_parallel::{rendezvous_from_env, DataParallel};
+    let mut device = runtime.device()?;
+    let rendezvous = rendezvous_from_env(std::time::Duration::from_secs(dist_timeout))?;
+    let local_rank: usize = std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0);
+    if let (tch::Device::Cuda(_), Some(_)) = (device, &rendezvous) {
+        device = tch::Device::Cuda(local_rank);
+    }
+    if let (tch::Device::Cpu, Some(r), None) = (device, &rendezvous, runtime.threads) {
+        // CPU ranks share the machine's cores; oversubscribed OpenMP threads spin-wait on
+        // each other and run many times slower.
+        let local: usize = std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .and_then(|w| w.parse().ok())
+            .unwrap_or(r.world);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        tch::set_num_threads((cores / local.max(1)).max(1) as i32);
+    }
+    let dp = rendezvous.as_ref().map(DataParallel::join).transpose()?;
+    let first = dp.as_ref().is_none_or(DataParallel::is_first);
+    tracing::info!(?device, "training {}", out.display());
+    let summary = spes_train::run(cfg, out, device, resume, init, first, dp)?;
+    if first {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    }
+    Ok(())
 }
 
 /// A run configuration file and its overrides.
@@ -134,6 +175,14 @@ enum Command {
         /// upcycle`, or a model.safetensors); the optimizer starts empty.
         #[arg(long, conflicts_with = "resume")]
         init: Option<PathBuf>,
+        /// Data parallel on this machine: start this many ranks (one per GPU, or CPU
+        /// processes), each with `train.batch_size` rows per micro-batch. A launcher such as
+        /// torchrun can start the ranks instead (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+        #[arg(long, value_name = "G")]
+        local_ranks: Option<usize>,
+        /// Seconds a rank waits for the others at a collective before failing (a dead rank).
+        #[arg(long, default_value_t = 300)]
+        dist_timeout: u64,
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
@@ -585,13 +634,15 @@ fn run(cli: Cli) -> Result<()> {
             out,
             resume,
             init,
+            local_ranks,
+            dist_timeout,
             runtime,
         } => {
             let cfg = config.load()?;
-            let device = runtime.device()?;
-            tracing::info!(?device, "training {}", out.display());
-            let summary = spes_train::run(cfg, &out, device, resume, init.as_deref(), true)?;
-            println!("{}", serde_json::to_string_pretty(&summary)?);
+            if let Some(g) = local_ranks.filter(|&g| g > 1) {
+                return local_ranks::launch(g);
+            }
+            train(cfg, &out, resume, init.as_deref(), &runtime, dist_timeout)?;
         }
         Command::Bench {
             preset,

@@ -75,7 +75,7 @@ fn a_missing_rank_is_an_error_after_the_timeout() {
         let err = g.all_reduce_mean(&[Tensor::ones([3], (Kind::Float, Device::Cpu))]);
         Some((err.map_err(|e| e.op), start.elapsed()))
     });
-    let (result, waited) = out[1].clone().unwrap();
+    let (result, waited) = out[1].unwrap();
     assert_eq!(result, Err("all_reduce"));
     assert!(waited < Duration::from_secs(4), "waited {waited:?}");
 }

@@ -2,7 +2,7 @@
 
 use crate::config::{Precision, TrainConfig};
 use crate::optim::AdamW;
-use crate::trainer::{compute_kind, step_on_batches};
+use crate::trainer::{compute_kind, step_on_batches, StepOptions};
 use anyhow::Result;
 use serde::Serialize;
 use spes_model::{LossWeights, ModelConfig, MoeModel, Role};
@@ -55,31 +55,22 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
     });
     let t = TrainConfig::default();
     let mut opt = AdamW::new(model.trainable_params(), &t);
-    let weights = LossWeights {
-        z_loss: t.z_loss_weight,
-        lb: t.lb_loss_weight,
-        router_z: t.router_z_loss_weight,
+    let step = StepOptions {
+        checkpoint: o.activation_checkpointing,
+        ..StepOptions::from_config(&t)
     };
     let vocab = o.model.vocab_size as i64;
     let shape = [o.batch_size as i64, o.seq_len as i64 + 1];
     let mut timed = Vec::new();
     for i in 0..o.warmup + o.steps {
         let batch = Tensor::randint(vocab, shape, (Kind::Int64, o.device));
-        let s = step_on_batches(
-            &model,
-            &mut opt,
-            &weights,
-            1.0,
-            o.activation_checkpointing,
-            1e-4,
-            &[batch],
-        )?;
+        let s = step_on_batches(&model, &mut opt, &step, None, 1e-4, &[batch])?;
         if i >= o.warmup {
             timed.push(s.seconds);
         }
     }
     let median = median(timed);
-    let optimizer_ms = 1e3 * optimizer_seconds(&model, &mut opt, &weights, o)?;
+    let optimizer_ms = 1e3 * optimizer_seconds(&model, &mut opt, &step.weights, o)?;
     let tokens = (o.batch_size * o.seq_len) as u64;
     let params = model.params();
     let trainable = model.trainable_params();

@@ -5,9 +5,12 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
+pub mod data_parallel;
 pub mod optim;
 pub mod task_hook;
 pub mod trainer;
 
 pub use config::{AggregateRule, Mode, Precision, RunConfig, SyncConfig, TrainConfig, Wire};
-pub use trainer::{run, validation_loss, validation_stats, RunSummary, StepStats, Trainer};
+pub use trainer::{
+    run, validation_loss, validation_stats, RunSummary, StepOptions, StepStats, Trainer,
+};

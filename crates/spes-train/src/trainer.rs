@@ -2,6 +2,7 @@
 
 use crate::checkpoint::{self, TrainState};
 use crate::config::{Precision, RunConfig};
+use crate::data_parallel::DataParallel;
 use crate::optim::{lr_at, AdamW};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -38,6 +39,30 @@ impl StepStats {
     }
 }
 
+/// How a step turns batches into an update.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOptions {
+    pub weights: LossWeights,
+    /// Global gradient-norm clip.
+    pub grad_clip: f64,
+    /// Recompute blocks during backward (activation checkpointing).
+    pub checkpoint: bool,
+}
+
+impl StepOptions {
+    pub fn from_config(t: &crate::config::TrainConfig) -> Self {
+        StepOptions {
+            weights: LossWeights {
+                z_loss: t.z_loss_weight,
+                lb: t.lb_loss_weight,
+                router_z: t.router_z_loss_weight,
+            },
+            grad_clip: t.grad_clip,
+            checkpoint: t.activation_checkpointing,
+        }
+    }
+}
+
 /// A model, its optimizer over the trainable tensors, and the data stream.
 pub struct Trainer {
     pub cfg: RunConfig,
@@ -48,9 +73,11 @@ pub struct Trainer {
     val: ValWindows,
     /// Optimizer steps done.
     pub step: u64,
-    /// Training tokens consumed.
+    /// Training tokens consumed (by every rank of the node together).
     pub tokens: u64,
-    weights: LossWeights,
+    options: StepOptions,
+    /// The node's data-parallel group, when it has several ranks.
+    dp: Option<DataParallel>,
 }
 
 /// bf16 where it pays (CUDA) unless the config says otherwise.
@@ -92,12 +119,7 @@ impl Trainer {
         let seq = cfg.train.seq_len;
         let loader = Loader::open(&cfg.data.path, seq, cfg.train.seed, data_position)?;
         let val = ValWindows::open(&cfg.data.path, seq)?;
-        let t = &cfg.train;
-        let weights = LossWeights {
-            z_loss: t.z_loss_weight,
-            lb: t.lb_loss_weight,
-            router_z: t.router_z_loss_weight,
-        };
+        let options = StepOptions::from_config(&cfg.train);
         Ok(Trainer {
             cfg,
             model,
@@ -107,7 +129,8 @@ impl Trainer {
             val,
             step: 0,
             tokens: 0,
-            weights,
+            options,
+            dp: None,
         })
     }
 
@@ -117,28 +140,64 @@ impl Trainer {
             .to_device(self.device)
     }
 
-    /// One optimizer step over `grad_accum` micro-batches from the data stream.
+    /// Makes this trainer one rank of a data-parallel node: from now on it trains on its own
+    /// rows of each batch and averages gradients with the other ranks. Every rank starts from
+    /// rank 0's weights and optimizer state.
+    pub fn set_data_parallel(&mut self, dp: DataParallel) -> Result<()> {
+        let mut state: Vec<Tensor> = self.model.params().into_iter().map(|p| p.tensor).collect();
+        state.extend(self.opt.state().into_iter().map(|(_, t)| t));
+        dp.broadcast_from_first(&state)?;
+        self.dp = Some(dp);
+        Ok(())
+    }
+
+    /// The data-parallel group, if any.
+    pub fn data_parallel(&self) -> Option<&DataParallel> {
+        self.dp.as_ref()
+    }
+
+    /// Whether this process writes the node's files: the only rank, or rank 0.
+    pub fn is_first_rank(&self) -> bool {
+        self.dp.as_ref().is_none_or(DataParallel::is_first)
+    }
+
+    /// One optimizer step over `grad_accum` micro-batches from the data stream. With several
+    /// ranks, each micro-batch is `batch_size` rows per rank: the node reads
+    /// `ranks × batch_size` rows and this rank takes its own slice.
     pub fn train_step(&mut self) -> Result<StepStats> {
         let (rows, accum) = (self.cfg.train.batch_size, self.cfg.train.grad_accum);
+        let (rank, world) = self.dp.as_ref().map_or((0, 1), |d| (d.rank(), d.world()));
+        let row_len = self.cfg.train.seq_len + 1;
         let batches: Vec<Tensor> = (0..accum)
             .map(|_| {
-                let flat = self.loader.next_batch(rows);
-                self.batch_tensor(rows, flat)
+                let flat = self.loader.next_batch(rows * world);
+                let mine = flat[rank * rows * row_len..(rank + 1) * rows * row_len].to_vec();
+                self.batch_tensor(rows, mine)
             })
             .collect();
         let lr = lr_at(self.step, &self.cfg.train);
         let s = step_on_batches(
             &self.model,
             &mut self.opt,
-            &self.weights,
-            self.cfg.train.grad_clip,
-            self.cfg.train.activation_checkpointing,
+            &self.options,
+            self.dp.as_ref(),
             lr,
             &batches,
         )?;
         self.step += 1;
         self.tokens += s.tokens;
         Ok(s)
+    }
+
+    /// Fails unless every rank holds rank 0's trainable weights bit for bit; a no-op alone.
+    pub fn check_ranks_in_sync(&self) -> Result<()> {
+        let Some(dp) = &self.dp else {
+            return Ok(());
+        };
+        let params = self.model.trainable_params();
+        let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
+        let tensors: Vec<Tensor> = params.iter().map(|p| p.tensor.shallow_clone()).collect();
+        dp.check_in_sync(&names, &tensors)
     }
 
     /// Trains the parameters for which `trainable` holds from now on (a node's ownership
@@ -309,14 +368,14 @@ pub fn validation_stats(
     (total / n as f64, load)
 }
 
-/// Forward/backward over each batch (gradients averaged), clipping, and one AdamW update;
-/// `checkpoint` recomputes blocks in backward (activation checkpointing).
+/// Forward/backward over each batch (gradients averaged over batches, then over the ranks of
+/// `dp`), clipping, and one AdamW update. Loss parts are averaged over ranks too; `tokens`
+/// counts every rank's.
 pub fn step_on_batches(
     model: &MoeModel,
     opt: &mut AdamW,
-    weights: &LossWeights,
-    grad_clip: f64,
-    checkpoint: bool,
+    o: &StepOptions,
+    dp: Option<&DataParallel>,
     lr: f64,
     batches: &[Tensor],
 ) -> Result<StepStats> {
@@ -328,20 +387,23 @@ pub fn step_on_batches(
     for batch in batches {
         let (rows, cols) = batch.size2().expect("batch is [rows, seq+1]");
         tokens += (rows * (cols - 1)) as u64;
-        let l = model.backward(batch, weights, 1.0 / n, checkpoint);
+        let l = model.backward(batch, &o.weights, 1.0 / n, o.checkpoint);
         let parts = Tensor::stack(&[&l.total, &l.ce, &l.z_loss, &l.lb, &l.router_z], 0) / n;
         sums = Some(match sums.take() {
             Some(acc) => acc + parts,
             None => parts,
         });
     }
-    let grad_norm = opt.clip_grad_norm(grad_clip)?;
+    let mut sums = sums.expect("at least one batch");
+    if let Some(dp) = dp {
+        dp.average_gradients(&opt.tensors())?;
+        dp.average(std::slice::from_mut(&mut sums))?;
+        tokens *= dp.world() as u64;
+    }
+    let grad_norm = opt.clip_grad_norm(o.grad_clip)?;
     opt.step(lr)?;
     opt.zero_grad()?;
-    let read = Tensor::cat(
-        &[sums.expect("at least one batch"), grad_norm.reshape([1])],
-        0,
-    );
+    let read = Tensor::cat(&[sums, grad_norm.reshape([1])], 0);
     let v = Vec::<f64>::try_from(&read.to_kind(Kind::Double).to_device(Device::Cpu))
         .expect("six scalars");
     Ok(StepStats {
@@ -406,6 +468,9 @@ impl MetricsLog {
 
 /// `spes train`: centralized training of every parameter, resumable from `<out>/checkpoints`.
 /// A fresh run starts from `init` (a checkpoint directory or model.safetensors) when given.
+/// With `dp`, this process is one rank of a data-parallel node: every rank trains, rank 0
+/// alone writes metrics and checkpoints, and ranks are checked to hold identical weights at
+/// every logged step.
 pub fn run(
     cfg: RunConfig,
     out: &Path,
@@ -413,6 +478,7 @@ pub fn run(
     resume: bool,
     init: Option<&Path>,
     progress: bool,
+    dp: Option<DataParallel>,
 ) -> Result<RunSummary> {
     if cfg.sync.mode != crate::config::Mode::Centralized {
         bail!(
@@ -444,14 +510,29 @@ pub fn run(
             tr
         }
     };
+    if let Some(dp) = dp {
+        tr.set_data_parallel(dp)?;
+    }
+    let first = tr.is_first_rank();
+    let progress = progress && first;
     let tasks = crate::task_hook::TaskHook::load(&cfg, device)?;
-    spes_data::shard::write_atomic(&out.join("config.toml"), toml::to_string(&cfg)?.as_bytes())?;
-    let mut log = MetricsLog::open(out, latest.as_ref().map(|_| tr.step))?;
+    let mut log = None;
+    if first {
+        let config = toml::to_string(&cfg)?;
+        spes_data::shard::write_atomic(&out.join("config.toml"), config.as_bytes())?;
+        log = Some(MetricsLog::open(out, latest.as_ref().map(|_| tr.step))?);
+    }
+    let mut write = |record: serde_json::Value| -> Result<()> {
+        match &mut log {
+            Some(log) => log.write(record),
+            None => Ok(()),
+        }
+    };
     let t = cfg.train.clone();
     let start = Instant::now();
     let initial_val_loss = if tr.step == 0 {
         let v = tr.evaluate();
-        log.write(json!({"step": 0, "tokens": 0, "val_loss": v}))?;
+        write(json!({"step": 0, "tokens": 0, "val_loss": v}))?;
         Some(v)
     } else {
         None
@@ -459,7 +540,7 @@ pub fn run(
     let bar = progress_bar(progress, t.max_steps, tr.step);
     let (mut window_tokens, mut window_s) = (0u64, 0f64);
     let mut final_val_loss = initial_val_loss.unwrap_or(f64::NAN);
-    let first_step = tr.step;
+    let first_tokens = tr.tokens;
     while tr.step < t.max_steps {
         let s = tr.train_step()?;
         if !s.loss.is_finite() {
@@ -477,6 +558,7 @@ pub fn run(
             record = Some(s.record(tr.step, tr.tokens, tps));
             bar.set_message(format!("loss {:.3} | {:.0} tok/s", s.loss, tps));
             (window_tokens, window_s) = (0, 0.0);
+            tr.check_ranks_in_sync()?;
         }
         if tr.step % t.eval_every == 0 || tr.step == t.max_steps {
             final_val_loss = tr.evaluate();
@@ -490,16 +572,16 @@ pub fn run(
             r["tasks"] = scores;
         }
         if let Some(r) = record {
-            log.write(r)?;
+            write(r)?;
         }
-        if tr.step % t.checkpoint_every == 0 || tr.step == t.max_steps {
+        if first && (tr.step % t.checkpoint_every == 0 || tr.step == t.max_steps) {
             tr.save_checkpoint(&ck_root)?;
         }
         bar.set_position(tr.step);
     }
     bar.finish_and_clear();
     let wall_s = start.elapsed().as_secs_f64();
-    let trained = (tr.step - first_step) * cfg.tokens_per_step();
+    let trained = tr.tokens - first_tokens;
     Ok(RunSummary {
         initial_val_loss,
         final_val_loss,

@@ -82,7 +82,16 @@ fn resume_reproduces_the_uninterrupted_run_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let data = data(tmp.path());
     let full = tmp.path().join("full");
-    spes_train::run(config(&data, &[]), &full, Device::Cpu, false, None, false).unwrap();
+    spes_train::run(
+        config(&data, &[]),
+        &full,
+        Device::Cpu,
+        false,
+        None,
+        false,
+        None,
+    )
+    .unwrap();
 
     // A run that died after its step-3 checkpoint: that checkpoint and the metrics so far.
     let crashed = tmp.path().join("crashed");
@@ -103,6 +112,7 @@ fn resume_reproduces_the_uninterrupted_run_exactly() {
         false,
         None,
         false,
+        None,
     )
     .unwrap_err()
     .to_string();
@@ -110,7 +120,16 @@ fn resume_reproduces_the_uninterrupted_run_exactly() {
         err.contains("--resume"),
         "refuses to overwrite a run: {err}"
     );
-    let s = spes_train::run(config(&data, &[]), &crashed, Device::Cpu, true, None, false).unwrap();
+    let s = spes_train::run(
+        config(&data, &[]),
+        &crashed,
+        Device::Cpu,
+        true,
+        None,
+        false,
+        None,
+    )
+    .unwrap();
     assert_eq!(s.steps, 6);
     assert_eq!(
         losses(&crashed),

@@ -1,0 +1,243 @@
+//! `spes train --local-ranks G`: data parallel inside one node over c10d (Gloo on CPU).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const STEPS: u64 = 10;
+
+/// A small model on the first 200 kB of Shakespeare, `STEPS` steps, metrics every step.
+fn train_args(data: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/tiny.toml");
+    let mut args: Vec<String> = [
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--device",
+        "cpu",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let sets = [
+        format!("data.path={}", data.display()),
+        "model.vocab_size=512".into(),
+        "model.d_model=32".into(),
+        "model.n_layers=2".into(),
+        "model.n_heads=2".into(),
+        "model.n_kv_heads=2".into(),
+        "model.head_dim=16".into(),
+        "model.n_experts=4".into(),
+        "model.expert_hidden=32".into(),
+        "model.context_length=32".into(),
+        "train.seq_len=32".into(),
+        "train.warmup_steps=2".into(),
+        format!("train.max_steps={STEPS}"),
+        "train.log_every=1".into(),
+        "train.eval_every=1000".into(),
+        "train.eval_batches=2".into(),
+        format!("train.checkpoint_every={STEPS}"),
+    ];
+    for s in sets {
+        args.push("--set".into());
+        args.push(s);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn spes(args: &[String]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_spes"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Per-step training loss from `metrics.jsonl`.
+fn losses(run: &Path) -> Vec<f64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| v["loss"].as_f64())
+        .collect()
+}
+
+fn final_model(run: &Path) -> BTreeMap<String, tch::Tensor> {
+    let file = run.join(format!("checkpoints/step-{STEPS}/model.safetensors"));
+    tch::Tensor::read_safetensors(&file)
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+        .into_iter()
+        .collect()
+}
+
+/// Trains `one` (a single process) and `two` (`--local-ranks 2`) and asserts equal losses at
+/// every step and equal final weights, both within 1e-5 relative.
+fn assert_equivalent(data: &Path, tmp: &Path, name: &str, one: &[&str], two: &[&str]) {
+    let (a, b) = (tmp.join(format!("{name}-1")), tmp.join(format!("{name}-2")));
+    let o = spes(&train_args(data, &a, one));
+    assert!(o.status.success(), "{}", text(&o));
+    let mut args = train_args(data, &b, two);
+    args.extend(["--local-ranks".into(), "2".into()]);
+    let o = spes(&args);
+    // Ranks compare checksums of their weights at every logged step (every step here) and
+    // fail the run if they differ, so success means bit-identical ranks after each step.
+    assert!(o.status.success(), "{}", text(&o));
+    let (la, lb) = (losses(&a), losses(&b));
+    assert_eq!(la.len(), STEPS as usize);
+    for (step, (x, y)) in la.iter().zip(&lb).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "{name} step {}: {x} vs {y}",
+            step + 1
+        );
+    }
+    let (ma, mb) = (final_model(&a), final_model(&b));
+    assert_eq!(ma.len(), mb.len());
+    for (k, x) in &ma {
+        let y = &mb[k];
+        let scale = x.abs().max().double_value(&[]).max(1e-12);
+        let diff = (x - y).abs().max().double_value(&[]);
+        assert!(
+            diff <= 1e-5 * scale,
+            "{name}: {k} differs by {diff} (scale {scale})"
+        );
+    }
+}
+
+/// Two ranks of batch 2 equal one process of batch 4 when every loss is a mean over tokens
+/// (load balancing off: it is a product of per-batch statistics), and equal one process of
+/// two micro-batches of 2 with every loss on, since then each rank's batch is a micro-batch.
+#[test]
+fn two_ranks_equal_one_process_with_twice_the_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = spes_data::testing::shakespeare(tmp.path(), 200_000);
+    let no_lb = ["--set", "train.lb_loss_weight=0"];
+    assert_equivalent(
+        &data,
+        tmp.path(),
+        "batch",
+        &[no_lb[0], no_lb[1], "--set", "train.batch_size=4"],
+        &[no_lb[0], no_lb[1], "--set", "train.batch_size=2"],
+    );
+    assert_equivalent(
+        &data,
+        tmp.path(),
+        "accum",
+        &["--set", "train.batch_size=2", "--set", "train.grad_accum=2"],
+        &["--set", "train.batch_size=2"],
+    );
+}
+
+/// The direct children of `pid`.
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // Fields after the parenthesised command name: state, then the parent's pid.
+        let after = &stat[stat.rfind(')').map_or(0, |i| i + 1)..];
+        if after.split_whitespace().nth(1) == Some(&pid.to_string()) {
+            out.push(child);
+        }
+    }
+    out
+}
+
+/// SIGKILL of one rank mid-run takes the node down at once with a message naming it; rerun
+/// with --resume, it continues from the last checkpoint and completes.
+#[test]
+fn a_killed_rank_stops_the_node_which_then_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = spes_data::testing::shakespeare(tmp.path(), 200_000);
+    let run = tmp.path().join("run");
+    let mut args = train_args(&data, &run, &["--set", "train.batch_size=2"]);
+    let long = [
+        "--set",
+        "train.max_steps=100000",
+        "--set",
+        "train.checkpoint_every=5",
+    ];
+    args.extend(long.iter().map(|s| s.to_string()));
+    args.extend(["--local-ranks".into(), "2".into()]);
+    let mut node = Command::new(env!("CARGO_BIN_EXE_spes"))
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let checkpoints = run.join("checkpoints");
+    let start = Instant::now();
+    while !checkpoints.join("step-5").exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no checkpoint within 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let ranks = children_of(node.id());
+    assert_eq!(ranks.len(), 2, "ranks {ranks:?}");
+    let victim = *ranks.iter().max().unwrap();
+    let killed_at = Instant::now();
+    Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .unwrap();
+    let status = node.wait().unwrap();
+    assert!(killed_at.elapsed() < Duration::from_secs(30));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(node.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success());
+    assert!(
+        stderr.contains("failed") && stderr.contains("--resume"),
+        "{stderr}"
+    );
+    for rank in ranks {
+        assert!(
+            !Path::new(&format!("/proc/{rank}")).exists() || is_zombie(rank),
+            "rank {rank} survived"
+        );
+    }
+
+    // Resume with one rank fewer: the node goes on from its newest checkpoint to the end.
+    let last: u64 = latest_step(&checkpoints);
+    let mut args = train_args(&data, &run, &["--set", "train.batch_size=4", "--resume"]);
+    args.extend(["--set".into(), format!("train.max_steps={}", last + 5)]);
+    args.extend(["--set".into(), "train.checkpoint_every=5".into()]);
+    let o = spes(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(checkpoints.join(format!("step-{}", last + 5)).exists());
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| s[s.rfind(')').unwrap() + 1..].trim_start().starts_with('Z'))
+        .unwrap_or(true)
+}
+
+fn latest_step(checkpoints: &Path) -> u64 {
+    std::fs::read_dir(checkpoints)
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.strip_prefix("step-")?.parse().ok()
+        })
+        .max()
+        .unwrap()
+}
