@@ -84,10 +84,18 @@ fn final_model(run: &Path) -> BTreeMap<String, tch::Tensor> {
 
 /// Trains `one` (a single process) and `two` (`--local-ranks 2`) and asserts equal losses at
 /// every step and equal final weights, both within 1e-5 relative.
-fn assert_equivalent(data: &Path, tmp: &Path, name: &str, one: &[&str], two: &[&str]) {
+/// Returns the AdamW bytes per rank, alone and with 2 ranks (ZeRO-1).
+fn assert_equivalent(
+    data: &Path,
+    tmp: &Path,
+    name: &str,
+    one: &[&str],
+    two: &[&str],
+) -> (u64, u64) {
     let (a, b) = (tmp.join(format!("{name}-1")), tmp.join(format!("{name}-2")));
     let o = spes(&train_args(data, &a, one));
     assert!(o.status.success(), "{}", text(&o));
+    let alone = optimizer_bytes(&o);
     let mut args = train_args(data, &b, two);
     args.extend(["--local-ranks".into(), "2".into()]);
     let o = spes(&args);
@@ -114,11 +122,21 @@ fn assert_equivalent(data: &Path, tmp: &Path, name: &str, one: &[&str], two: &[&
             "{name}: {k} differs by {diff} (scale {scale})"
         );
     }
+    (alone, optimizer_bytes(&o))
+}
+
+/// `optimizer_state_bytes` of the summary a run prints (rank 0's with several ranks).
+fn optimizer_bytes(o: &Output) -> u64 {
+    let out = String::from_utf8_lossy(&o.stdout);
+    let summary: serde_json::Value = serde_json::from_str(&out[out.find('{').unwrap()..]).unwrap();
+    summary["optimizer_state_bytes"].as_u64().unwrap()
 }
 
 /// Two ranks of batch 2 equal one process of batch 4 when every loss is a mean over tokens
 /// (load balancing off: it is a product of per-batch statistics), and equal one process of
 /// two micro-batches of 2 with every loss on, since then each rank's batch is a micro-batch.
+/// Each rank holds at most 0.55 of the optimizer state (ZeRO-1), and the final checkpoint,
+/// whose moments rank 0 gathered, resumes a single process.
 #[test]
 fn two_ranks_equal_one_process_with_twice_the_batch() {
     let tmp = tempfile::tempdir().unwrap();
@@ -131,12 +149,17 @@ fn two_ranks_equal_one_process_with_twice_the_batch() {
         &[no_lb[0], no_lb[1], "--set", "train.batch_size=4"],
         &[no_lb[0], no_lb[1], "--set", "train.batch_size=2"],
     );
-    assert_equivalent(
+    let (alone, sharded) = assert_equivalent(
         &data,
         tmp.path(),
         "accum",
         &["--set", "train.batch_size=2", "--set", "train.grad_accum=2"],
         &["--set", "train.batch_size=2"],
+    );
+    let ratio = sharded as f64 / alone as f64;
+    assert!(
+        ratio <= 0.55,
+        "rank 0 holds {sharded} of {alone} optimizer bytes ({ratio:.3})"
     );
 }
 
@@ -188,6 +211,11 @@ fn a_killed_rank_stops_the_node_which_then_resumes() {
             start.elapsed() < Duration::from_secs(120),
             "no checkpoint within 120 s"
         );
+        if let Some(status) = node.try_wait().unwrap() {
+            let mut stderr = String::new();
+            std::io::Read::read_to_string(node.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+            panic!("the node ended before its first checkpoint ({status}): {stderr}");
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
     let ranks = children_of(node.id());

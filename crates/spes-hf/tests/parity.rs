@@ -76,7 +76,7 @@ warmup_steps = 1
     for _ in 0..5 {
         tr.train_step().unwrap();
     }
-    tr.save_checkpoint(&dir.join("ck")).unwrap()
+    tr.save_checkpoint(&dir.join("ck")).unwrap().unwrap()
 }
 
 fn spes_model(ck: &Path) -> MoeModel {

@@ -2,17 +2,45 @@
 //! same model, trains on its own rows of each batch, and gradients are averaged with c10d
 //! (spes-ext's process group) before the optimizer step, so ranks stay bit-identical.
 //!
+//! The AdamW state is sharded (ZeRO-1): each trainable tensor has one owner rank that keeps
+//! its moments and updates it, then broadcasts the new values; a checkpoint gathers the
+//! moments to rank 0, which writes them all, so a run resumes with any number of ranks.
+//!
 //! Ranks meet as torchrun's do: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for
 //! the device) in the environment; `spes train --local-ranks G` sets them for G processes.
 
+use crate::optim::AdamW;
 use anyhow::{bail, Context, Result};
 use spes_ext::dist::{ProcessGroup, Rendezvous};
+use spes_model::Param;
 use std::time::Duration;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// This process's place in its node's data-parallel group.
 pub struct DataParallel {
     group: ProcessGroup,
+    /// Every trainable tensor (sharing storage with the model), by name.
+    names: Vec<String>,
+    trained: Vec<Tensor>,
+    /// For each, the rank that holds its AdamW moments and updates it.
+    owner: Vec<usize>,
+}
+
+/// Owner rank of each of tensors of these sizes: largest first to the least-loaded rank (the
+/// lowest on ties), so every rank computes the same, nearly even split.
+pub fn partition(sizes: &[i64], world: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+    let mut load = vec![0i64; world];
+    let mut owner = vec![0; sizes.len()];
+    for i in order {
+        let r = (0..world)
+            .min_by_key(|&r| (load[r], r))
+            .expect("world >= 1");
+        owner[i] = r;
+        load[r] += sizes[i];
+    }
+    owner
 }
 
 /// The torchrun-style environment of a rank, if this process is one of several.
@@ -56,7 +84,28 @@ impl DataParallel {
                 r.rank, r.world, r.host, r.port
             )
         })?;
-        Ok(DataParallel { group })
+        Ok(DataParallel {
+            group,
+            names: Vec::new(),
+            trained: Vec::new(),
+            owner: Vec::new(),
+        })
+    }
+
+    /// Splits the trainable tensors among the ranks and returns this rank's share, the
+    /// tensors its optimizer should hold.
+    pub fn shard(&mut self, trainable: Vec<Param>) -> Vec<Param> {
+        let sizes: Vec<i64> = trainable.iter().map(|p| p.tensor.numel() as i64).collect();
+        self.owner = partition(&sizes, self.world());
+        self.names = trainable.iter().map(|p| p.name.clone()).collect();
+        self.trained = trainable.iter().map(|p| p.tensor.shallow_clone()).collect();
+        let me = self.rank();
+        trainable
+            .into_iter()
+            .zip(&self.owner)
+            .filter(|(_, &o)| o == me)
+            .map(|(p, _)| p)
+            .collect()
     }
 
     pub fn rank(&self) -> usize {
@@ -84,24 +133,113 @@ impl DataParallel {
             .with_context(|| format!("rank {}: all-reduce", self.rank()))
     }
 
-    /// Averages the gradients of `params` over the ranks. A tensor that got no gradient on
-    /// this rank (say, an expert no local token reached) first gets a zero one, so every rank
-    /// reduces the same list.
-    pub fn average_gradients(&self, params: &[Tensor]) -> Result<()> {
-        let missing: Vec<&Tensor> = params.iter().filter(|p| !p.grad().defined()).collect();
+    /// Averages the gradients of the trainable tensors over the ranks. A tensor that got no
+    /// gradient on this rank (say, an expert no local token reached) first gets a zero one,
+    /// so every rank reduces the same list.
+    pub fn average_gradients(&self) -> Result<()> {
+        let missing: Vec<&Tensor> = self
+            .trained
+            .iter()
+            .filter(|p| !p.grad().defined())
+            .collect();
         if !missing.is_empty() {
             let zero: Tensor = missing.iter().map(|p| (*p * 0.0).sum(Kind::Float)).sum();
             zero.backward();
         }
-        let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
-        self.average(&grads)
+        self.average(&self.grads())
     }
 
-    /// Fails unless every rank's `params` equal rank 0's bit for bit (compared through a
-    /// checksum of each tensor's bits), naming the first tensor that differs.
-    pub fn check_in_sync(&self, names: &[&str], params: &[Tensor]) -> Result<()> {
+    fn grads(&self) -> Vec<Tensor> {
+        self.trained.iter().map(Tensor::grad).collect()
+    }
+
+    /// Clips the (averaged, hence identical) gradients of every trainable tensor to a global
+    /// L2 norm of `max_norm`; returns the pre-clip norm.
+    pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Tensor> {
+        Ok(tch::no_grad(|| {
+            spes_ext::clip_grad_norm(&self.grads(), max_norm)
+        })?)
+    }
+
+    /// After each rank updated the tensors it owns: every rank receives every owner's.
+    pub fn share_updates(&self) -> Result<()> {
+        for r in 0..self.world() {
+            let owned: Vec<Tensor> = self
+                .owned_by(r)
+                .map(|i| self.trained[i].shallow_clone())
+                .collect();
+            tch::no_grad(|| self.group.broadcast(&owned, r))
+                .with_context(|| format!("rank {}: sharing rank {r}'s update", self.rank()))?;
+        }
+        Ok(())
+    }
+
+    /// Zeroes the gradients of every trainable tensor.
+    pub fn zero_grads(&self) -> Result<()> {
+        let grads: Vec<Tensor> = self.grads().into_iter().filter(Tensor::defined).collect();
+        Ok(spes_ext::zero(&grads)?)
+    }
+
+    fn owned_by(&self, r: usize) -> impl Iterator<Item = usize> + '_ {
+        (0..self.owner.len()).filter(move |&i| self.owner[i] == r)
+    }
+
+    /// Every rank's AdamW moments, in the optimizer's checkpoint format: on rank 0 (in host
+    /// memory), `None` on the others. Every rank must call it; owners send their moments a
+    /// bucket at a time, so no other rank ever holds more than a bucket of them.
+    pub fn gather_optimizer_state(&self, opt: &AdamW) -> Result<Option<Vec<(String, Tensor)>>> {
+        let mine: std::collections::HashMap<String, Tensor> = opt.state().into_iter().collect();
+        let mut out = Vec::new();
+        for r in 0..self.world() {
+            let owned: Vec<usize> = self.owned_by(r).collect();
+            for chunk in owned.chunks(64) {
+                let (mut moments, mut names) = (Vec::new(), Vec::new());
+                for &i in chunk {
+                    for prefix in ["exp_avg", "exp_avg_sq"] {
+                        let key = format!("{prefix}.{}", self.names[i]);
+                        let t = match mine.get(&key) {
+                            Some(t) if r == self.rank() => t.shallow_clone(),
+                            _ => self.trained[i].zeros_like(),
+                        };
+                        moments.push(t);
+                        names.push(key);
+                    }
+                }
+                let started: Vec<i64> = chunk
+                    .iter()
+                    .map(|&i| match mine.get(&format!("started.{}", self.names[i])) {
+                        Some(t) if r == self.rank() => t.int64_value(&[]),
+                        _ => 0,
+                    })
+                    .collect();
+                let device = self.trained[chunk[0]].device();
+                moments.push(Tensor::from_slice(&started).to_device(device));
+                self.group.broadcast(&moments, r).with_context(|| {
+                    format!("rank {}: gathering rank {r}'s moments", self.rank())
+                })?;
+                if self.is_first() {
+                    let started = Vec::<i64>::try_from(
+                        &moments.pop().expect("started").to_device(Device::Cpu),
+                    )?;
+                    for (name, t) in names.into_iter().zip(moments) {
+                        out.push((name, t.to_device(Device::Cpu)));
+                    }
+                    for (&i, s) in chunk.iter().zip(started) {
+                        if s != 0 {
+                            out.push((format!("started.{}", self.names[i]), Tensor::from(s)));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(self.is_first().then_some(out))
+    }
+
+    /// Fails unless every rank's trainable tensors equal rank 0's bit for bit (compared
+    /// through a checksum of each tensor's bits), naming the first tensor that differs.
+    pub fn check_in_sync(&self) -> Result<()> {
         let mine = tch::no_grad(|| {
-            let sums: Vec<Tensor> = params.iter().map(bit_checksum).collect();
+            let sums: Vec<Tensor> = self.trained.iter().map(bit_checksum).collect();
             Tensor::stack(&sums, 0)
         });
         let first = mine.copy();
@@ -114,7 +252,7 @@ impl DataParallel {
             bail!(
                 "rank {} has drifted from rank 0: tensor {} differs",
                 self.rank(),
-                names[i]
+                self.names[i]
             );
         }
         Ok(())
@@ -131,4 +269,34 @@ fn bit_checksum(t: &Tensor) -> Tensor {
     };
     let weights = Tensor::arange(bits.numel() as i64, (Kind::Int64, t.device())).fmod(7919) + 1;
     (bits.reshape([-1]).to_kind(Kind::Int64) * weights).sum(Kind::Int64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::partition;
+
+    #[test]
+    fn partition_is_even_and_deterministic() {
+        let sizes = [100, 7, 50, 50, 3, 90, 1, 60];
+        let owner = partition(&sizes, 2);
+        assert_eq!(owner, partition(&sizes, 2));
+        let load = |r| -> i64 {
+            (0..sizes.len())
+                .filter(|&i| owner[i] == r)
+                .map(|i| sizes[i])
+                .sum()
+        };
+        assert_eq!(load(0) + load(1), 361);
+        // Largest-first greedy is within 7/6 of the best split for two ranks.
+        assert!(
+            load(0).max(load(1)) as f64 <= 7.0 / 6.0 * 361.0 / 2.0,
+            "{} vs {}",
+            load(0),
+            load(1)
+        );
+        assert_eq!(partition(&sizes, 1), vec![0; 8]);
+        // More ranks than tensors: some ranks own nothing, none owns two.
+        let few = partition(&[5, 4], 3);
+        assert_ne!(few[0], few[1]);
+    }
 }

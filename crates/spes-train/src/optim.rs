@@ -74,11 +74,6 @@ impl AdamW {
         self.weights.push(w);
     }
 
-    /// The tensors this optimizer updates (sharing storage with the model's).
-    pub fn tensors(&self) -> Vec<Tensor> {
-        self.weights.iter().map(Tensor::shallow_clone).collect()
-    }
-
     /// Names of the tensors this optimizer updates.
     pub fn param_names(&self) -> impl Iterator<Item = &str> {
         self.names.iter().map(String::as_str)

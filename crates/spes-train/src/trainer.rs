@@ -143,10 +143,12 @@ impl Trainer {
     /// Makes this trainer one rank of a data-parallel node: from now on it trains on its own
     /// rows of each batch and averages gradients with the other ranks. Every rank starts from
     /// rank 0's weights and optimizer state.
-    pub fn set_data_parallel(&mut self, dp: DataParallel) -> Result<()> {
+    pub fn set_data_parallel(&mut self, mut dp: DataParallel) -> Result<()> {
         let mut state: Vec<Tensor> = self.model.params().into_iter().map(|p| p.tensor).collect();
         state.extend(self.opt.state().into_iter().map(|(_, t)| t));
         dp.broadcast_from_first(&state)?;
+        // ZeRO-1: keep the moments of this rank's share only.
+        self.opt.retarget(dp.shard(self.model.trainable_params()));
         self.dp = Some(dp);
         Ok(())
     }
@@ -194,10 +196,7 @@ impl Trainer {
         let Some(dp) = &self.dp else {
             return Ok(());
         };
-        let params = self.model.trainable_params();
-        let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
-        let tensors: Vec<Tensor> = params.iter().map(|p| p.tensor.shallow_clone()).collect();
-        dp.check_in_sync(&names, &tensors)
+        dp.check_in_sync()
     }
 
     /// Trains the parameters for which `trainable` holds from now on (a node's ownership
@@ -229,14 +228,24 @@ impl Trainer {
     }
 
     /// Writes a checkpoint of the current state under `root`.
-    pub fn save_checkpoint(&self, root: &Path) -> Result<PathBuf> {
-        checkpoint::save(
+    /// With several ranks every rank must call it: the optimizer moments are gathered to
+    /// rank 0, which alone writes (the others return `None`).
+    pub fn save_checkpoint(&self, root: &Path) -> Result<Option<PathBuf>> {
+        let moments = match &self.dp {
+            Some(dp) => match dp.gather_optimizer_state(&self.opt)? {
+                Some(all) => all,
+                None => return Ok(None),
+            },
+            None => self.opt.state(),
+        };
+        let dir = checkpoint::save(
             root,
             self.train_state(),
             &self.model_tensors(),
-            &self.opt.state(),
+            &moments,
             self.cfg.train.keep_checkpoints,
-        )
+        )?;
+        Ok(Some(dir))
     }
 
     /// A copy of the current state to write under `root` while training goes on.
@@ -395,14 +404,24 @@ pub fn step_on_batches(
         });
     }
     let mut sums = sums.expect("at least one batch");
-    if let Some(dp) = dp {
-        dp.average_gradients(&opt.tensors())?;
-        dp.average(std::slice::from_mut(&mut sums))?;
-        tokens *= dp.world() as u64;
-    }
-    let grad_norm = opt.clip_grad_norm(o.grad_clip)?;
-    opt.step(lr)?;
-    opt.zero_grad()?;
+    let grad_norm = match dp {
+        None => {
+            let norm = opt.clip_grad_norm(o.grad_clip)?;
+            opt.step(lr)?;
+            opt.zero_grad()?;
+            norm
+        }
+        Some(dp) => {
+            dp.average_gradients()?;
+            dp.average(std::slice::from_mut(&mut sums))?;
+            tokens *= dp.world() as u64;
+            let norm = dp.clip_grad_norm(o.grad_clip)?;
+            opt.step(lr)?;
+            dp.share_updates()?;
+            dp.zero_grads()?;
+            norm
+        }
+    };
     let read = Tensor::cat(&[sums, grad_norm.reshape([1])], 0);
     let v = Vec::<f64>::try_from(&read.to_kind(Kind::Double).to_device(Device::Cpu))
         .expect("six scalars");
@@ -428,6 +447,8 @@ pub struct RunSummary {
     pub tokens: u64,
     pub wall_s: f64,
     pub tokens_per_s: f64,
+    /// AdamW moments this process holds (with several ranks, its ZeRO-1 share).
+    pub optimizer_state_bytes: u64,
 }
 
 /// Appends JSON lines to `<out>/metrics.jsonl`.
@@ -574,7 +595,7 @@ pub fn run(
         if let Some(r) = record {
             write(r)?;
         }
-        if first && (tr.step % t.checkpoint_every == 0 || tr.step == t.max_steps) {
+        if tr.step % t.checkpoint_every == 0 || tr.step == t.max_steps {
             tr.save_checkpoint(&ck_root)?;
         }
         bar.set_position(tr.step);
@@ -589,6 +610,7 @@ pub fn run(
         tokens: tr.tokens,
         wall_s,
         tokens_per_s: trained as f64 / wall_s.max(1e-9),
+        optimizer_state_bytes: tr.opt.state_bytes(),
     })
 }
 

@@ -154,7 +154,7 @@ fn checkpoint_round_trip_is_exact_and_corruption_is_named() {
     tr.train_step().unwrap();
     tr.train_step().unwrap();
     let root = tmp.path().join("ck");
-    let dir = tr.save_checkpoint(&root).unwrap();
+    let dir = tr.save_checkpoint(&root).unwrap().unwrap();
     let back = Trainer::resume_from(cfg.clone(), Device::Cpu, &dir, |_| true).unwrap();
     assert_bit_identical(&named(&tr), &named(&back));
     assert_bit_identical(&tr.opt.state(), &back.opt.state());
