@@ -67,7 +67,9 @@ fn train(
         .and_then(|r| r.parse().ok())
         .unwrap_or(0);
     if let (tch::Device::Cuda(_), Some(_)) = (device, &rendezvous) {
-        device = tch::Device::Cuda(local_rank);
+        // More ranks than GPUs share them round-robin (for testing on one GPU).
+        let gpus = tch::Cuda::device_count().max(1) as usize;
+        device = tch::Device::Cuda(local_rank % gpus);
     }
     if let (tch::Device::Cpu, Some(r), None) = (device, &rendezvous, runtime.threads) {
         // CPU ranks share the machine's cores; oversubscribed OpenMP threads spin-wait on

@@ -412,13 +412,9 @@ fn activation_checkpointing_gives_the_same_gradients() {
         );
         assert!(plain.expert_counts.equal(&ckpt.expert_counts));
         assert_close(&take_grads(&m), &reference, 1e-6, "checkpointed");
-        for p in m.params() {
-            assert_eq!(
-                p.tensor.grad().defined(),
-                p.tensor.requires_grad(),
-                "{}",
-                p.name
-            );
+        // Frozen experts get no gradient (a trainable one may get none if no token reached it).
+        for p in m.params().into_iter().filter(|p| !p.tensor.requires_grad()) {
+            assert!(!p.tensor.grad().defined(), "{}", p.name);
         }
     }
 }
