@@ -66,10 +66,19 @@ pub struct MoeModel {
     lb_count_scale: Option<Tensor>,
     /// Logits elements per chunk of the LM-head loss ([`MoeModel::set_logits_chunk`]).
     logits_chunk: i64,
+    /// RoPE tables, built once for the longest sequence seen (each forward used to rebuild them).
+    rope_cache: std::sync::Mutex<Option<RopeTables>>,
     embed: Tensor,
     layers: Vec<Layer>,
     final_norm: Tensor,
     head: Tensor,
+}
+
+/// RoPE cos and sin tables `[len, head_dim]` on one device; shorter sequences use a prefix.
+struct RopeTables {
+    device: Device,
+    cos: Tensor,
+    sin: Tensor,
 }
 
 /// Router statistics of one forward pass, for the auxiliary losses and for load plots.
@@ -140,44 +149,6 @@ struct HeadLosses {
 /// keep matmuls efficient, small beside the `[B·T, V]` tensor it replaces.
 const LOGITS_CHUNK_ELEMENTS: i64 = 1 << 26;
 
-/// erf(3/√2): sampling erfinv(u) for u in ±this gives a normal truncated at ±3σ.
-const ERF_3_SIGMA: f64 = 0.997_300_203_936_739_8;
-
-/// Truncated normal at ±3σ by inverse-CDF sampling, as PyTorch's `trunc_normal_` does it.
-fn trunc_normal(shape: &[i64], std: f64, device: Device) -> Tensor {
-    let mut u = Tensor::empty(shape, (Kind::Float, device)).uniform_(-ERF_3_SIGMA, ERF_3_SIGMA);
-    let _ = u.erfinv_();
-    u * (std * std::f64::consts::SQRT_2)
-}
-
-fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
-    let n = weight.size()[0];
-    x.to_kind(Kind::Float)
-        .rms_norm([n], Some(weight), eps)
-        .to_kind(x.kind())
-}
-
-/// `[T, head_dim]` cos and sin tables, non-interleaved halves (HF `rotate_half` convention).
-fn rope_tables(t: i64, head_dim: i64, theta: f64, device: Device) -> (Tensor, Tensor) {
-    let inv_freq = Tensor::arange_start_step(0, head_dim, 2, (Kind::Float, device))
-        .divide_scalar(head_dim as f64)
-        .multiply_scalar(-theta.ln())
-        .exp();
-    let pos = Tensor::arange(t, (Kind::Float, device));
-    let freqs = pos.outer(&inv_freq);
-    let emb = Tensor::cat(&[&freqs, &freqs], -1);
-    (emb.cos(), emb.sin())
-}
-
-/// Rotates `x` `[B, H, T, hd]` by position.
-fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
-    let half = x.size()[3] / 2;
-    let x1 = x.narrow(3, 0, half);
-    let x2 = x.narrow(3, half, half);
-    let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
-    x * cos.to_kind(x.kind()) + rotated * sin.to_kind(x.kind())
-}
-
 impl MoeModel {
     /// A freshly initialised model: truncated normal(0.02) matrices, norms at 1. Seed first.
     pub fn new(cfg: &ModelConfig, device: Device) -> Result<Self> {
@@ -225,145 +196,12 @@ impl MoeModel {
             compute: Kind::Float,
             lb_count_scale: None,
             logits_chunk: LOGITS_CHUNK_ELEMENTS,
+            rope_cache: std::sync::Mutex::new(None),
             embed: w(&[v, d]),
             layers,
             final_norm: ones(d),
             head: w(&[v, d]),
         })
-    }
-
-    /// Runs matmuls in `kind` (`Kind::BFloat16` for mixed precision); weights stay fp32.
-    pub fn set_compute_kind(&mut self, kind: Kind) {
-        self.compute = kind;
-    }
-
-    /// Multiplies expert `e`'s load-balancing count by `scale[e]` (`[E]`); `None` disables.
-    /// A SPES node uses it to penalise routing to its own experts less early in training.
-    pub fn set_lb_count_scale(&mut self, scale: Option<Tensor>) {
-        self.lb_count_scale = scale;
-    }
-
-    /// Caps the LM-head loss's working set at about `elements` fp32 logits per chunk (rows of
-    /// the batch at a time); smaller saves memory, larger may run faster.
-    pub fn set_logits_chunk(&mut self, elements: i64) {
-        self.logits_chunk = elements.max(1);
-    }
-
-    /// RoPE cos and sin tables for the positions of `tokens` `[B, T]`.
-    fn rope(&self, tokens: &Tensor) -> (Tensor, Tensor) {
-        let t = tokens.size()[1];
-        rope_tables(
-            t,
-            self.cfg.head_dim as i64,
-            self.cfg.rope_theta,
-            tokens.device(),
-        )
-    }
-
-    /// `x · wᵀ` in the compute precision.
-    fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
-        x.to_kind(self.compute)
-            .matmul(&w.to_kind(self.compute).tr())
-    }
-
-    /// Every parameter, in a fixed order, by its Hugging Face OLMoE name and SPES role.
-    pub fn params(&self) -> Vec<Param> {
-        let mut out = Vec::new();
-        let mut push = |name: String, role: Role, t: &Tensor| {
-            out.push(Param {
-                name,
-                role,
-                tensor: t.shallow_clone(),
-            })
-        };
-        push(
-            "model.embed_tokens.weight".into(),
-            Role::Shared,
-            &self.embed,
-        );
-        // Hugging Face names the norms by position: Llama/OLMoE's "post_attention_layernorm" is
-        // the MoE input norm, OLMo2/FlexOlmo's normalises the attention output.
-        let (attn_norm, ffn_norm) = match self.cfg.norm_placement {
-            NormPlacement::Pre => ("input_layernorm", "post_attention_layernorm"),
-            NormPlacement::Post => ("post_attention_layernorm", "post_feedforward_layernorm"),
-        };
-        for (l, layer) in self.layers.iter().enumerate() {
-            let p = format!("model.layers.{l}");
-            let s = Role::Shared;
-            push(format!("{p}.{attn_norm}.weight"), s, &layer.attn_norm);
-            push(format!("{p}.self_attn.q_proj.weight"), s, &layer.q_proj);
-            push(format!("{p}.self_attn.k_proj.weight"), s, &layer.k_proj);
-            push(format!("{p}.self_attn.v_proj.weight"), s, &layer.v_proj);
-            push(format!("{p}.self_attn.o_proj.weight"), s, &layer.o_proj);
-            if let Some(b) = &layer.qkv_bias {
-                for (name, t) in ["q_proj", "k_proj", "v_proj"].iter().zip(b) {
-                    push(format!("{p}.self_attn.{name}.bias"), s, t);
-                }
-            }
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                push(format!("{p}.self_attn.q_norm.weight"), s, qn);
-                push(format!("{p}.self_attn.k_norm.weight"), s, kn);
-            }
-            push(format!("{p}.{ffn_norm}.weight"), s, &layer.ffn_norm);
-            push(format!("{p}.mlp.gate.weight"), s, &layer.router);
-            for (i, ex) in layer.experts.iter().enumerate() {
-                let role = Role::Expert { layer: l, index: i };
-                for (part, t) in EXPERT_PARTS.iter().zip([&ex.gate, &ex.up, &ex.down]) {
-                    push(expert_tensor_name(l, i, part), role, t);
-                }
-            }
-        }
-        push("model.norm.weight".into(), Role::Shared, &self.final_norm);
-        push("lm_head.weight".into(), Role::Shared, &self.head);
-        out
-    }
-
-    /// Marks each parameter trainable or frozen. Frozen ones get no gradient, ever.
-    pub fn set_trainable(&self, trainable: impl Fn(Role) -> bool) {
-        for p in self.params() {
-            let _ = p.tensor.set_requires_grad(trainable(p.role));
-        }
-    }
-
-    /// The parameters that currently require a gradient.
-    pub fn trainable_params(&self) -> Vec<Param> {
-        self.params()
-            .into_iter()
-            .filter(|p| p.tensor.requires_grad())
-            .collect()
-    }
-
-    /// Overwrites parameters from named tensors. Every parameter must be present with its shape.
-    pub fn load(&self, named: &[(String, Tensor)], source: &str) -> Result<()> {
-        let map: std::collections::HashMap<&str, &Tensor> =
-            named.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        let params = self.params();
-        for p in &params {
-            let src = map
-                .get(p.name.as_str())
-                .with_context(|| format!("{source}: missing tensor `{}`", p.name))?;
-            if src.size() != p.tensor.size() {
-                bail!(
-                    "{source}: tensor `{}` has shape {:?}, expected {:?}",
-                    p.name,
-                    src.size(),
-                    p.tensor.size()
-                );
-            }
-        }
-        if map.len() != params.len() {
-            let known: std::collections::HashSet<&str> =
-                params.iter().map(|p| p.name.as_str()).collect();
-            let extra: Vec<&&str> = map.keys().filter(|k| !known.contains(**k)).collect();
-            bail!("{source}: unexpected tensors {extra:?} for this model configuration");
-        }
-        tch::no_grad(|| {
-            for p in &params {
-                let mut dst = p.tensor.shallow_clone();
-                dst.copy_(map[p.name.as_str()]);
-            }
-        });
-        Ok(())
     }
 
     /// Logits `[B, T, V]` for tokens `[B, T]`, plus router statistics (for evaluation; training
@@ -645,6 +483,185 @@ impl MoeModel {
             surrogate,
         }
     }
+}
+
+/// Settings, parameters and (de)serialization.
+impl MoeModel {
+    /// Runs matmuls in `kind` (`Kind::BFloat16` for mixed precision); weights stay fp32.
+    pub fn set_compute_kind(&mut self, kind: Kind) {
+        self.compute = kind;
+    }
+
+    /// Multiplies expert `e`'s load-balancing count by `scale[e]` (`[E]`); `None` disables.
+    /// A SPES node uses it to penalise routing to its own experts less early in training.
+    pub fn set_lb_count_scale(&mut self, scale: Option<Tensor>) {
+        self.lb_count_scale = scale;
+    }
+
+    /// Caps the LM-head loss's working set at about `elements` fp32 logits per chunk (rows of
+    /// the batch at a time); smaller saves memory, larger may run faster.
+    pub fn set_logits_chunk(&mut self, elements: i64) {
+        self.logits_chunk = elements.max(1);
+    }
+
+    /// RoPE cos and sin tables for the positions of `tokens` `[B, T]`.
+    fn rope(&self, tokens: &Tensor) -> (Tensor, Tensor) {
+        let (t, device) = (tokens.size()[1], tokens.device());
+        let mut cache = self.rope_cache.lock().unwrap_or_else(|e| e.into_inner());
+        let fits = |c: &RopeTables| c.device == device && c.cos.size()[0] >= t;
+        if !cache.as_ref().is_some_and(fits) {
+            let len = t.max(self.cfg.context_length as i64);
+            let (cos, sin) =
+                rope_tables(len, self.cfg.head_dim as i64, self.cfg.rope_theta, device);
+            *cache = Some(RopeTables { device, cos, sin });
+        }
+        let c = cache.as_ref().expect("filled above");
+        (c.cos.narrow(0, 0, t), c.sin.narrow(0, 0, t))
+    }
+
+    /// `x · wᵀ` in the compute precision.
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
+        x.to_kind(self.compute)
+            .matmul(&w.to_kind(self.compute).tr())
+    }
+
+    /// Every parameter, in a fixed order, by its Hugging Face OLMoE name and SPES role.
+    pub fn params(&self) -> Vec<Param> {
+        let mut out = Vec::new();
+        let mut push = |name: String, role: Role, t: &Tensor| {
+            out.push(Param {
+                name,
+                role,
+                tensor: t.shallow_clone(),
+            })
+        };
+        push(
+            "model.embed_tokens.weight".into(),
+            Role::Shared,
+            &self.embed,
+        );
+        // Hugging Face names the norms by position: Llama/OLMoE's "post_attention_layernorm" is
+        // the MoE input norm, OLMo2/FlexOlmo's normalises the attention output.
+        let (attn_norm, ffn_norm) = match self.cfg.norm_placement {
+            NormPlacement::Pre => ("input_layernorm", "post_attention_layernorm"),
+            NormPlacement::Post => ("post_attention_layernorm", "post_feedforward_layernorm"),
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            let s = Role::Shared;
+            push(format!("{p}.{attn_norm}.weight"), s, &layer.attn_norm);
+            push(format!("{p}.self_attn.q_proj.weight"), s, &layer.q_proj);
+            push(format!("{p}.self_attn.k_proj.weight"), s, &layer.k_proj);
+            push(format!("{p}.self_attn.v_proj.weight"), s, &layer.v_proj);
+            push(format!("{p}.self_attn.o_proj.weight"), s, &layer.o_proj);
+            if let Some(b) = &layer.qkv_bias {
+                for (name, t) in ["q_proj", "k_proj", "v_proj"].iter().zip(b) {
+                    push(format!("{p}.self_attn.{name}.bias"), s, t);
+                }
+            }
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                push(format!("{p}.self_attn.q_norm.weight"), s, qn);
+                push(format!("{p}.self_attn.k_norm.weight"), s, kn);
+            }
+            push(format!("{p}.{ffn_norm}.weight"), s, &layer.ffn_norm);
+            push(format!("{p}.mlp.gate.weight"), s, &layer.router);
+            for (i, ex) in layer.experts.iter().enumerate() {
+                let role = Role::Expert { layer: l, index: i };
+                for (part, t) in EXPERT_PARTS.iter().zip([&ex.gate, &ex.up, &ex.down]) {
+                    push(expert_tensor_name(l, i, part), role, t);
+                }
+            }
+        }
+        push("model.norm.weight".into(), Role::Shared, &self.final_norm);
+        push("lm_head.weight".into(), Role::Shared, &self.head);
+        out
+    }
+
+    /// Marks each parameter trainable or frozen. Frozen ones get no gradient, ever.
+    pub fn set_trainable(&self, trainable: impl Fn(Role) -> bool) {
+        for p in self.params() {
+            let _ = p.tensor.set_requires_grad(trainable(p.role));
+        }
+    }
+
+    /// The parameters that currently require a gradient.
+    pub fn trainable_params(&self) -> Vec<Param> {
+        self.params()
+            .into_iter()
+            .filter(|p| p.tensor.requires_grad())
+            .collect()
+    }
+
+    /// Overwrites parameters from named tensors. Every parameter must be present with its shape.
+    pub fn load(&self, named: &[(String, Tensor)], source: &str) -> Result<()> {
+        let map: std::collections::HashMap<&str, &Tensor> =
+            named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let params = self.params();
+        for p in &params {
+            let src = map
+                .get(p.name.as_str())
+                .with_context(|| format!("{source}: missing tensor `{}`", p.name))?;
+            if src.size() != p.tensor.size() {
+                bail!(
+                    "{source}: tensor `{}` has shape {:?}, expected {:?}",
+                    p.name,
+                    src.size(),
+                    p.tensor.size()
+                );
+            }
+        }
+        if map.len() != params.len() {
+            let known: std::collections::HashSet<&str> =
+                params.iter().map(|p| p.name.as_str()).collect();
+            let extra: Vec<&&str> = map.keys().filter(|k| !known.contains(**k)).collect();
+            bail!("{source}: unexpected tensors {extra:?} for this model configuration");
+        }
+        tch::no_grad(|| {
+            for p in &params {
+                let mut dst = p.tensor.shallow_clone();
+                dst.copy_(map[p.name.as_str()]);
+            }
+        });
+        Ok(())
+    }
+}
+
+/// erf(3/√2): sampling erfinv(u) for u in ±this gives a normal truncated at ±3σ.
+const ERF_3_SIGMA: f64 = 0.997_300_203_936_739_8;
+
+/// Truncated normal at ±3σ by inverse-CDF sampling, as PyTorch's `trunc_normal_` does it.
+fn trunc_normal(shape: &[i64], std: f64, device: Device) -> Tensor {
+    let mut u = Tensor::empty(shape, (Kind::Float, device)).uniform_(-ERF_3_SIGMA, ERF_3_SIGMA);
+    let _ = u.erfinv_();
+    u * (std * std::f64::consts::SQRT_2)
+}
+
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let n = weight.size()[0];
+    x.to_kind(Kind::Float)
+        .rms_norm([n], Some(weight), eps)
+        .to_kind(x.kind())
+}
+
+/// `[T, head_dim]` cos and sin tables, non-interleaved halves (HF `rotate_half` convention).
+fn rope_tables(t: i64, head_dim: i64, theta: f64, device: Device) -> (Tensor, Tensor) {
+    let inv_freq = Tensor::arange_start_step(0, head_dim, 2, (Kind::Float, device))
+        .divide_scalar(head_dim as f64)
+        .multiply_scalar(-theta.ln())
+        .exp();
+    let pos = Tensor::arange(t, (Kind::Float, device));
+    let freqs = pos.outer(&inv_freq);
+    let emb = Tensor::cat(&[&freqs, &freqs], -1);
+    (emb.cos(), emb.sin())
+}
+
+/// Rotates `x` `[B, H, T, hd]` by position.
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let half = x.size()[3] / 2;
+    let x1 = x.narrow(3, 0, half);
+    let x2 = x.narrow(3, half, half);
+    let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
+    x * cos.to_kind(x.kind()) + rotated * sin.to_kind(x.kind())
 }
 
 /// Backward from `objective`, unless nothing that needs a gradient depends on it.
