@@ -11,6 +11,7 @@ use std::path::PathBuf;
 fn main() {
     println!("cargo:rerun-if-changed=csrc/ext.cpp");
     println!("cargo:rerun-if-changed=csrc/c10d.cpp");
+    println!("cargo:rerun-if-changed=csrc/guard.h");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     println!("cargo:rerun-if-env-changed=GLOO_INCLUDE");
     let gloo =

@@ -1,23 +1,11 @@
 //! The `spes` binary as a user runs it.
 
+mod common;
+
+use common::{spes, text, SMALL};
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-fn spes(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_spes"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 fn shared(rel: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -26,33 +14,6 @@ fn shared(rel: &str) -> String {
         .display()
         .to_string()
 }
-
-const SMALL: &[&str] = &[
-    "--set",
-    "model.vocab_size=512",
-    "--set",
-    "model.d_model=32",
-    "--set",
-    "model.n_layers=2",
-    "--set",
-    "model.n_heads=2",
-    "--set",
-    "model.n_kv_heads=2",
-    "--set",
-    "model.head_dim=16",
-    "--set",
-    "model.n_experts=4",
-    "--set",
-    "model.expert_hidden=32",
-    "--set",
-    "model.context_length=32",
-    "--set",
-    "train.seq_len=32",
-    "--set",
-    "train.batch_size=4",
-    "--set",
-    "train.warmup_steps=2",
-];
 
 #[test]
 fn tokenize_and_train_through_the_cli() {

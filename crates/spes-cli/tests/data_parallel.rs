@@ -1,5 +1,8 @@
 //! `spes train --local-ranks G`: data parallel inside one node over c10d (Gloo on CPU).
 
+mod common;
+
+use common::{spes, text, SMALL};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -22,19 +25,9 @@ fn train_args(data: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    args.extend(SMALL.iter().map(|s| s.to_string()));
     let sets = [
         format!("data.path={}", data.display()),
-        "model.vocab_size=512".into(),
-        "model.d_model=32".into(),
-        "model.n_layers=2".into(),
-        "model.n_heads=2".into(),
-        "model.n_kv_heads=2".into(),
-        "model.head_dim=16".into(),
-        "model.n_experts=4".into(),
-        "model.expert_hidden=32".into(),
-        "model.context_length=32".into(),
-        "train.seq_len=32".into(),
-        "train.warmup_steps=2".into(),
         format!("train.max_steps={STEPS}"),
         "train.log_every=1".into(),
         "train.eval_every=1000".into(),
@@ -47,21 +40,6 @@ fn train_args(data: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
     }
     args.extend(extra.iter().map(|s| s.to_string()));
     args
-}
-
-fn spes(args: &[String]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_spes"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// Per-step training loss from `metrics.jsonl`.

@@ -3,41 +3,22 @@
 // only bundles tensors into flat buckets so one call moves many small tensors.
 
 #include <ATen/ATen.h>
+
+#include "guard.h"
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
-#include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <string>
 #include <vector>
 
 namespace {
 
-char* copy_message(const char* what) {
-  size_t n = std::strlen(what) + 1;
-  char* out = static_cast<char*>(std::malloc(n));
-  if (out != nullptr) std::memcpy(out, what, n);
-  return out;
-}
-
-template <typename F>
-char* guarded(F&& body) {
-  try {
-    body();
-    return nullptr;
-  } catch (const std::exception& e) {
-    return copy_message(e.what());
-  } catch (...) {
-    return copy_message("unknown C++ exception");
-  }
-}
+using spes_ext::guarded;
 
 struct Group {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
-  int rank;
   int world;
 };
 
@@ -100,7 +81,7 @@ char* spes_ext_pg_new(const char* host, int port, int rank, int world, int64_t t
     auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
     opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
     auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, opts);
-    *out = new Group{store, pg, rank, world};
+    *out = new Group{store, pg, world};
   });
 }
 

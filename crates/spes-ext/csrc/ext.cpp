@@ -6,19 +6,14 @@
 
 #include <ATen/ATen.h>
 
+#include "guard.h"
+
 #include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <vector>
 
 namespace {
 
-char* copy_message(const char* what) {
-  size_t n = std::strlen(what) + 1;
-  char* out = static_cast<char*>(std::malloc(n));
-  if (out != nullptr) std::memcpy(out, what, n);
-  return out;
-}
+using spes_ext::guarded;
 
 // The handles as a list of tensors (new references to the same storages).
 std::vector<at::Tensor> tensors(at::Tensor* const* handles, size_t n) {
@@ -26,18 +21,6 @@ std::vector<at::Tensor> tensors(at::Tensor* const* handles, size_t n) {
   out.reserve(n);
   for (size_t i = 0; i < n; ++i) out.push_back(*handles[i]);
   return out;
-}
-
-template <typename F>
-char* guarded(F&& body) {
-  try {
-    body();
-    return nullptr;
-  } catch (const std::exception& e) {
-    return copy_message(e.what());
-  } catch (...) {
-    return copy_message("unknown C++ exception");
-  }
 }
 
 }  // namespace
