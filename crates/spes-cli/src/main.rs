@@ -49,6 +49,37 @@ impl RuntimeArgs {
     }
 }
 
+/// This process's device and, when a launcher started it as one of several ranks (a
+/// WORLD_SIZE above 1 in its environment), its rendezvous: CUDA ranks take GPU LOCAL_RANK (round-robin when
+/// there are more ranks than GPUs), CPU ranks an even share of the cores.
+fn rank_setup(
+    runtime: &RuntimeArgs,
+    dist_timeout: u64,
+) -> Result<(tch::Device, Option<spes_train::data_parallel::Rendezvous>)> {
+    let mut device = runtime.device()?;
+    let rendezvous = spes_train::data_parallel::rendezvous_from_env(
+        std::time::Duration::from_secs(dist_timeout),
+    )?;
+    let local_rank: usize = std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0);
+    if let (tch::Device::Cuda(_), Some(_)) = (device, &rendezvous) {
+        let gpus = tch::Cuda::device_count().max(1) as usize;
+        device = tch::Device::Cuda(local_rank % gpus);
+    }
+    if let (tch::Device::Cpu, Some(r), None) = (device, &rendezvous, runtime.threads) {
+        // Oversubscribed OpenMP threads spin-wait on each other and run many times slower.
+        let local: usize = std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .and_then(|w| w.parse().ok())
+            .unwrap_or(r.world);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        tch::set_num_threads((cores / local.max(1)).max(1) as i32);
+    }
+    Ok((device, rendezvous))
+}
+
 /// `spes train` in this process: alone, or as one rank of a data-parallel node when a
 /// launcher's environment (WORLD_SIZE > 1) says so; only rank 0 prints the summary.
 fn train(
@@ -59,29 +90,12 @@ fn train(
     runtime: &RuntimeArgs,
     dist_timeout: u64,
 ) -> Result<()> {
-    use spes_train::data_parallel::{rendezvous_from_env, DataParallel};
-    let mut device = runtime.device()?;
-    let rendezvous = rendezvous_from_env(std::time::Duration::from_secs(dist_timeout))?;
-    let local_rank: usize = std::env::var("LOCAL_RANK")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(0);
-    if let (tch::Device::Cuda(_), Some(_)) = (device, &rendezvous) {
-        // More ranks than GPUs share them round-robin (for testing on one GPU).
-        let gpus = tch::Cuda::device_count().max(1) as usize;
-        device = tch::Device::Cuda(local_rank % gpus);
-    }
-    if let (tch::Device::Cpu, Some(r), None) = (device, &rendezvous, runtime.threads) {
-        // CPU ranks share the machine's cores; oversubscribed OpenMP threads spin-wait on
-        // each other and run many times slower.
-        let local: usize = std::env::var("LOCAL_WORLD_SIZE")
-            .ok()
-            .and_then(|w| w.parse().ok())
-            .unwrap_or(r.world);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        tch::set_num_threads((cores / local.max(1)).max(1) as i32);
-    }
-    let dp = rendezvous.as_ref().map(DataParallel::join).transpose()?;
+    use spes_train::data_parallel::DataParallel;
+    let (device, rendezvous) = rank_setup(runtime, dist_timeout)?;
+    let dp = rendezvous
+        .as_ref()
+        .map(|r| DataParallel::join(r, device))
+        .transpose()?;
     let first = dp.as_ref().is_none_or(DataParallel::is_first);
     tracing::info!(?device, "training {}", out.display());
     let summary = spes_train::run(cfg, out, device, resume, init, first, dp)?;
@@ -89,6 +103,19 @@ fn train(
         println!("{}", serde_json::to_string_pretty(&summary)?);
     }
     Ok(())
+}
+
+/// Data parallel inside one machine.
+#[derive(clap::Args)]
+struct RanksArgs {
+    /// Data parallel on this machine: start this many ranks (one per GPU, or CPU
+    /// processes), each with `train.batch_size` rows per micro-batch. A launcher such as
+    /// torchrun can start the ranks instead (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+    #[arg(long, value_name = "G")]
+    local_ranks: Option<usize>,
+    /// Seconds a rank waits for the others at a collective before failing (a dead rank).
+    #[arg(long, default_value_t = 300)]
+    dist_timeout: u64,
 }
 
 /// A run configuration file and its overrides.
@@ -177,14 +204,8 @@ enum Command {
         /// upcycle`, or a model.safetensors); the optimizer starts empty.
         #[arg(long, conflicts_with = "resume")]
         init: Option<PathBuf>,
-        /// Data parallel on this machine: start this many ranks (one per GPU, or CPU
-        /// processes), each with `train.batch_size` rows per micro-batch. A launcher such as
-        /// torchrun can start the ranks instead (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
-        #[arg(long, value_name = "G")]
-        local_ranks: Option<usize>,
-        /// Seconds a rank waits for the others at a collective before failing (a dead rank).
-        #[arg(long, default_value_t = 300)]
-        dist_timeout: u64,
+        #[command(flatten)]
+        ranks: RanksArgs,
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
@@ -342,6 +363,8 @@ enum Command {
         /// Keep retrying an unreachable server this many seconds before giving up.
         #[arg(long, default_value_t = 3600.0)]
         patience_s: f64,
+        #[command(flatten)]
+        ranks: RanksArgs,
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
@@ -636,15 +659,21 @@ fn run(cli: Cli) -> Result<()> {
             out,
             resume,
             init,
-            local_ranks,
-            dist_timeout,
+            ranks,
             runtime,
         } => {
             let cfg = config.load()?;
-            if let Some(g) = local_ranks.filter(|&g| g > 1) {
+            if let Some(g) = ranks.local_ranks.filter(|&g| g > 1) {
                 return local_ranks::launch(g);
             }
-            train(cfg, &out, resume, init.as_deref(), &runtime, dist_timeout)?;
+            train(
+                cfg,
+                &out,
+                resume,
+                init.as_deref(),
+                &runtime,
+                ranks.dist_timeout,
+            )?;
         }
         Command::Bench {
             preset,
@@ -787,9 +816,25 @@ fn run(cli: Cli) -> Result<()> {
             tls_ca,
             progress,
             patience_s,
+            ranks,
             runtime,
         } => {
             let cfg = config.load()?;
+            if let Some(g) = ranks.local_ranks.filter(|&g| g > 1) {
+                return local_ranks::launch(g);
+            }
+            let (device, rendezvous) = rank_setup(&runtime, ranks.dist_timeout)?;
+            let data_parallel = match rendezvous {
+                Some(r) => {
+                    let dp = spes_train::data_parallel::DataParallel::join(&r, device)?;
+                    if !dp.is_first() {
+                        // Rank 0 talks to the server; the other ranks train with it.
+                        return spes_train::follow(dp, device);
+                    }
+                    Some(dp)
+                }
+                None => None,
+            };
             let credential = secret_from(credential_file.as_deref(), "SPES_CREDENTIAL")?;
             let peer = match (
                 peer,
@@ -811,7 +856,7 @@ fn run(cli: Cli) -> Result<()> {
                 tls_ca: tls_ca
                     .map(|p| spes_net::auth::read_pem(&p, "TLS CA certificate"))
                     .transpose()?,
-                device: runtime.device()?,
+                device,
                 progress: match progress {
                     ProgressArg::Bar => spes_net::Progress::Bar,
                     ProgressArg::Json => spes_net::Progress::Json,
@@ -820,6 +865,7 @@ fn run(cli: Cli) -> Result<()> {
                 patience_s,
                 join,
                 insecure,
+                data_parallel,
             };
             let summary = spes_net::Node::connect(opts)?.run()?;
             if progress != ProgressArg::Json {

@@ -247,3 +247,171 @@ fn latest_step(checkpoints: &Path) -> u64 {
         .max()
         .unwrap()
 }
+
+/// A SPES run on loopback where node 0 is `spes node --local-ranks 2` and nodes 1 and 2 are
+/// single processes. Ownership rotates every 2 rounds, so the 2-rank node re-shards its
+/// optimizer mid-run. Every node ends bit-identical to the final published model (rank 1 of
+/// node 0 checks that it holds rank 0's weights after every round and at the end, and fails
+/// the node otherwise).
+#[test]
+fn a_spes_node_of_two_ranks_ends_on_the_published_model() {
+    const NODES: usize = 3;
+    const MAX: u64 = 12;
+    const H: u64 = 2;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let data = spes_data::testing::shakespeare(dir, 120_000);
+    let config = dir.join("spes.toml");
+    let toml = format!(
+        r#"
+[model]
+preset = "tiny"
+vocab_size = 512
+d_model = 32
+n_layers = 2
+n_heads = 2
+head_dim = 16
+n_kv_heads = 2
+n_experts = 6
+expert_hidden = 32
+context_length = 32
+
+[data]
+path = "{}"
+
+[train]
+max_steps = {MAX}
+batch_size = 2
+seq_len = 32
+lr = 3e-3
+warmup_steps = 2
+log_every = 1
+eval_batches = 2
+
+[sync]
+mode = "spes"
+nodes = {NODES}
+sync_steps = {H}
+merge_every = 2
+merge_until = 6
+merge_top_k = 2
+rotate_every_rounds = 2
+"#,
+        data.display()
+    );
+    std::fs::write(&config, toml).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let spawn = |args: Vec<String>, log: &str| {
+        let log = std::fs::File::create(dir.join(log)).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_spes"))
+            .args(&args)
+            .args(["--device", "cpu", "--threads", "1"])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    };
+    let s = |v: &[&str]| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let server_out = dir.join("server");
+    let mut server = spawn(
+        s(&[
+            "server",
+            "--config",
+            config.to_str().unwrap(),
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--out",
+            server_out.to_str().unwrap(),
+            "--no-auth",
+            "--linger-s",
+            "20",
+        ]),
+        "server.log",
+    );
+    let mut nodes: Vec<_> = (0..NODES)
+        .map(|peer| {
+            let out = dir.join(format!("node-{peer}"));
+            let mut args = s(&[
+                "node",
+                "--config",
+                config.to_str().unwrap(),
+                "--server",
+                &url,
+                "--peer",
+                &peer.to_string(),
+                "--out",
+                out.to_str().unwrap(),
+                "--progress",
+                "quiet",
+                "--dist-timeout",
+                "60",
+            ]);
+            if peer == 0 {
+                args.extend(s(&["--local-ranks", "2"]));
+            }
+            spawn(args, &format!("node-{peer}.log"))
+        })
+        .collect();
+    let show = |log: &str| std::fs::read_to_string(dir.join(log)).unwrap_or_default();
+    let start = Instant::now();
+    for (peer, node) in nodes.iter_mut().enumerate() {
+        let status = loop {
+            if let Some(status) = node.try_wait().unwrap() {
+                break status;
+            }
+            if start.elapsed() > Duration::from_secs(240) {
+                let _ = server.kill();
+                panic!(
+                    "the run did not end within 240 s:\n{}",
+                    show(&format!("node-{peer}.log"))
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert!(
+            status.success(),
+            "node {peer}: {}",
+            show(&format!("node-{peer}.log"))
+        );
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+
+    let final_round = MAX / H;
+    let global: BTreeMap<String, tch::Tensor> = tch::Tensor::read_safetensors(
+        server_out.join(format!("global/round-{final_round:06}.safetensors")),
+    )
+    .unwrap()
+    .into_iter()
+    .collect();
+    for peer in 0..NODES {
+        let ck = dir.join(format!(
+            "node-{peer}/checkpoints/step-{MAX}/model.safetensors"
+        ));
+        let local: BTreeMap<String, tch::Tensor> = tch::Tensor::read_safetensors(&ck)
+            .unwrap_or_else(|e| panic!("{}: {e}", ck.display()))
+            .into_iter()
+            .collect();
+        assert_eq!(local.len(), global.len());
+        for (name, g) in &global {
+            assert!(
+                local[name].equal(g),
+                "node {peer}: `{name}` differs from the published model"
+            );
+        }
+    }
+    // Node 0 trained with both ranks: its batches were twice a single node's.
+    let tokens = |peer: usize| -> u64 {
+        let v: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(format!("node-{peer}/summary.json"))).unwrap(),
+        )
+        .unwrap();
+        v["tokens"].as_u64().unwrap()
+    };
+    assert_eq!(tokens(0), 2 * tokens(1), "{}", show("node-0.log"));
+}

@@ -498,6 +498,11 @@ impl MoeModel {
         self.lb_count_scale = scale;
     }
 
+    /// The scale set by [`MoeModel::set_lb_count_scale`], if any.
+    pub fn lb_count_scale(&self) -> Option<&Tensor> {
+        self.lb_count_scale.as_ref()
+    }
+
     /// Caps the LM-head loss's working set at about `elements` fp32 logits per chunk (rows of
     /// the batch at a time); smaller saves memory, larger may run faster.
     pub fn set_logits_chunk(&mut self, elements: i64) {

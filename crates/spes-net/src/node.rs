@@ -23,6 +23,7 @@ use serde_json::json;
 use spes_model::{MoeModel, Role};
 use spes_sync::delta::{self, WirePart};
 use spes_sync::Named;
+use spes_train::data_parallel::DataParallel;
 use spes_train::trainer::MetricsLog;
 use spes_train::Wire;
 use spes_train::{checkpoint, Mode, RunConfig, Trainer};
@@ -68,6 +69,9 @@ pub struct NodeOptions {
     pub join: bool,
     /// Allow sending the credential in plaintext to a host that is not loopback.
     pub insecure: bool,
+    /// A node of several ranks: this process is rank 0 of this group; the other ranks run
+    /// [`spes_train::follow`].
+    pub data_parallel: Option<DataParallel>,
 }
 
 /// What a finished node reports (`<out>/summary.json`).
@@ -715,7 +719,7 @@ impl Node {
         cfg.train.seed += 1000 * peer as u64;
         let ck_root = opts.out.join("checkpoints");
         let resumed = checkpoint::latest(&ck_root)?;
-        let trainer = match &resumed {
+        let mut trainer = match &resumed {
             Some(dir) => Trainer::resume_as_saved(cfg.clone(), opts.device, dir)?,
             None => {
                 let model = {
@@ -725,6 +729,9 @@ impl Node {
                 Trainer::with_model(cfg.clone(), opts.device, model, |_| false, 0)?
             }
         };
+        if let Some(dp) = opts.data_parallel {
+            trainer.lead(dp)?;
+        }
         let log = MetricsLog::open(&opts.out, resumed.as_ref().map(|_| trainer.step))?;
         let bar = match opts.progress {
             Progress::Bar => {
@@ -823,7 +830,7 @@ impl Node {
         let owned: Vec<bool> = (0..self.owned.len())
             .map(|e| reply.owned_experts.contains(&(e as u32)))
             .collect();
-        self.set_owned(owned);
+        self.set_owned(owned)?;
         if self.trainer.cfg.sync.wire != Wire::Fp32 {
             if !self.keeps_progress() && self.trainer.step.is_multiple_of(h) {
                 // Saved right after loading round `at`: the trained tensors are that round's.
@@ -905,12 +912,13 @@ impl Node {
     }
 
     /// Trains exactly `owned` experts (plus the shared parameters) from now on.
-    fn set_owned(&mut self, owned: Vec<bool>) {
+    fn set_owned(&mut self, owned: Vec<bool>) -> Result<()> {
         if owned == self.owned && self.trainer.opt.param_names().next().is_some() {
-            return;
+            return Ok(());
         }
-        let r = self.trainer.set_trainable(|role| trains(&owned, role));
+        let r = self.trainer.set_trainable(|role| trains(&owned, role))?;
         let overlap = self.keeps_progress();
+        let mut reset = false;
         if let Some(base) = &mut self.base {
             for p in self.trainer.model.params() {
                 let now = p.tensor.requires_grad();
@@ -924,6 +932,7 @@ impl Node {
                         let b = base.values.remove(&p.name).expect("present");
                         if overlap {
                             tch::no_grad(|| p.tensor.shallow_clone().copy_(&b));
+                            reset = true;
                         }
                     }
                     _ => {}
@@ -941,6 +950,10 @@ impl Node {
             );
         }
         self.owned = owned;
+        if reset {
+            self.trainer.publish_weights()?;
+        }
+        Ok(())
     }
 
     /// Takes the ownership a fetched round announces for the next round; waits to be admitted
@@ -960,8 +973,7 @@ impl Node {
                 None => self.trainer.cfg.sync.mode == Mode::Diloco,
             })
             .collect();
-        self.set_owned(owned);
-        Ok(())
+        self.set_owned(owned)
     }
 
     /// Joins again (after an eviction) and waits until this node is a member.
@@ -1041,6 +1053,7 @@ impl Node {
             let step = self.trainer.step;
             fault::point("train", step);
             if step.is_multiple_of(log_every) || step.is_multiple_of(h) {
+                self.trainer.check_ranks_in_sync()?;
                 let tps = self.window.0 as f64 / self.window.1.max(1e-9);
                 self.window = (0, 0.0);
                 let mut record = s.record(step, self.trainer.tokens, tps);
@@ -1286,7 +1299,8 @@ impl Node {
         // With overlap the step does not say which round the weights hold; this file does.
         let snapshot = self
             .trainer
-            .snapshot(&self.out.join("checkpoints"))
+            .snapshot(&self.out.join("checkpoints"))?
+            .context("rank 0 holds the node's checkpoint")?
             .with_file(LOADED_ROUND, loaded.to_string().into_bytes());
         self.checkpointing = Some(std::thread::spawn(move || snapshot.write()));
         let record = json!({
@@ -1357,7 +1371,7 @@ impl Node {
             self.trainer.step = header.round * h;
         }
         self.bytes_down += header.total_bytes;
-        Ok(())
+        self.trainer.publish_weights()
     }
 
     fn apply_delta(
@@ -1437,7 +1451,10 @@ impl Node {
                 self.sync(&upload)?;
             }
         }
+        // Every rank of this node must end on the final model too.
+        self.trainer.check_ranks_in_sync()?;
         self.finish_checkpoint()?;
+        self.trainer.release_followers()?;
         self.bar.finish_and_clear();
         let peer = self.peer;
         // Best effort: a server already gone has nothing left to wait for.

@@ -9,10 +9,12 @@
 //! Ranks meet as torchrun's do: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for
 //! the device) in the environment; `spes train --local-ranks G` sets them for G processes.
 
-use crate::optim::AdamW;
+use crate::optim::{AdamW, Moments, Retarget};
 use anyhow::{bail, Context, Result};
-use spes_ext::dist::{ProcessGroup, Rendezvous};
+use spes_ext::dist::ProcessGroup;
+pub use spes_ext::dist::Rendezvous;
 use spes_model::Param;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use tch::{Device, Kind, Tensor};
 
@@ -24,6 +26,8 @@ pub struct DataParallel {
     trained: Vec<Tensor>,
     /// For each, the rank that holds its AdamW moments and updates it.
     owner: Vec<usize>,
+    /// Where this rank's tensors live (small control messages go there too).
+    device: Device,
 }
 
 /// Owner rank of each of tensors of these sizes: largest first to the least-loaded rank (the
@@ -76,8 +80,8 @@ pub fn rendezvous_from_env(timeout: Duration) -> Result<Option<Rendezvous>> {
 }
 
 impl DataParallel {
-    /// Joins the group; returns once every rank has.
-    pub fn join(r: &Rendezvous) -> Result<Self> {
+    /// Joins the group, for tensors on `device`; returns once every rank has.
+    pub fn join(r: &Rendezvous, device: Device) -> Result<Self> {
         let group = ProcessGroup::join(r).with_context(|| {
             format!(
                 "rank {} of {}: cannot join the group at {}:{}",
@@ -89,6 +93,7 @@ impl DataParallel {
             names: Vec::new(),
             trained: Vec::new(),
             owner: Vec::new(),
+            device,
         })
     }
 
@@ -106,6 +111,109 @@ impl DataParallel {
             .filter(|(_, &o)| o == me)
             .map(|(p, _)| p)
             .collect()
+    }
+
+    /// Trains `trainable` from now on (a node's experts changed): splits them among the ranks
+    /// again and moves the moments of every kept tensor whose owner changed to its new owner,
+    /// so no tensor restarts its moments because of the split. Every rank must call it with
+    /// the same list; `opt` ends holding this rank's new share. Returns what changed for the
+    /// node as a whole.
+    pub fn reshard(&mut self, opt: &mut AdamW, trainable: Vec<Param>) -> Result<Retarget> {
+        let before: HashMap<String, usize> = self
+            .names
+            .drain(..)
+            .zip(self.owner.iter().copied())
+            .collect();
+        let share = self.shard(trainable);
+        let mut report = Retarget::default();
+        let now: HashSet<&str> = self.names.iter().map(String::as_str).collect();
+        report.dropped = before
+            .keys()
+            .filter(|n| !now.contains(n.as_str()))
+            .cloned()
+            .collect();
+        report.dropped.sort();
+        let me = self.rank();
+        let mut incoming = HashMap::new();
+        for from in 0..self.world() {
+            let moving: Vec<usize> = (0..self.names.len())
+                .filter(|&i| before.get(&self.names[i]) == Some(&from) && self.owner[i] != from)
+                .collect();
+            for chunk in moving.chunks(64) {
+                let mut ts = Vec::with_capacity(2 * chunk.len() + 1);
+                let mut started = Vec::with_capacity(chunk.len());
+                for &i in chunk {
+                    let held = (me == from)
+                        .then(|| opt.moments_of(&self.names[i]))
+                        .flatten();
+                    match held {
+                        Some(m) => {
+                            ts.extend([m.exp_avg, m.exp_avg_sq]);
+                            started.push(m.started);
+                        }
+                        None => {
+                            ts.extend([self.trained[i].zeros_like(), self.trained[i].zeros_like()]);
+                            started.push(0);
+                        }
+                    }
+                }
+                ts.push(Tensor::from_slice(&started).to_device(self.device));
+                tch::no_grad(|| self.group.broadcast(&ts, from)).with_context(|| {
+                    format!("rank {me}: moving moments from rank {from} to their new owners")
+                })?;
+                let started =
+                    Vec::<i64>::try_from(&ts.pop().expect("started").to_device(Device::Cpu))?;
+                let mut ts = ts.into_iter();
+                for (&i, s) in chunk.iter().zip(started) {
+                    let (m, v) = (ts.next().expect("exp_avg"), ts.next().expect("exp_avg_sq"));
+                    if self.owner[i] == me {
+                        let moments = Moments {
+                            exp_avg: m.detach(),
+                            exp_avg_sq: v.detach(),
+                            started: s,
+                        };
+                        incoming.insert(self.names[i].clone(), moments);
+                    }
+                }
+            }
+        }
+        opt.retarget_with(share, incoming);
+        for n in &self.names {
+            if before.contains_key(n) {
+                report.kept += 1;
+            } else {
+                report.fresh.push(n.clone());
+            }
+        }
+        Ok(report)
+    }
+
+    /// Rank 0's `values` on every rank (a control message; what the others pass is ignored).
+    pub fn broadcast_ints(&self, values: Vec<i64>) -> Result<Vec<i64>> {
+        let t = self.broadcast_vec(Tensor::from_slice(&values))?;
+        Ok(Vec::<i64>::try_from(&t)?)
+    }
+
+    /// Rank 0's bytes on every rank (what the others pass is ignored).
+    pub fn broadcast_bytes(&self, bytes: Vec<u8>) -> Result<Vec<u8>> {
+        let t = self.broadcast_vec(Tensor::from_slice(&bytes))?;
+        Ok(Vec::<u8>::try_from(&t)?)
+    }
+
+    /// Rank 0's 1-d CPU tensor `t` on every rank, whatever its length there.
+    fn broadcast_vec(&self, t: Tensor) -> Result<Tensor> {
+        let len = Tensor::from_slice(&[t.numel() as i64]).to_device(self.device);
+        self.broadcast_from_first(std::slice::from_ref(&len))?;
+        let len = len.int64_value(&[0]);
+        if len == 0 {
+            return Ok(t.narrow(0, 0, 0));
+        }
+        let t = match self.is_first() {
+            true => t.to_device(self.device),
+            false => Tensor::zeros([len], (t.kind(), self.device)),
+        };
+        self.broadcast_from_first(std::slice::from_ref(&t))?;
+        Ok(t.to_device(Device::Cpu))
     }
 
     pub fn rank(&self) -> usize {

@@ -92,22 +92,43 @@ impl AdamW {
     /// new ones start fresh (zero moments, bias correction from this step), and tensors no
     /// longer trained lose theirs. Used when a node's expert ownership changes.
     pub fn retarget(&mut self, params: Vec<Param>) -> Retarget {
-        let mut old: HashMap<String, (Tensor, Tensor, i64)> = self
+        self.retarget_with(params, HashMap::new())
+    }
+
+    /// [`AdamW::retarget`], where `incoming` brings the moments of tensors this optimizer did
+    /// not hold (another data-parallel rank did), keyed by name.
+    pub fn retarget_with(
+        &mut self,
+        params: Vec<Param>,
+        incoming: HashMap<String, Moments>,
+    ) -> Retarget {
+        let mut old: HashMap<String, Moments> = incoming;
+        let held: HashMap<String, Moments> = self
             .names
             .drain(..)
             .zip(self.exp_avg.drain(..))
             .zip(self.exp_avg_sq.drain(..))
             .zip(self.started.drain(..))
-            .map(|(((n, m), v), s)| (n, (m, v, s)))
+            .map(|(((n, exp_avg), exp_avg_sq), started)| {
+                (
+                    n,
+                    Moments {
+                        exp_avg,
+                        exp_avg_sq,
+                        started,
+                    },
+                )
+            })
             .collect();
+        old.extend(held);
         self.weights.clear();
         self.counts.clear();
         let mut report = Retarget::default();
         for p in params {
             match old.remove(&p.name) {
-                Some((m, v, s)) => {
+                Some(m) => {
                     report.kept += 1;
-                    self.push(p.name, p.tensor, Some((m, v)), s);
+                    self.push(p.name, p.tensor, Some((m.exp_avg, m.exp_avg_sq)), m.started);
                 }
                 None => {
                     report.fresh.push(p.name.clone());
@@ -119,6 +140,45 @@ impl AdamW {
         report.dropped = old.into_keys().collect();
         report.dropped.sort();
         report
+    }
+
+    /// The moments of tensor `name`, if this optimizer holds them (sharing storage).
+    pub fn moments_of(&self, name: &str) -> Option<Moments> {
+        let i = self.names.iter().position(|n| n == name)?;
+        Some(Moments {
+            exp_avg: self.exp_avg[i].shallow_clone(),
+            exp_avg_sq: self.exp_avg_sq[i].shallow_clone(),
+            started: self.started[i],
+        })
+    }
+
+    /// The step clock: optimizer steps taken and, per tensor, the step its moments started.
+    pub fn clock(&self) -> (i64, Vec<i64>) {
+        (self.steps, self.started.clone())
+    }
+
+    /// Sets the step clock (a data-parallel rank takes rank 0's); `started` as from
+    /// [`AdamW::clock`], for the same tensors.
+    pub fn set_clock(&mut self, steps: i64, started: &[i64]) {
+        assert_eq!(started.len(), self.names.len(), "one start per tensor");
+        self.steps = steps;
+        self.started = started.to_vec();
+        self.recount();
+    }
+
+    fn recount(&mut self) {
+        for ((count, s), w) in self.counts.iter_mut().zip(&self.started).zip(&self.weights) {
+            *count = counter(w, self.steps - s);
+        }
+    }
+
+    /// The moment tensors, in order (both per tensor), for a broadcast between ranks.
+    pub fn moment_tensors(&self) -> Vec<Tensor> {
+        self.exp_avg
+            .iter()
+            .zip(&self.exp_avg_sq)
+            .flat_map(|(m, v)| [m.shallow_clone(), v.shallow_clone()])
+            .collect()
     }
 
     /// One update at learning rate `lr` from the accumulated gradients. A tensor without a
@@ -249,14 +309,20 @@ impl AdamW {
                     dst.copy_(&src);
                 }
             }
-            for ((count, s), w) in self.counts.iter_mut().zip(&self.started).zip(&self.weights) {
-                *count = counter(w, steps - s);
-            }
             Ok(())
         })?;
         self.steps = steps;
+        self.recount();
         Ok(())
     }
+}
+
+/// One tensor's AdamW state.
+pub struct Moments {
+    pub exp_avg: Tensor,
+    pub exp_avg_sq: Tensor,
+    /// The optimizer step at which these moments started (bias correction counts from it).
+    pub started: i64,
 }
 
 /// What [`AdamW::retarget`] did.

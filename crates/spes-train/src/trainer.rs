@@ -3,7 +3,8 @@
 use crate::checkpoint::{self, TrainState};
 use crate::config::{Precision, RunConfig};
 use crate::data_parallel::DataParallel;
-use crate::optim::{lr_at, AdamW};
+use crate::lead::Op;
+use crate::optim::{lr_at, AdamW, Retarget};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
@@ -69,7 +70,7 @@ pub struct Trainer {
     pub model: MoeModel,
     pub opt: AdamW,
     pub device: Device,
-    loader: Loader,
+    pub(crate) loader: Loader,
     val: ValWindows,
     /// Optimizer steps done.
     pub step: u64,
@@ -77,7 +78,9 @@ pub struct Trainer {
     pub tokens: u64,
     options: StepOptions,
     /// The node's data-parallel group, when it has several ranks.
-    dp: Option<DataParallel>,
+    pub(crate) dp: Option<DataParallel>,
+    /// Rank 0 of a led group ([`Trainer::lead`]): announces each collective to the followers.
+    pub(crate) leads: bool,
 }
 
 /// bf16 where it pays (CUDA) unless the config says otherwise.
@@ -131,6 +134,7 @@ impl Trainer {
             tokens: 0,
             options,
             dp: None,
+            leads: false,
         })
     }
 
@@ -145,8 +149,11 @@ impl Trainer {
     /// rank 0's weights and optimizer state.
     pub fn set_data_parallel(&mut self, mut dp: DataParallel) -> Result<()> {
         let mut state: Vec<Tensor> = self.model.params().into_iter().map(|p| p.tensor).collect();
-        state.extend(self.opt.state().into_iter().map(|(_, t)| t));
+        state.extend(self.opt.moment_tensors());
         dp.broadcast_from_first(&state)?;
+        let (steps, started) = self.opt.clock();
+        let clock = dp.broadcast_ints([vec![steps], started].concat())?;
+        self.opt.set_clock(clock[0], &clock[1..]);
         // ZeRO-1: keep the moments of this rank's share only.
         self.opt.retarget(dp.shard(self.model.trainable_params()));
         self.dp = Some(dp);
@@ -167,6 +174,7 @@ impl Trainer {
     /// ranks, each micro-batch is `batch_size` rows per rank: the node reads
     /// `ranks × batch_size` rows and this rank takes its own slice.
     pub fn train_step(&mut self) -> Result<StepStats> {
+        self.announce_step()?;
         let (rows, accum) = (self.cfg.train.batch_size, self.cfg.train.grad_accum);
         let (rank, world) = self.dp.as_ref().map_or((0, 1), |d| (d.rank(), d.world()));
         let row_len = self.cfg.train.seq_len + 1;
@@ -196,14 +204,26 @@ impl Trainer {
         let Some(dp) = &self.dp else {
             return Ok(());
         };
+        self.announce(Op::Check, vec![])?;
         dp.check_in_sync()
     }
 
     /// Trains the parameters for which `trainable` holds from now on (a node's ownership
-    /// changed): kept tensors keep their AdamW moments, adopted ones start fresh.
-    pub fn set_trainable(&mut self, trainable: impl Fn(Role) -> bool) -> crate::optim::Retarget {
+    /// changed): kept tensors keep their AdamW moments, adopted ones start fresh. With
+    /// several ranks every rank must call it (a led group's followers do so on their own).
+    pub fn set_trainable(&mut self, trainable: impl Fn(Role) -> bool) -> Result<Retarget> {
+        let mask = self
+            .model
+            .params()
+            .iter()
+            .map(|p| trainable(p.role) as i64)
+            .collect();
+        self.announce(Op::Retrain, mask)?;
         self.model.set_trainable(trainable);
-        self.opt.retarget(self.model.trainable_params())
+        match &mut self.dp {
+            Some(dp) => dp.reshard(&mut self.opt, self.model.trainable_params()),
+            None => Ok(self.opt.retarget(self.model.trainable_params())),
+        }
     }
 
     /// Mean token cross-entropy on up to `eval_batches` validation batches.
@@ -231,12 +251,8 @@ impl Trainer {
     /// With several ranks every rank must call it: the optimizer moments are gathered to
     /// rank 0, which alone writes (the others return `None`).
     pub fn save_checkpoint(&self, root: &Path) -> Result<Option<PathBuf>> {
-        let moments = match &self.dp {
-            Some(dp) => match dp.gather_optimizer_state(&self.opt)? {
-                Some(all) => all,
-                None => return Ok(None),
-            },
-            None => self.opt.state(),
+        let Some(moments) = self.optimizer_state()? else {
+            return Ok(None);
         };
         let dir = checkpoint::save(
             root,
@@ -248,15 +264,30 @@ impl Trainer {
         Ok(Some(dir))
     }
 
-    /// A copy of the current state to write under `root` while training goes on.
-    pub fn snapshot(&self, root: &Path) -> checkpoint::Snapshot {
-        checkpoint::Snapshot::new(
+    /// A copy of the current state to write under `root` while training goes on. With
+    /// several ranks every rank must call it; rank 0 gets the copy, the others `None`.
+    pub fn snapshot(&self, root: &Path) -> Result<Option<checkpoint::Snapshot>> {
+        let Some(moments) = self.optimizer_state()? else {
+            return Ok(None);
+        };
+        Ok(Some(checkpoint::Snapshot::new(
             root,
             self.train_state(),
             &self.model_tensors(),
-            &self.opt.state(),
+            &moments,
             self.cfg.train.keep_checkpoints,
-        )
+        )))
+    }
+
+    /// Every rank's optimizer moments, on rank 0; `None` on the others.
+    pub(crate) fn optimizer_state(&self) -> Result<Option<Vec<(String, Tensor)>>> {
+        match &self.dp {
+            Some(dp) => {
+                self.announce(Op::Gather, vec![])?;
+                dp.gather_optimizer_state(&self.opt)
+            }
+            None => Ok(Some(self.opt.state())),
+        }
     }
 
     fn train_state(&self) -> TrainState {

@@ -193,6 +193,7 @@ pub fn node_options(cfg: &RunConfig, url: &str, peer: usize, out: &Path) -> Node
         patience_s: 60.0,
         join: false,
         insecure: false,
+        data_parallel: None,
     }
 }
 
