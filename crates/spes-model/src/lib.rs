@@ -6,6 +6,6 @@ pub mod model;
 
 pub use config::{ModelConfig, NormPlacement, ParamCounts, QkNorm, PRESETS};
 pub use model::{
-    expert_tensor_name, load_balancing_loss, LossWeights, Losses, MoeModel, Param, Role,
+    expert_tensor_name, load_balancing_loss, LossWeights, Losses, MoeKernel, MoeModel, Param, Role,
     EXPERT_PARTS,
 };

@@ -141,6 +141,9 @@ const LOCAL_TRAIN_KEYS: &[&str] = &[
     "eval_batches",
     "checkpoint_every",
     "keep_checkpoints",
+    // How a node computes is its own affair.
+    "activation_checkpointing",
+    "moe_kernel",
 ];
 
 /// A node's model, sync and training settings must equal the server's; says which key differs.
@@ -716,6 +719,15 @@ impl Node {
         check_compatible(&opts.cfg, &server_cfg)?;
         let mut cfg = server_cfg;
         cfg.data = opts.cfg.data.clone();
+        // LOCAL_TRAIN_KEYS: this node's own.
+        let (t, mine) = (&mut cfg.train, &opts.cfg.train);
+        t.log_every = mine.log_every;
+        t.eval_every = mine.eval_every;
+        t.eval_batches = mine.eval_batches;
+        t.checkpoint_every = mine.checkpoint_every;
+        t.keep_checkpoints = mine.keep_checkpoints;
+        t.activation_checkpointing = mine.activation_checkpointing;
+        t.moe_kernel = mine.moe_kernel;
         cfg.train.seed += 1000 * peer as u64;
         let ck_root = opts.out.join("checkpoints");
         let resumed = checkpoint::latest(&ck_root)?;

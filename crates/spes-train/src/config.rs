@@ -213,6 +213,16 @@ pub enum Precision {
     Bf16,
 }
 
+/// How MoE layers run their experts (spes-model's `MoeKernel`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MoeKernelChoice {
+    /// Grouped on CUDA, the loop on CPU (where `_grouped_mm` is slower than the loop).
+    Auto,
+    Loop,
+    Grouped,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
@@ -244,6 +254,8 @@ pub struct TrainConfig {
     /// Keep only each block's input through the forward pass and recompute the block during
     /// backward: activation memory of one block instead of all, for ~1/3 more compute.
     pub activation_checkpointing: bool,
+    /// How MoE layers run their experts: `auto`, `loop` or `grouped`.
+    pub moe_kernel: MoeKernelChoice,
     pub seed: u64,
     pub log_every: u64,
     pub eval_every: u64,
@@ -281,6 +293,7 @@ impl Default for TrainConfig {
             router_z_loss_weight: 0.001,
             precision: Precision::Auto,
             activation_checkpointing: false,
+            moe_kernel: MoeKernelChoice::Auto,
             seed: 0,
             log_every: 10,
             eval_every: 100,

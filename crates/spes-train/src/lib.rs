@@ -7,11 +7,14 @@ pub mod checkpoint;
 pub mod config;
 pub mod data_parallel;
 pub mod lead;
+pub mod memory_plan;
 pub mod optim;
 pub mod task_hook;
 pub mod trainer;
 
-pub use config::{AggregateRule, Mode, Precision, RunConfig, SyncConfig, TrainConfig, Wire};
+pub use config::{
+    AggregateRule, Mode, MoeKernelChoice, Precision, RunConfig, SyncConfig, TrainConfig, Wire,
+};
 pub use lead::follow;
 pub use trainer::{
     run, validation_loss, validation_stats, RunSummary, StepOptions, StepStats, Trainer,

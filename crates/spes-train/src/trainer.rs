@@ -1,7 +1,7 @@
 //! The training loop: micro-batches, clipping, AdamW, evaluation, metrics, checkpoints, resume.
 
 use crate::checkpoint::{self, TrainState};
-use crate::config::{Precision, RunConfig};
+use crate::config::{MoeKernelChoice, Precision, RunConfig};
 use crate::data_parallel::DataParallel;
 use crate::lead::Op;
 use crate::optim::{lr_at, AdamW, Retarget};
@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use spes_data::{Loader, ValWindows};
-use spes_model::{LossWeights, MoeModel, Role};
+use spes_model::{LossWeights, MoeKernel, MoeModel, Role};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -83,6 +83,14 @@ pub struct Trainer {
     pub(crate) leads: bool,
 }
 
+/// The MoE kernel a choice means on `device`.
+pub fn moe_kernel(choice: MoeKernelChoice, device: Device) -> MoeKernel {
+    match (choice, device) {
+        (MoeKernelChoice::Loop, _) | (MoeKernelChoice::Auto, Device::Cpu) => MoeKernel::Loop,
+        _ => MoeKernel::Grouped,
+    }
+}
+
 /// bf16 where it pays (CUDA) unless the config says otherwise.
 pub fn compute_kind(precision: Precision, device: Device) -> Kind {
     match (precision, device) {
@@ -117,6 +125,7 @@ impl Trainer {
             );
         }
         model.set_compute_kind(compute_kind(cfg.train.precision, device));
+        model.set_moe_kernel(moe_kernel(cfg.train.moe_kernel, device));
         model.set_trainable(trainable);
         let opt = AdamW::new(model.trainable_params(), &cfg.train);
         let seq = cfg.train.seq_len;
