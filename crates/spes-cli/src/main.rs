@@ -5,6 +5,7 @@ mod device;
 mod experiment;
 mod link_bench;
 mod local_ranks;
+mod plan_memory;
 mod plan_sync;
 mod report;
 mod sync_bench;
@@ -15,7 +16,7 @@ use device::DeviceChoice;
 use spes_data::{TokenizeOptions, TokenizerSource};
 use spes_model::{ModelConfig, PRESETS};
 use spes_train::bench::{bench, BenchOptions};
-use spes_train::{Precision, RunConfig};
+use spes_train::{MoeKernelChoice, Precision, RunConfig};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
@@ -411,6 +412,9 @@ enum Command {
         /// Recompute each block during backward instead of keeping its activations.
         #[arg(long)]
         activation_checkpointing: bool,
+        /// How MoE layers run their experts: auto (grouped on CUDA), loop or grouped.
+        #[arg(long, value_parser = parse_moe_kernel, default_value = "auto")]
+        moe_kernel: MoeKernelChoice,
         #[command(flatten)]
         runtime: RuntimeArgs,
         /// Print the result as JSON instead of a table.
@@ -469,6 +473,9 @@ enum Command {
     /// What a round costs on given links, for every wire option: a discrete-event model of
     /// compute, uploads and downloads over per-node links and the server's shared link.
     PlanSync(plan_sync::Args),
+    /// What one rank of a node needs in device memory, by category, with and without
+    /// activation checkpointing; whether it fits, and the largest micro-batch that does.
+    PlanMemory(plan_memory::Args),
     /// Measures sync on `tiny` over shaped loopback links for every wire option (server and 4
     /// nodes as processes) and prints it next to the planner's prediction.
     BenchLink(link_bench::Args),
@@ -606,6 +613,15 @@ fn parse_precision(s: &str) -> Result<Precision, String> {
     }
 }
 
+fn parse_moe_kernel(s: &str) -> Result<MoeKernelChoice, String> {
+    match s {
+        "auto" => Ok(MoeKernelChoice::Auto),
+        "loop" => Ok(MoeKernelChoice::Loop),
+        "grouped" => Ok(MoeKernelChoice::Grouped),
+        _ => Err(format!("expected auto, loop or grouped, got `{s}`")),
+    }
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -684,6 +700,7 @@ fn run(cli: Cli) -> Result<()> {
             precision,
             own_experts,
             activation_checkpointing,
+            moe_kernel,
             runtime,
             json,
         } => {
@@ -699,6 +716,7 @@ fn run(cli: Cli) -> Result<()> {
                 warmup,
                 own_experts,
                 activation_checkpointing,
+                moe_kernel,
             };
             let r = bench(&o)?;
             if json {
@@ -969,6 +987,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::PlanSync(args) => plan_sync::run(args)?,
+        Command::PlanMemory(args) => plan_memory::run(args)?,
         Command::BenchLink(args) => link_bench::run(args)?,
         Command::Experiment { spec, out, device } => {
             let name = device.to_possible_value().expect("named");

@@ -455,3 +455,81 @@ set = ["sync.mode=spes", "sync.outer_lr=0.7", "sync.outer_momentum=0.9"]
         text(&o)
     );
 }
+
+/// `spes plan-memory` against the peak memory `spes bench` measures on this CPU, within 15 %:
+/// `tiny` plain and with activation checkpointing, and `small`, as 4-node SPES nodes in
+/// fp32. glibc is told to return every large block at once (a fixed mmap threshold), so the
+/// peak follows the live tensors rather than the allocator's reuse (which adds 0–15 % here,
+/// what the planner's default headroom is for).
+#[test]
+fn memory_plan_matches_measured_peak() {
+    let cases: [(&str, &str, &[&str]); 3] = [
+        ("tiny", "4", &[]),
+        ("tiny", "4", &["--activation-checkpointing"]),
+        ("small", "2", &[]),
+    ];
+    for (preset, batch, extra) in cases {
+        let mut args = vec![
+            "bench",
+            "--preset",
+            preset,
+            "--own-experts",
+            "4",
+            "--batch-size",
+            batch,
+            "--seq-len",
+            "256",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--device",
+            "cpu",
+            "--precision",
+            "fp32",
+            "--json",
+        ];
+        args.extend(extra);
+        let o = Command::new(env!("CARGO_BIN_EXE_spes"))
+            .args(&args)
+            .env("MALLOC_MMAP_THRESHOLD_", "131072")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        let measured = r["peak_rss_mb"].as_f64().unwrap();
+        let runtime_gb = r["runtime_rss_mb"].as_f64().unwrap() / 1024.0;
+        let plan_args = vec![
+            "plan-memory".to_string(),
+            "--preset".into(),
+            preset.into(),
+            "--nodes".into(),
+            "4".into(),
+            "--micro-batch".into(),
+            batch.into(),
+            "--seq-len".into(),
+            "256".into(),
+            "--precision".into(),
+            "fp32".into(),
+            "--gpu-mem".into(),
+            "24".into(),
+            "--runtime-gb".into(),
+            runtime_gb.to_string(),
+            "--slack".into(),
+            "0".into(),
+            "--json".into(),
+        ];
+        let p = spes(&plan_args);
+        assert!(p.status.success(), "{}", text(&p));
+        let rows: serde_json::Value = serde_json::from_slice(&p.stdout).unwrap();
+        let row = usize::from(!extra.is_empty());
+        let planned = rows[row]["total"].as_f64().unwrap() / (1 << 20) as f64;
+        let ratio = planned / measured;
+        println!("{preset} b{batch} {extra:?}: planned {planned:.0} MiB, measured {measured:.0} MiB ({ratio:.3})");
+        assert!(
+            (0.85..=1.15).contains(&ratio),
+            "{preset} {extra:?}: planned {planned:.0} MiB, measured {measured:.0} MiB"
+        );
+    }
+}

@@ -51,13 +51,14 @@ pub struct ModelConfig {
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const PRESETS: &[&str] = &["tiny", "1b", "7b", "9b"];
+pub const PRESETS: &[&str] = &["tiny", "small", "1b", "7b", "9b"];
 
 /// The Qwen2.5 tokenizer's size, the vocabulary of the paper's runs.
 const QWEN_VOCAB: usize = 151_665;
 
 impl ModelConfig {
-    /// A built-in shape: `tiny` trains on two CPU cores in minutes; `1b`, `7b`, `9b` are SPES.md §1.
+    /// A built-in shape: `tiny` trains on two CPU cores in minutes, `small` (~0.12B) is the
+    /// largest meant for CPUs; `1b`, `7b`, `9b` are SPES.md §1.
     pub fn preset(name: &str) -> Result<Self> {
         let olmoe = |n_layers, d_model, n_heads, n_experts, top_k, expert_hidden| ModelConfig {
             vocab_size: QWEN_VOCAB,
@@ -84,6 +85,13 @@ impl ModelConfig {
                 context_length: 256,
                 rope_theta: 10_000.0,
                 ..olmoe(4, 256, 4, 16, 2, 256)
+            },
+            // ~0.12B parameters: the largest that trains on a CPU in reasonable time.
+            "small" => ModelConfig {
+                vocab_size: 8192,
+                context_length: 512,
+                rope_theta: 10_000.0,
+                ..olmoe(8, 512, 8, 16, 2, 512)
             },
             "1b" => olmoe(12, 768, 12, 16, 2, 2048),
             // RoPE θ as in the authors' 7B config.

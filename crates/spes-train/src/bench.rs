@@ -1,8 +1,8 @@
 //! `spes bench`: tokens/s and peak memory of training steps of a preset on random tokens.
 
-use crate::config::{Precision, TrainConfig};
+use crate::config::{MoeKernelChoice, Precision, TrainConfig};
 use crate::optim::AdamW;
-use crate::trainer::{compute_kind, step_on_batches, StepOptions};
+use crate::trainer::{compute_kind, moe_kernel, step_on_batches, StepOptions};
 use anyhow::Result;
 use serde::Serialize;
 use spes_model::{LossWeights, ModelConfig, MoeModel, Role};
@@ -23,6 +23,8 @@ pub struct BenchOptions {
     pub own_experts: Option<usize>,
     /// Recompute blocks during backward (`train.activation_checkpointing`).
     pub activation_checkpointing: bool,
+    /// How MoE layers run their experts (`train.moe_kernel`).
+    pub moe_kernel: MoeKernelChoice,
 }
 
 /// One benchmark result row.
@@ -38,6 +40,9 @@ pub struct BenchResult {
     pub tokens_per_s: f64,
     /// Peak resident set size of this process (VmHWM).
     pub peak_rss_mb: f64,
+    /// Resident set size once libtorch's kernels have run (a miniature model's training step,
+    /// before this benchmark's tensors): what `spes plan-memory` calls the runtime on CPU.
+    pub runtime_rss_mb: f64,
     /// GPU memory this process holds after the steps (the caching allocator keeps its peak), if
     /// on CUDA and `nvidia-smi` is there.
     pub gpu_memory_mb: Option<f64>,
@@ -45,9 +50,11 @@ pub struct BenchResult {
 
 /// Runs the benchmark in this process; peak RSS covers everything the process did before too.
 pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
+    let runtime_rss_mb = runtime_rss_mb(o)?;
     tch::manual_seed(0);
     let mut model = MoeModel::new(&o.model, o.device)?;
     model.set_compute_kind(compute_kind(o.precision, o.device));
+    model.set_moe_kernel(moe_kernel(o.moe_kernel, o.device));
     let own = o.own_experts;
     model.set_trainable(|r| match (r, own) {
         (Role::Expert { index, .. }, Some(n)) => index < n,
@@ -83,8 +90,44 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
         optimizer_ms,
         tokens_per_s: tokens as f64 / median,
         peak_rss_mb: peak_rss_mb(),
+        runtime_rss_mb,
         gpu_memory_mb: o.device.is_cuda().then(gpu_memory_mb).flatten(),
     })
+}
+
+/// VmRSS after one training step of a miniature model of the same kind on the same device:
+/// the process and libtorch with its thread pools and kernels' own buffers initialised.
+fn runtime_rss_mb(o: &BenchOptions) -> Result<f64> {
+    let cfg = ModelConfig {
+        vocab_size: 256,
+        d_model: 64,
+        n_layers: 1,
+        n_heads: 2,
+        n_kv_heads: 2,
+        head_dim: 32,
+        n_experts: 4,
+        top_k: o.model.top_k.min(4),
+        expert_hidden: 64,
+        ..o.model.clone()
+    };
+    {
+        let mut model = MoeModel::new(&cfg, o.device)?;
+        model.set_compute_kind(compute_kind(o.precision, o.device));
+        model.set_moe_kernel(moe_kernel(o.moe_kernel, o.device));
+        model.set_trainable(|_| true);
+        let t = TrainConfig::default();
+        let mut opt = AdamW::new(model.trainable_params(), &t);
+        let batch = Tensor::randint(256, [2, 33], (Kind::Int64, o.device));
+        step_on_batches(
+            &model,
+            &mut opt,
+            &StepOptions::from_config(&t),
+            None,
+            1e-4,
+            &[batch],
+        )?;
+    }
+    Ok(rss_mb("VmRSS:"))
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -139,11 +182,16 @@ fn gpu_memory_mb() -> Option<f64> {
 
 /// Peak resident set size of this process in MiB, from /proc (0 where unavailable).
 pub fn peak_rss_mb() -> f64 {
+    rss_mb("VmHWM:")
+}
+
+/// A memory line of `/proc/self/status` in MiB (0 where there is none).
+fn rss_mb(field: &str) -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<f64>().ok())
         })

@@ -1,0 +1,284 @@
+//! What one rank of a node needs in memory to train, by category, before it runs
+//! (`spes plan-memory`): weights, AdamW moments, gradients, the bf16 weight copies and
+//! activations autograd keeps for backward, and the working set of the chunked LM head.
+//!
+//! Activations are counted tensor by tensor from what `spes-model`'s forward pass keeps for
+//! backward (see [`layer_activation_bytes`]); `spes bench` measures the real peak, and a test
+//! holds the two within 15 % on CPU.
+
+use spes_model::ModelConfig;
+
+/// What to plan for.
+#[derive(Clone, Debug)]
+pub struct MemoryInput {
+    pub model: ModelConfig,
+    /// Experts per layer this node trains: `n_experts / nodes` in SPES, all of them
+    /// centralized or in DiLoCo.
+    pub own_experts: usize,
+    /// Data-parallel ranks of the node, which share its AdamW moments (ZeRO-1).
+    pub ranks: usize,
+    /// Sequences per micro-batch on this rank.
+    pub micro_batch: usize,
+    pub seq_len: usize,
+    /// Bytes per value of the matmuls: 4 (fp32) or 2 (bf16 mixed precision).
+    pub compute_bytes: u64,
+    pub activation_checkpointing: bool,
+    /// The grouped MoE kernel, which keeps a stacked copy of every expert's matrices for
+    /// backward (in fp32 too; the loop keeps none there).
+    pub grouped_experts: bool,
+    /// Logits per chunk of the LM-head loss (spes-model's default: 2^26).
+    pub logits_chunk: u64,
+    /// Memory in use before the first tensor: the CUDA context and kernels on a GPU, the
+    /// process with libtorch loaded on CPU.
+    pub runtime_bytes: u64,
+    /// Headroom for the allocator's fragmentation, as a fraction of everything else but the
+    /// runtime. Measured on CPU (glibc): the peak is 0–15 % above the live tensors.
+    pub slack: f64,
+}
+
+/// Bytes by category at the peak of a training step (after the first, when gradients exist).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryPlan {
+    /// fp32 weights of the experts this node does not train.
+    pub frozen_weights: u64,
+    /// fp32 master weights of what it trains (shared parameters and own experts).
+    pub trainable_weights: u64,
+    /// AdamW's two fp32 moments, this rank's share.
+    pub adamw_moments: u64,
+    /// fp32 gradients of the trainable weights (every rank holds all of them).
+    pub gradients: u64,
+    /// bf16 copies of the weights that the matmuls keep for backward (none in fp32).
+    pub weight_copies: u64,
+    /// What the forward pass keeps for backward, for one micro-batch.
+    pub activations: u64,
+    /// The larger of the LM head's chunk working set and one block's backward buffers.
+    pub workspace: u64,
+    pub runtime: u64,
+    /// The allocator's headroom ([`MemoryInput::slack`]).
+    pub slack: u64,
+}
+
+impl MemoryPlan {
+    pub fn total(&self) -> u64 {
+        self.frozen_weights
+            + self.trainable_weights
+            + self.adamw_moments
+            + self.gradients
+            + self.weight_copies
+            + self.activations
+            + self.workspace
+            + self.runtime
+            + self.slack
+    }
+}
+
+/// Bytes one block keeps for backward per token, from what each operation of spes-model's
+/// forward pass saves (`c`: bytes of a matmul value).
+///
+/// Per token, with `dq`, `dkv` the query and key/value widths and k experts per token:
+/// - norms keep their fp32 inputs (block input, attention residual): 2·4d; the router
+///   matmul keeps its fp32 input: 4d;
+/// - q/k/v matmuls keep their input: 4d in fp32 (one tensor), 3·2d in bf16 (one cast each);
+/// - QK-norm keeps q and k in fp32: 4(dq + dkv); RoPE keeps the normed and the rotated halves
+///   of q and k: 2c(dq + dkv); attention keeps q, k, v, its output and log-sum-exp:
+///   c(dq + 2dkv) + c·dq + 4·heads; the output projection keeps a contiguous copy: c·dq;
+/// - the router keeps its logits and softmax (8E) and the top-k indices, the sort order and
+///   each slot's token (3·8k);
+/// - per slot: the gathered token (4d in fp32; two bf16 casts, 2·2d, in bf16), gate and up
+///   outputs, SiLU output and their product (4cH), and the fp32 expert output weighed by
+///   the router (4d).
+pub fn layer_activation_bytes(m: &ModelConfig, c: u64) -> u64 {
+    let (d, e, k, h) = (
+        m.d_model as u64,
+        m.n_experts as u64,
+        m.top_k as u64,
+        m.expert_hidden as u64,
+    );
+    let (dq, dkv) = (
+        (m.n_heads * m.head_dim) as u64,
+        (m.n_kv_heads * m.head_dim) as u64,
+    );
+    let qkv_inputs = if c == 4 { 4 * d } else { 3 * 2 * d };
+    let qk_norm = match m.qk_norm {
+        spes_model::QkNorm::None => 0,
+        _ => 4 * (dq + dkv),
+    };
+    let attention =
+        qk_norm + 2 * c * (dq + dkv) + c * (dq + 2 * dkv) + c * dq + 4 * m.n_heads as u64 + c * dq;
+    let router = 8 * e + 3 * 8 * k;
+    // The gathered fp32 token in fp32, or its two bf16 casts (gate and up) in bf16: 4d both.
+    let experts = k * (4 * d + 4 * c * h + 4 * d);
+    3 * 4 * d + qkv_inputs + attention + router + experts
+}
+
+/// Bytes at the peak of a training step.
+pub fn plan(i: &MemoryInput) -> MemoryPlan {
+    let m = &i.model;
+    let counts = m.param_counts();
+    let (expert, shared) = (counts.per_expert, counts.shared);
+    let layers = m.n_layers as u64;
+    let own = i.own_experts.min(m.n_experts) as u64;
+    let frozen = layers * (m.n_experts as u64 - own) * expert;
+    let trainable = shared + layers * own * expert;
+    let tokens = (i.micro_batch * i.seq_len) as u64;
+    let (d, v, c) = (m.d_model as u64, m.vocab_size as u64, i.compute_bytes);
+    let per_layer = layer_activation_bytes(m, c) * tokens;
+    // bf16: every matmul weight is cast once per use and kept until its backward.
+    let layer_weights = (shared - counts.embeddings) / layers.max(1) + m.n_experts as u64 * expert;
+    let copies = |n_layers: u64| match (c, i.grouped_experts) {
+        (4, false) => 0,
+        (4, true) => 4 * n_layers * m.n_experts as u64 * expert,
+        _ => 2 * n_layers * layer_weights,
+    };
+    let (activations, weight_copies) = if i.activation_checkpointing {
+        // Every block's input, plus one block recomputed with its graph.
+        (layers * 4 * d * tokens + per_layer, copies(1))
+    } else {
+        (layers * per_layer, copies(layers))
+    };
+    // The head: logits, their shifted exponentials and the gradient, fp32, per chunk of
+    // rows, and its weight cast; then the hidden states' gradient.
+    let rows = (i.logits_chunk / v).clamp(1, tokens.max(1));
+    let head = 3 * 4 * rows * v + c * v * d * u64::from(c != 4) + 2 * 4 * tokens * d;
+    let mut p = MemoryPlan {
+        frozen_weights: 4 * frozen,
+        trainable_weights: 4 * trainable,
+        adamw_moments: 8 * trainable.div_ceil(i.ranks.max(1) as u64),
+        gradients: 4 * trainable,
+        weight_copies,
+        activations,
+        workspace: head.max(per_layer),
+        runtime: 0,
+        slack: 0,
+    };
+    p.slack = (p.total() as f64 * i.slack) as u64;
+    p.runtime = i.runtime_bytes;
+    p
+}
+
+/// The largest micro-batch (sequences) whose plan fits in `budget` bytes, if any.
+pub fn largest_micro_batch(i: &MemoryInput, budget: u64) -> Option<usize> {
+    let fits = |b: usize| {
+        plan(&MemoryInput {
+            micro_batch: b,
+            ..i.clone()
+        })
+        .total()
+            <= budget
+    };
+    if !fits(1) {
+        return None;
+    }
+    let (mut lo, mut hi) = (1usize, 2usize);
+    while fits(hi) && hi < 1 << 20 {
+        (lo, hi) = (hi, hi * 2);
+    }
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(lo)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input(preset: &str, own: usize) -> MemoryInput {
+        MemoryInput {
+            model: ModelConfig::preset(preset).unwrap(),
+            own_experts: own,
+            ranks: 1,
+            micro_batch: 4,
+            seq_len: 1024,
+            compute_bytes: 2,
+            activation_checkpointing: false,
+            grouped_experts: true,
+            logits_chunk: 1 << 26,
+            runtime_bytes: 1 << 30,
+            slack: 0.0,
+        }
+    }
+
+    #[test]
+    fn weights_add_up_and_ranks_split_only_the_moments() {
+        let i = input("1b", 4);
+        let p = plan(&i);
+        let c = i.model.param_counts();
+        assert_eq!(p.frozen_weights + p.trainable_weights, 4 * c.total);
+        assert_eq!(p.gradients, p.trainable_weights);
+        assert_eq!(p.adamw_moments, 2 * p.trainable_weights);
+        let two = plan(&MemoryInput {
+            ranks: 2,
+            ..i.clone()
+        });
+        assert_eq!(two.adamw_moments, p.adamw_moments / 2);
+        assert_eq!(two.total(), p.total() - p.adamw_moments / 2);
+        // A DiLoCo node trains everything.
+        let all = plan(&input("1b", 16));
+        assert_eq!(
+            (all.frozen_weights, all.trainable_weights),
+            (0, 4 * c.total)
+        );
+    }
+
+    #[test]
+    fn checkpointing_and_fp32_change_what_they_should() {
+        let i = input("7b", 8);
+        let (plain, ckpt) = (
+            plan(&i),
+            plan(&MemoryInput {
+                activation_checkpointing: true,
+                ..i.clone()
+            }),
+        );
+        assert!(ckpt.activations * 4 < plain.activations);
+        assert!(ckpt.weight_copies * 8 < plain.weight_copies);
+        let fp32 = plan(&MemoryInput {
+            compute_bytes: 4,
+            ..i.clone()
+        });
+        assert_eq!(
+            fp32.weight_copies,
+            4 * 32 * 16 * i.model.param_counts().per_expert
+        );
+        let fp32_loop = plan(&MemoryInput {
+            compute_bytes: 4,
+            grouped_experts: false,
+            ..i.clone()
+        });
+        assert_eq!(fp32_loop.weight_copies, 0);
+        assert!(fp32.activations > plain.activations);
+        // Activations grow linearly with the micro-batch.
+        let double = plan(&MemoryInput {
+            micro_batch: 8,
+            ..i.clone()
+        });
+        assert_eq!(double.activations, 2 * plain.activations);
+        let slack = plan(&MemoryInput { slack: 0.1, ..i });
+        assert_eq!(
+            slack.slack,
+            ((plain.total() - plain.runtime) as f64 * 0.1) as u64
+        );
+    }
+
+    #[test]
+    fn the_largest_micro_batch_fits_and_one_more_does_not() {
+        let i = input("1b", 4);
+        let budget = 48u64 << 30;
+        let b = largest_micro_batch(&i, budget).unwrap();
+        let at = |b| {
+            plan(&MemoryInput {
+                micro_batch: b,
+                ..i.clone()
+            })
+            .total()
+        };
+        assert!(at(b) <= budget && at(b + 1) > budget, "{b}");
+        assert_eq!(largest_micro_batch(&i, 1 << 30), None);
+    }
+}
