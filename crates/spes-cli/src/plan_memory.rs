@@ -41,6 +41,10 @@ pub struct Args {
     /// or grouped.
     #[arg(long, default_value = "auto", value_parser = ["auto", "loop", "grouped"])]
     moe_kernel: String,
+    /// Keep frozen experts in fp32 on the device (default with bf16: resident in bf16, their
+    /// fp32 masters in host memory, as `train.frozen_experts_bf16` does on CUDA).
+    #[arg(long)]
+    frozen_experts_fp32: bool,
     /// GiB in use before the first tensor: CUDA context, cuBLAS/cuDNN workspaces, kernels.
     #[arg(long, default_value_t = 1.0)]
     runtime_gb: f64,
@@ -108,6 +112,7 @@ fn input(a: &Args) -> Result<MemoryInput> {
             "auto" => compute_bytes == 2,
             kernel => kernel == "grouped",
         },
+        frozen_bf16: compute_bytes == 2 && !a.frozen_experts_fp32,
         logits_chunk: 1 << 26,
         runtime_bytes: (a.runtime_gb * GIB) as u64,
         slack: a.slack.max(0.0),
@@ -156,7 +161,7 @@ pub fn run(a: Args) -> Result<()> {
     println!("| GiB per rank | plain | activation checkpointing |");
     println!("|---|---|---|");
     let rows: [Row; 10] = [
-        ("frozen expert weights (fp32)", |p| p.frozen_weights),
+        ("frozen expert weights", |p| p.frozen_weights),
         ("trainable weights (fp32)", |p| p.trainable_weights),
         ("AdamW moments", |p| p.adamw_moments),
         ("gradients", |p| p.gradients),
@@ -177,6 +182,12 @@ pub fn run(a: Args) -> Result<()> {
             "| {name} | {:.2} | {:.2} |",
             f(plain) as f64 / GIB,
             f(ckpt) as f64 / GIB
+        );
+    }
+    if plain.host_frozen_masters > 0 {
+        println!(
+            "\nHost memory for the frozen experts' fp32 masters: {:.2} GiB.",
+            plain.host_frozen_masters as f64 / GIB
         );
     }
     for (ckpt, p, best) in &variants {

@@ -249,8 +249,9 @@ fn latest_step(checkpoints: &Path) -> u64 {
 }
 
 /// A SPES run on loopback where node 0 is `spes node --local-ranks 2` and nodes 1 and 2 are
-/// single processes. Ownership rotates every 2 rounds, so the 2-rank node re-shards its
-/// optimizer mid-run. Every node ends bit-identical to the final published model (rank 1 of
+/// single processes, every node keeping its frozen experts resident in bf16 (exact fp32
+/// masters aside). Ownership rotates every 2 rounds, so the 2-rank node re-shards its
+/// optimizer and experts change between frozen and trained mid-run. Every node ends bit-identical to the final published model (rank 1 of
 /// node 0 checks that it holds rank 0's weights after every round and at the end, and fails
 /// the node otherwise).
 #[test]
@@ -287,6 +288,7 @@ lr = 3e-3
 warmup_steps = 2
 log_every = 1
 eval_batches = 2
+frozen_experts_bf16 = true
 
 [sync]
 mode = "spes"

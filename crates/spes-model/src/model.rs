@@ -39,6 +39,51 @@ struct Expert {
     gate: Tensor, // W1 [hidden, d]
     up: Tensor,   // V1 [hidden, d]
     down: Tensor, // W2 [d, hidden]
+    /// While the expert is frozen and frozen experts are resident in bf16: gate, up and down
+    /// in bf16 on the compute device; the fp32 masters above then live in host memory.
+    resident: Option<[Tensor; 3]>,
+}
+
+impl Expert {
+    /// The weights the forward pass multiplies by: the bf16 copies, or the masters.
+    fn compute(&self) -> [&Tensor; 3] {
+        match &self.resident {
+            Some([g, u, d]) => [g, u, d],
+            None => [&self.gate, &self.up, &self.down],
+        }
+    }
+
+    /// Puts the expert where a trained or a frozen one belongs: trained, its fp32 masters on
+    /// `device` with gradients; frozen with `bf16`, the masters in host memory and bf16
+    /// copies on `device`. A master that moves is a new leaf tensor.
+    fn place(&mut self, train: bool, bf16: bool, device: Device) {
+        let resident = bf16 && !train;
+        let home = if resident { Device::Cpu } else { device };
+        for w in [&mut self.gate, &mut self.up, &mut self.down] {
+            if w.device() != home {
+                *w = w.detach().to_device(home);
+            }
+            let _ = w.set_requires_grad(train);
+        }
+        self.resident = resident.then(|| {
+            [&self.gate, &self.up, &self.down].map(|w| {
+                w.to_device(device)
+                    .to_kind(Kind::BFloat16)
+                    .set_requires_grad(false)
+            })
+        });
+    }
+
+    /// Copies the masters into the bf16 copies (after the masters changed).
+    fn refresh(&self) {
+        if let Some(copies) = &self.resident {
+            tch::no_grad(|| {
+                for (c, w) in copies.iter().zip([&self.gate, &self.up, &self.down]) {
+                    c.shallow_clone().copy_(w);
+                }
+            });
+        }
+    }
 }
 
 struct Layer {
@@ -68,12 +113,17 @@ pub enum MoeKernel {
     Grouped,
 }
 
-/// The whole decoder. Parameters are fp32 master weights on one device; matmuls run in
-/// `compute` precision (fp32, or bf16 for mixed precision), norms, softmax and losses in fp32.
+/// The whole decoder. Parameters are fp32 master weights on one device (frozen experts' in
+/// host memory when they are resident in bf16); matmuls run in `compute` precision (fp32, or
+/// bf16 for mixed precision), norms, softmax and losses in fp32.
 pub struct MoeModel {
     pub cfg: ModelConfig,
+    /// Where the forward pass runs.
+    device: Device,
     compute: Kind,
     moe_kernel: MoeKernel,
+    /// Frozen experts as bf16 copies on `device`, their fp32 masters in host memory.
+    frozen_bf16: bool,
     /// Per-expert multiplier of the load-balancing counts `[E]` (SPES.md §6), if any.
     lb_count_scale: Option<Tensor>,
     /// Logits elements per chunk of the LM-head loss ([`MoeModel::set_logits_chunk`]).
@@ -199,6 +249,7 @@ impl MoeModel {
                         gate: w(&[h, d]),
                         up: w(&[h, d]),
                         down: w(&[d, h]),
+                        resident: None,
                     })
                     .collect(),
             })
@@ -208,6 +259,8 @@ impl MoeModel {
             compute: Kind::Float,
             lb_count_scale: None,
             moe_kernel: MoeKernel::Loop,
+            frozen_bf16: false,
+            device,
             logits_chunk: LOGITS_CHUNK_ELEMENTS,
             rope_cache: std::sync::Mutex::new(None),
             embed: w(&[v, d]),
@@ -371,8 +424,9 @@ impl MoeModel {
             .zip(grouped.split_with_sizes(&host_counts, 0))
         {
             if n > 0 {
-                let hidden = self.linear(&xe, &ex.gate).silu() * self.linear(&xe, &ex.up);
-                outputs.push(self.linear(&hidden, &ex.down));
+                let [gate, up, down] = ex.compute();
+                let hidden = self.linear(&xe, gate).silu() * self.linear(&xe, up);
+                outputs.push(self.linear(&hidden, down));
             }
         }
         Tensor::cat(&outputs, 0)
@@ -384,11 +438,11 @@ impl MoeModel {
     /// expert its own gradient, so frozen experts still get none.
     fn experts_grouped(&self, layer: &Layer, grouped: &Tensor, counts: &Tensor) -> Tensor {
         let offsets = counts.cumsum(0, Kind::Int);
-        let stacked = |w: fn(&Expert) -> &Tensor| {
+        let stacked = |part: usize| {
             let ws: Vec<Tensor> = layer
                 .experts
                 .iter()
-                .map(|ex| w(ex).to_kind(self.compute))
+                .map(|ex| ex.compute()[part].to_kind(self.compute))
                 .collect();
             // [E, in, out]: each expert's weight transposed, as `x @ Wᵀ` needs.
             Tensor::stack(&ws, 0).transpose(1, 2)
@@ -397,8 +451,8 @@ impl MoeModel {
             x.internal_grouped_mm(w, Some(&offsets), None::<&Tensor>, None::<Kind>)
         };
         let x = grouped.to_kind(self.compute);
-        let hidden = mm(&x, &stacked(|ex| &ex.gate)).silu() * mm(&x, &stacked(|ex| &ex.up));
-        mm(&hidden, &stacked(|ex| &ex.down))
+        let hidden = mm(&x, &stacked(0)).silu() * mm(&x, &stacked(1));
+        mm(&hidden, &stacked(2))
     }
 
     /// Forward and backward of one `[B, T+1]` window batch: adds `scale` times the gradient of
@@ -543,6 +597,13 @@ impl MoeModel {
         self.compute = kind;
     }
 
+    /// Keeps frozen experts as bf16 copies on the compute device and their exact fp32
+    /// masters in host memory (half the device memory of a frozen expert, and no cast per
+    /// matmul); takes effect at the next [`MoeModel::set_trainable`].
+    pub fn set_frozen_experts_bf16(&mut self, on: bool) {
+        self.frozen_bf16 = on;
+    }
+
     /// How MoE layers run their experts (the loop unless set).
     pub fn set_moe_kernel(&mut self, kernel: MoeKernel) {
         self.moe_kernel = kernel;
@@ -639,9 +700,19 @@ impl MoeModel {
     }
 
     /// Marks each parameter trainable or frozen. Frozen ones get no gradient, ever.
-    pub fn set_trainable(&self, trainable: impl Fn(Role) -> bool) {
+    /// With frozen experts resident in bf16 ([`MoeModel::set_frozen_experts_bf16`]), a newly
+    /// frozen expert's masters move to host memory and a newly trained one's come back.
+    pub fn set_trainable(&mut self, trainable: impl Fn(Role) -> bool) {
         for p in self.params() {
-            let _ = p.tensor.set_requires_grad(trainable(p.role));
+            if p.role == Role::Shared {
+                let _ = p.tensor.set_requires_grad(trainable(p.role));
+            }
+        }
+        let (bf16, device) = (self.frozen_bf16, self.device);
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            for (e, ex) in layer.experts.iter_mut().enumerate() {
+                ex.place(trainable(Role::Expert { layer: l, index: e }), bf16, device);
+            }
         }
     }
 
@@ -683,7 +754,18 @@ impl MoeModel {
                 dst.copy_(map[p.name.as_str()]);
             }
         });
+        self.refresh_resident();
         Ok(())
+    }
+
+    /// Brings the bf16 copies of frozen experts up to date after their masters changed in
+    /// place (a delta applied to [`MoeModel::params`]); [`MoeModel::load`] does it itself.
+    pub fn refresh_resident(&self) {
+        for layer in &self.layers {
+            for ex in &layer.experts {
+                ex.refresh();
+            }
+        }
     }
 }
 

@@ -238,7 +238,7 @@ fn load_balancing_loss_matches_hand_computation() {
 #[test]
 fn frozen_experts_get_no_gradient_but_pass_activations() {
     tch::manual_seed(3);
-    let m = MoeModel::new(&small(QkNorm::Full, 2, false), Device::Cpu).unwrap();
+    let mut m = MoeModel::new(&small(QkNorm::Full, 2, false), Device::Cpu).unwrap();
     let own = |r: Role| matches!(r, Role::Shared | Role::Expert { index: 0..=1, .. });
     m.set_trainable(own);
     let batch = Tensor::randint(97, [4, 13], (Kind::Int64, Device::Cpu));
@@ -301,7 +301,7 @@ fn biases_and_post_norm_blocks_train() {
         norm_placement: NormPlacement::Post,
         ..small(QkNorm::Full, 2, false)
     };
-    let m = MoeModel::new(&cfg, Device::Cpu).unwrap();
+    let mut m = MoeModel::new(&cfg, Device::Cpu).unwrap();
     let names: Vec<String> = m.params().into_iter().map(|p| p.name).collect();
     for n in [
         "model.layers.0.self_attn.q_proj.bias",
@@ -399,7 +399,7 @@ fn activation_checkpointing_gives_the_same_gradients() {
             norm_placement: placement,
             ..small(QkNorm::Full, 2, true)
         };
-        let m = MoeModel::new(&cfg, Device::Cpu).unwrap();
+        let mut m = MoeModel::new(&cfg, Device::Cpu).unwrap();
         m.set_trainable(|r| !matches!(r, Role::Expert { index: 4.., .. }));
         let batch = Tensor::randint(97, [2, 14], (Kind::Int64, Device::Cpu));
         let plain = m.backward(&batch, &W, 1.0, false);
@@ -479,4 +479,71 @@ fn grouped_experts_match_the_loop() {
             }
         }
     }
+}
+
+/// Frozen experts resident in bf16 compute as if their weights were rounded to bf16, while
+/// `params()` keeps their exact fp32 values: a trainable expert's gradient equals that of a
+/// model whose frozen experts were rounded; loading new weights refreshes the copies; an
+/// expert that becomes trainable again starts from its exact fp32 master.
+#[test]
+fn frozen_experts_resident_in_bf16() {
+    tch::manual_seed(9);
+    let cfg = small(QkNorm::Full, 2, false);
+    let own = |r: Role| !matches!(r, Role::Expert { index: 2.., .. });
+    let mut m = MoeModel::new(&cfg, Device::Cpu).unwrap();
+    let exact: Vec<(String, Tensor)> = m
+        .params()
+        .into_iter()
+        .map(|p| (p.name, p.tensor.copy()))
+        .collect();
+    m.set_frozen_experts_bf16(true);
+    m.set_trainable(own);
+    let mut rounded = MoeModel::new(&cfg, Device::Cpu).unwrap();
+    let is_frozen_expert = |name: &str| {
+        m.params()
+            .into_iter()
+            .any(|p| p.name == name && !p.tensor.requires_grad() && p.role != Role::Shared)
+    };
+    let with_rounding: Vec<(String, Tensor)> = exact
+        .iter()
+        .map(|(n, t)| {
+            let t = if is_frozen_expert(n) {
+                t.to_kind(Kind::BFloat16).to_kind(Kind::Float)
+            } else {
+                t.copy()
+            };
+            (n.clone(), t)
+        })
+        .collect();
+    rounded.load(&with_rounding, "rounded").unwrap();
+    rounded.set_trainable(own);
+    let batch = Tensor::randint(97, [2, 14], (Kind::Int64, Device::Cpu));
+    let a = m.backward(&batch, &W, 1.0, false);
+    let b = rounded.backward(&batch, &W, 1.0, false);
+    assert_eq!(a.total.double_value(&[]), b.total.double_value(&[]));
+    assert_close(&take_grads(&m), &take_grads(&rounded), 0.0, "resident bf16");
+    // The masters are still the exact values.
+    for (p, (_, t)) in m.params().into_iter().zip(&exact) {
+        assert!(p.tensor.equal(t), "{}", p.name);
+    }
+    // A load reaches the copies: the rounded weights give the rounded model's loss again,
+    // whatever the copies held before.
+    let zeros: Vec<(String, Tensor)> = exact
+        .iter()
+        .map(|(n, t)| (n.clone(), t.zeros_like()))
+        .collect();
+    m.load(&zeros, "zeros").unwrap();
+    m.load(&with_rounding, "rounded").unwrap();
+    let again = m.backward(&batch, &W, 1.0, false);
+    assert_eq!(again.total.double_value(&[]), b.total.double_value(&[]));
+    let _ = take_grads(&m);
+    // Training every expert again: masters as they were loaded, nothing resident.
+    m.set_trainable(|_| true);
+    let all = m.backward(&batch, &W, 1.0, false);
+    rounded.set_trainable(|_| true);
+    let reference = rounded.backward(&batch, &W, 1.0, false);
+    assert_eq!(
+        all.total.double_value(&[]),
+        reference.total.double_value(&[])
+    );
 }

@@ -144,6 +144,7 @@ const LOCAL_TRAIN_KEYS: &[&str] = &[
     // How a node computes is its own affair.
     "activation_checkpointing",
     "moe_kernel",
+    "frozen_experts_bf16",
 ];
 
 /// A node's model, sync and training settings must equal the server's; says which key differs.
@@ -728,6 +729,7 @@ impl Node {
         t.keep_checkpoints = mine.keep_checkpoints;
         t.activation_checkpointing = mine.activation_checkpointing;
         t.moe_kernel = mine.moe_kernel;
+        t.frozen_experts_bf16 = mine.frozen_experts_bf16;
         cfg.train.seed += 1000 * peer as u64;
         let ck_root = opts.out.join("checkpoints");
         let resumed = checkpoint::latest(&ck_root)?;
@@ -963,7 +965,7 @@ impl Node {
         }
         self.owned = owned;
         if reset {
-            self.trainer.publish_weights()?;
+            self.trainer.weights_changed()?;
         }
         Ok(())
     }
@@ -1383,7 +1385,7 @@ impl Node {
             self.trainer.step = header.round * h;
         }
         self.bytes_down += header.total_bytes;
-        self.trainer.publish_weights()
+        self.trainer.weights_changed()
     }
 
     fn apply_delta(

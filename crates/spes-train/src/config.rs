@@ -256,6 +256,9 @@ pub struct TrainConfig {
     pub activation_checkpointing: bool,
     /// How MoE layers run their experts: `auto`, `loop` or `grouped`.
     pub moe_kernel: MoeKernelChoice,
+    /// Keep experts this process does not train as bf16 copies on the device, their exact
+    /// fp32 values in host memory: half the device memory for them. Unset: on for CUDA.
+    pub frozen_experts_bf16: Option<bool>,
     pub seed: u64,
     pub log_every: u64,
     pub eval_every: u64,
@@ -294,6 +297,7 @@ impl Default for TrainConfig {
             precision: Precision::Auto,
             activation_checkpointing: false,
             moe_kernel: MoeKernelChoice::Auto,
+            frozen_experts_bf16: None,
             seed: 0,
             log_every: 10,
             eval_every: 100,

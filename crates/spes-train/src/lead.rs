@@ -69,9 +69,11 @@ impl Trainer {
         Ok(())
     }
 
-    /// After rank 0 changed its weights outside a step (it loaded a global model): every
-    /// rank takes them. A no-op without a led group.
-    pub fn publish_weights(&self) -> Result<()> {
+    /// After the weights were changed in place outside a step (a node loaded a global
+    /// model): refreshes the bf16 copies of frozen experts, and in a led group every rank
+    /// takes rank 0's weights.
+    pub fn weights_changed(&self) -> Result<()> {
+        self.model.refresh_resident();
         let Some(dp) = self.dp.as_ref().filter(|_| self.leads) else {
             return Ok(());
         };
@@ -155,6 +157,7 @@ pub fn follow(dp: DataParallel, device: Device) -> Result<()> {
             Op::Weights => {
                 let params: Vec<Tensor> = tr.model.params().into_iter().map(|p| p.tensor).collect();
                 joined(&tr).broadcast_from_first(&params)?;
+                tr.model.refresh_resident();
             }
             Op::Gather => {
                 tr.optimizer_state()?;

@@ -26,6 +26,9 @@ pub struct MemoryInput {
     /// The grouped MoE kernel, which keeps a stacked copy of every expert's matrices for
     /// backward (in fp32 too; the loop keeps none there).
     pub grouped_experts: bool,
+    /// Frozen experts resident in bf16 on the device, their fp32 masters in host memory
+    /// (`train.frozen_experts_bf16`, on by default on CUDA).
+    pub frozen_bf16: bool,
     /// Logits per chunk of the LM-head loss (spes-model's default: 2^26).
     pub logits_chunk: u64,
     /// Memory in use before the first tensor: the CUDA context and kernels on a GPU, the
@@ -39,7 +42,7 @@ pub struct MemoryInput {
 /// Bytes by category at the peak of a training step (after the first, when gradients exist).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct MemoryPlan {
-    /// fp32 weights of the experts this node does not train.
+    /// Weights of the experts this node does not train: fp32, or their bf16 copies.
     pub frozen_weights: u64,
     /// fp32 master weights of what it trains (shared parameters and own experts).
     pub trainable_weights: u64,
@@ -56,6 +59,8 @@ pub struct MemoryPlan {
     pub runtime: u64,
     /// The allocator's headroom ([`MemoryInput::slack`]).
     pub slack: u64,
+    /// Host memory (not in the total): the fp32 masters of frozen experts resident in bf16.
+    pub host_frozen_masters: u64,
 }
 
 impl MemoryPlan {
@@ -123,8 +128,15 @@ pub fn plan(i: &MemoryInput) -> MemoryPlan {
     let tokens = (i.micro_batch * i.seq_len) as u64;
     let (d, v, c) = (m.d_model as u64, m.vocab_size as u64, i.compute_bytes);
     let per_layer = layer_activation_bytes(m, c) * tokens;
-    // bf16: every matmul weight is cast once per use and kept until its backward.
-    let layer_weights = (shared - counts.embeddings) / layers.max(1) + m.n_experts as u64 * expert;
+    // bf16: every matmul weight is cast once per use and kept until its backward, but for
+    // frozen experts already in bf16 under the loop; the grouped kernel keeps a stack of
+    // every expert's matrices.
+    let cast_experts = if i.frozen_bf16 && !i.grouped_experts {
+        own
+    } else {
+        m.n_experts as u64
+    };
+    let layer_weights = (shared - counts.embeddings) / layers.max(1) + cast_experts * expert;
     let copies = |n_layers: u64| match (c, i.grouped_experts) {
         (4, false) => 0,
         (4, true) => 4 * n_layers * m.n_experts as u64 * expert,
@@ -141,7 +153,7 @@ pub fn plan(i: &MemoryInput) -> MemoryPlan {
     let rows = (i.logits_chunk / v).clamp(1, tokens.max(1));
     let head = 3 * 4 * rows * v + c * v * d * u64::from(c != 4) + 2 * 4 * tokens * d;
     let mut p = MemoryPlan {
-        frozen_weights: 4 * frozen,
+        frozen_weights: if i.frozen_bf16 { 2 } else { 4 } * frozen,
         trainable_weights: 4 * trainable,
         adamw_moments: 8 * trainable.div_ceil(i.ranks.max(1) as u64),
         gradients: 4 * trainable,
@@ -150,6 +162,7 @@ pub fn plan(i: &MemoryInput) -> MemoryPlan {
         workspace: head.max(per_layer),
         runtime: 0,
         slack: 0,
+        host_frozen_masters: if i.frozen_bf16 { 4 * frozen } else { 0 },
     };
     p.slack = (p.total() as f64 * i.slack) as u64;
     p.runtime = i.runtime_bytes;
@@ -198,6 +211,7 @@ mod tests {
             compute_bytes: 2,
             activation_checkpointing: false,
             grouped_experts: true,
+            frozen_bf16: false,
             logits_chunk: 1 << 26,
             runtime_bytes: 1 << 30,
             slack: 0.0,
@@ -210,6 +224,24 @@ mod tests {
         let p = plan(&i);
         let c = i.model.param_counts();
         assert_eq!(p.frozen_weights + p.trainable_weights, 4 * c.total);
+        let bf16 = plan(&MemoryInput {
+            frozen_bf16: true,
+            grouped_experts: false,
+            ..i.clone()
+        });
+        assert_eq!(
+            (bf16.frozen_weights, bf16.host_frozen_masters),
+            (p.frozen_weights / 2, p.frozen_weights)
+        );
+        let cast = plan(&MemoryInput {
+            grouped_experts: false,
+            ..i.clone()
+        });
+        // Under the loop, frozen bf16 experts need no cast copies: 12 of 16 experts less.
+        assert_eq!(
+            cast.weight_copies - bf16.weight_copies,
+            2 * 12 * 12 * c.per_expert
+        );
         assert_eq!(p.gradients, p.trainable_weights);
         assert_eq!(p.adamw_moments, 2 * p.trainable_weights);
         let two = plan(&MemoryInput {

@@ -126,6 +126,7 @@ impl Trainer {
         }
         model.set_compute_kind(compute_kind(cfg.train.precision, device));
         model.set_moe_kernel(moe_kernel(cfg.train.moe_kernel, device));
+        model.set_frozen_experts_bf16(cfg.train.frozen_experts_bf16.unwrap_or(device.is_cuda()));
         model.set_trainable(trainable);
         let opt = AdamW::new(model.trainable_params(), &cfg.train);
         let seq = cfg.train.seq_len;
@@ -160,6 +161,7 @@ impl Trainer {
         let mut state: Vec<Tensor> = self.model.params().into_iter().map(|p| p.tensor).collect();
         state.extend(self.opt.moment_tensors());
         dp.broadcast_from_first(&state)?;
+        self.model.refresh_resident();
         let (steps, started) = self.opt.clock();
         let clock = dp.broadcast_ints([vec![steps], started].concat())?;
         self.opt.set_clock(clock[0], &clock[1..]);
