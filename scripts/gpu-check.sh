@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check, self-contained: on a machine with an NVIDIA GPU and PyTorch 2.11 installed (no
 # network needed), runs a spes binary built elsewhere against that PyTorch's libtorch, confirms
-# CUDA is used, benchmarks bf16 training steps, trains the tiny preset in bf16 (nodes must end
-# bit-identical to the server) and trains it over 4-bit deltas.
+# CUDA is used, benchmarks bf16 training steps, checks the grouped MoE kernel against the loop,
+# compares frozen experts in bf16 and fp32 with the memory planner, trains the tiny preset in
+# bf16 (nodes must end bit-identical to the server) and over 4-bit deltas, and runs 2 ranks.
 #   scripts/gpu-check.sh [path/to/spes]      (PYTHON=... picks the interpreter that has torch)
 set -euo pipefail
 bin=$(realpath "${1:-target/release/spes}")
@@ -21,6 +22,41 @@ echo "== 1b preset, bf16, 4x2048 tokens per step (all experts trained, then a SP
 
 echo "== activation checkpointing on CUDA (1b, SPES node's share; compare memory with the run above)"
 "$bin" bench --preset 1b --device cuda --precision bf16 --batch-size 4 --seq-len 2048 --steps 5 --warmup 2 --own-experts 4 --activation-checkpointing
+
+echo "== MoE kernels on CUDA: grouped (_grouped_mm, the default) against the loop, then each one's speed"
+one_b=(--preset 1b --device cuda --precision bf16 --batch-size 4 --seq-len 2048 --own-experts 4)
+diff=$("$bin" bench "${one_b[@]}" --steps 1 --warmup 0 --compare-moe-kernels --json | tail -n 1)
+python3 - "$diff" <<'PY'
+import json, sys
+d = json.loads(sys.argv[1])["moe_kernels"]
+loss, grad = d["loss_rel"], d["grad_rel"]
+print(f"grouped vs loop: loss {loss:.2e}, gradients {grad:.2e} apart (relative)")
+assert loss < 2e-2 and grad < 5e-2, "the grouped kernel must match the loop within bf16 rounding"
+PY
+for kernel in loop grouped loop grouped; do
+  r=$("$bin" bench "${one_b[@]}" --steps 5 --warmup 2 --moe-kernel $kernel --json | tail -n 1)
+  python3 - "$r" $kernel <<'PY'
+import json, sys
+r = json.loads(sys.argv[1])
+tps, ms, mem = r["tokens_per_s"], r["step_ms"], r["gpu_memory_mb"]
+print(f"moe kernel {sys.argv[2]}: {tps:.0f} tokens/s, step {ms:.0f} ms, GPU memory {mem} MiB")
+PY
+done
+
+echo "== frozen experts resident in bf16 (default on CUDA) vs fp32, and the memory planner against both"
+for frozen in bf16 fp32; do
+  measured=$("$bin" bench "${one_b[@]}" --steps 3 --warmup 1 --frozen-experts $frozen --json | tail -n 1)
+  planned=$("$bin" plan-memory --preset 1b --nodes 4 --micro-batch 4 --seq-len 2048 --gpu-mem 140 \
+    --frozen-experts $frozen --slack 0 --json)
+  python3 - "$measured" "$planned" $frozen <<'PY'
+import json, sys
+m = json.loads(sys.argv[1])["gpu_memory_mb"]
+p = json.loads(sys.argv[2])[0]["total"] / 2**20
+print(f"frozen experts {sys.argv[3]}: nvidia-smi {m} MiB, planned {p:.0f} MiB (no headroom, 1 GiB runtime)")
+if m:
+    print(f"  planned / measured = {p / m:.3f}")
+PY
+done
 
 echo "== SPES demo (server + 4 nodes) in bf16 on CUDA, embedded corpus"
 work=$(mktemp -d)

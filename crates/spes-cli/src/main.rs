@@ -415,6 +415,12 @@ enum Command {
         /// How MoE layers run their experts: auto (grouped on CUDA), loop or grouped.
         #[arg(long, value_parser = parse_moe_kernel, default_value = "auto")]
         moe_kernel: MoeKernelChoice,
+        /// Frozen experts: auto (bf16-resident on CUDA), bf16 or fp32.
+        #[arg(long, default_value = "auto", value_parser = ["auto", "bf16", "fp32"])]
+        frozen_experts: String,
+        /// First run one batch through both MoE kernels and report how far apart they are.
+        #[arg(long)]
+        compare_moe_kernels: bool,
         #[command(flatten)]
         runtime: RuntimeArgs,
         /// Print the result as JSON instead of a table.
@@ -701,6 +707,8 @@ fn run(cli: Cli) -> Result<()> {
             own_experts,
             activation_checkpointing,
             moe_kernel,
+            frozen_experts,
+            compare_moe_kernels,
             runtime,
             json,
         } => {
@@ -717,6 +725,11 @@ fn run(cli: Cli) -> Result<()> {
                 own_experts,
                 activation_checkpointing,
                 moe_kernel,
+                frozen_experts_bf16: match frozen_experts.as_str() {
+                    "auto" => None,
+                    f => Some(f == "bf16"),
+                },
+                compare_moe_kernels,
             };
             let r = bench(&o)?;
             if json {
@@ -735,6 +748,12 @@ fn run(cli: Cli) -> Result<()> {
                     r.peak_rss_mb,
                     r.gpu_memory_mb.map_or("n/a".into(), |m| format!("{m:.0} MiB"))
                 );
+                if let Some(d) = &r.moe_kernels {
+                    println!(
+                        "grouped vs loop MoE kernel on one batch: loss {:.2e} apart, gradients {:.2e} (relative)",
+                        d.loss_rel, d.grad_rel
+                    );
+                }
             }
         }
         Command::BenchSync {

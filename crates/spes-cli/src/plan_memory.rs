@@ -41,10 +41,10 @@ pub struct Args {
     /// or grouped.
     #[arg(long, default_value = "auto", value_parser = ["auto", "loop", "grouped"])]
     moe_kernel: String,
-    /// Keep frozen experts in fp32 on the device (default with bf16: resident in bf16, their
-    /// fp32 masters in host memory, as `train.frozen_experts_bf16` does on CUDA).
-    #[arg(long)]
-    frozen_experts_fp32: bool,
+    /// Frozen experts on the device: auto (bf16 with bf16 matmuls, as
+    /// `train.frozen_experts_bf16` is on CUDA; their fp32 masters in host memory), bf16 or fp32.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "bf16", "fp32"])]
+    frozen_experts: String,
     /// GiB in use before the first tensor: CUDA context, cuBLAS/cuDNN workspaces, kernels.
     #[arg(long, default_value_t = 1.0)]
     runtime_gb: f64,
@@ -112,7 +112,10 @@ fn input(a: &Args) -> Result<MemoryInput> {
             "auto" => compute_bytes == 2,
             kernel => kernel == "grouped",
         },
-        frozen_bf16: compute_bytes == 2 && !a.frozen_experts_fp32,
+        frozen_bf16: match a.frozen_experts.as_str() {
+            "auto" => compute_bytes == 2,
+            f => f == "bf16",
+        },
         logits_chunk: 1 << 26,
         runtime_bytes: (a.runtime_gb * GIB) as u64,
         slack: a.slack.max(0.0),

@@ -5,7 +5,7 @@ use crate::optim::AdamW;
 use crate::trainer::{compute_kind, moe_kernel, step_on_batches, StepOptions};
 use anyhow::Result;
 use serde::Serialize;
-use spes_model::{LossWeights, ModelConfig, MoeModel, Role};
+use spes_model::{LossWeights, ModelConfig, MoeKernel, MoeModel, Role};
 use tch::{Device, Kind, Tensor};
 
 /// What to measure.
@@ -25,6 +25,11 @@ pub struct BenchOptions {
     pub activation_checkpointing: bool,
     /// How MoE layers run their experts (`train.moe_kernel`).
     pub moe_kernel: MoeKernelChoice,
+    /// Frozen experts resident in bf16 (`train.frozen_experts_bf16`; unset: on for CUDA).
+    pub frozen_experts_bf16: Option<bool>,
+    /// Before timing, run one batch through both MoE kernels and report how far apart
+    /// their losses and gradients are.
+    pub compare_moe_kernels: bool,
 }
 
 /// One benchmark result row.
@@ -46,6 +51,17 @@ pub struct BenchResult {
     /// GPU memory this process holds after the steps (the caching allocator keeps its peak), if
     /// on CUDA and `nvidia-smi` is there.
     pub gpu_memory_mb: Option<f64>,
+    /// With `compare_moe_kernels`: the grouped kernel against the loop on one batch.
+    pub moe_kernels: Option<KernelDiff>,
+}
+
+/// How far the grouped MoE kernel's results are from the loop's on one batch.
+#[derive(Clone, Debug, Serialize)]
+pub struct KernelDiff {
+    /// |loss_grouped − loss_loop| / |loss_loop|.
+    pub loss_rel: f64,
+    /// The largest, over trainable tensors, of max|g_grouped − g_loop| / max|g_loop|.
+    pub grad_rel: f64,
 }
 
 /// Runs the benchmark in this process; peak RSS covers everything the process did before too.
@@ -55,6 +71,7 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
     let mut model = MoeModel::new(&o.model, o.device)?;
     model.set_compute_kind(compute_kind(o.precision, o.device));
     model.set_moe_kernel(moe_kernel(o.moe_kernel, o.device));
+    model.set_frozen_experts_bf16(o.frozen_experts_bf16.unwrap_or(o.device.is_cuda()));
     let own = o.own_experts;
     model.set_trainable(|r| match (r, own) {
         (Role::Expert { index, .. }, Some(n)) => index < n,
@@ -68,6 +85,15 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
     };
     let vocab = o.model.vocab_size as i64;
     let shape = [o.batch_size as i64, o.seq_len as i64 + 1];
+    let moe_kernels = o
+        .compare_moe_kernels
+        .then(|| {
+            let batch = Tensor::randint(vocab, shape, (Kind::Int64, o.device));
+            let d = compare_moe_kernels(&mut model, &batch, &step.weights);
+            model.set_moe_kernel(moe_kernel(o.moe_kernel, o.device));
+            d
+        })
+        .transpose()?;
     let mut timed = Vec::new();
     for i in 0..o.warmup + o.steps {
         let batch = Tensor::randint(vocab, shape, (Kind::Int64, o.device));
@@ -92,6 +118,54 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
         peak_rss_mb: peak_rss_mb(),
         runtime_rss_mb,
         gpu_memory_mb: o.device.is_cuda().then(gpu_memory_mb).flatten(),
+        moe_kernels,
+    })
+}
+
+/// One forward and backward of `batch` with each MoE kernel; gradients are cleared after.
+fn compare_moe_kernels(
+    model: &mut MoeModel,
+    batch: &Tensor,
+    weights: &LossWeights,
+) -> Result<KernelDiff> {
+    let mut run = |kernel| {
+        model.set_moe_kernel(kernel);
+        let loss = model
+            .backward(batch, weights, 1.0, false)
+            .total
+            .double_value(&[]);
+        let grads: Vec<Tensor> = model
+            .trainable_params()
+            .iter()
+            .map(|p| {
+                let g = p.tensor.grad();
+                if !g.defined() {
+                    // No token reached this expert.
+                    return p.tensor.zeros_like();
+                }
+                let copy = g.copy();
+                let _ = g.shallow_clone().zero_();
+                copy
+            })
+            .collect();
+        (loss, grads)
+    };
+    let (a, ga) = run(MoeKernel::Loop);
+    let (b, gb) = run(MoeKernel::Grouped);
+    let grad_rel = ga
+        .iter()
+        .zip(&gb)
+        .map(|(x, y)| {
+            let scale = x.abs().max().double_value(&[]).max(1e-30);
+            (x - y).abs().max().double_value(&[]) / scale
+        })
+        .fold(0.0, f64::max);
+    if !(a.is_finite() && b.is_finite()) {
+        anyhow::bail!("a MoE kernel gave a non-finite loss: loop {a}, grouped {b}");
+    }
+    Ok(KernelDiff {
+        loss_rel: (a - b).abs() / a.abs().max(1e-30),
+        grad_rel,
     })
 }
 
