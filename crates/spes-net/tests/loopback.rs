@@ -591,10 +591,11 @@ fn an_acknowledged_upload_survives_a_server_restart() {
     let got = head(&snapshot(&node));
     assert!((got - expect).abs().max().double_value(&[]) < 1e-6);
     node.run().unwrap();
+    // The server writes a round's metrics after announcing it: wait for the end of the run.
+    second.finish();
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let round1: serde_json::Value = serde_json::from_str(metrics.lines().nth(1).unwrap()).unwrap();
     assert_eq!(round1["peers"], serde_json::json!([0, 1]));
-    drop(second);
     assert!(
         std::fs::read_dir(out.join("pending"))
             .unwrap()
