@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU check, self-contained: on a machine with an NVIDIA GPU and PyTorch 2.11 installed (no
 # network needed), runs a spes binary built elsewhere against that PyTorch's libtorch, confirms
-# CUDA is used, benchmarks bf16 training steps, checks the grouped MoE kernel against the loop,
-# compares frozen experts in bf16 and fp32 with the memory planner, trains the tiny preset in
-# bf16 (nodes must end bit-identical to the server) and over 4-bit deltas, and runs 2 ranks.
+# CUDA is used, benchmarks bf16 training steps (alone and side by side with PyTorch), checks
+# the grouped MoE kernel against the loop, compares frozen experts in bf16 and fp32 with the
+# memory planner, trains the tiny preset in bf16 (nodes must end bit-identical to the server)
+# and over 4-bit deltas, and runs 2 ranks.
 #   scripts/gpu-check.sh [path/to/spes]      (PYTHON=... picks the interpreter that has torch)
 set -euo pipefail
 bin=$(realpath "${1:-target/release/spes}")
@@ -22,6 +23,10 @@ echo "== 1b preset, bf16, 4x2048 tokens per step (all experts trained, then a SP
 
 echo "== activation checkpointing on CUDA (1b, SPES node's share; compare memory with the run above)"
 "$bin" bench --preset 1b --device cuda --precision bf16 --batch-size 4 --seq-len 2048 --steps 5 --warmup 2 --own-experts 4 --activation-checkpointing
+
+echo "== spes vs the same model in plain PyTorch (eager, fused AdamW, torch.compile), 1b bf16, a SPES node's share"
+"$bin" bench-vs-pytorch --preset 1b --device cuda --precision bf16 --batch-size 4 --seq-len 2048 \
+  --own-experts 4 --steps 5 --warmup 3 --repeats 2 --python "$py"
 
 echo "== MoE kernels on CUDA: grouped (_grouped_mm, the default) against the loop, then each one's speed"
 one_b=(--preset 1b --device cuda --precision bf16 --batch-size 4 --seq-len 2048 --own-experts 4)

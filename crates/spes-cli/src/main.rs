@@ -8,6 +8,7 @@ mod local_ranks;
 mod plan_memory;
 mod plan_sync;
 mod report;
+mod step_bench;
 mod sync_bench;
 
 use anyhow::{Context, Result};
@@ -15,7 +16,6 @@ use clap::{Parser, Subcommand, ValueEnum};
 use device::DeviceChoice;
 use spes_data::{TokenizeOptions, TokenizerSource};
 use spes_model::{ModelConfig, PRESETS};
-use spes_train::bench::{bench, BenchOptions};
 use spes_train::{MoeKernelChoice, Precision, RunConfig};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -393,40 +393,11 @@ enum Command {
         host: Vec<String>,
     },
     /// Measure tokens/s and peak memory of training steps of a preset (random tokens).
-    Bench {
-        #[arg(long, default_value = "tiny")]
-        preset: String,
-        #[arg(long, default_value_t = 8)]
-        batch_size: usize,
-        #[arg(long, default_value_t = 256)]
-        seq_len: usize,
-        #[arg(long, default_value_t = 5)]
-        steps: usize,
-        #[arg(long, default_value_t = 2)]
-        warmup: usize,
-        #[arg(long, value_parser = parse_precision, default_value = "auto")]
-        precision: Precision,
-        /// Train only this many experts per layer (as a SPES node does); default all.
-        #[arg(long)]
-        own_experts: Option<usize>,
-        /// Recompute each block during backward instead of keeping its activations.
-        #[arg(long)]
-        activation_checkpointing: bool,
-        /// How MoE layers run their experts: auto (grouped on CUDA), loop or grouped.
-        #[arg(long, value_parser = parse_moe_kernel, default_value = "auto")]
-        moe_kernel: MoeKernelChoice,
-        /// Frozen experts: auto (bf16-resident on CUDA), bf16 or fp32.
-        #[arg(long, default_value = "auto", value_parser = ["auto", "bf16", "fp32"])]
-        frozen_experts: String,
-        /// First run one batch through both MoE kernels and report how far apart they are.
-        #[arg(long)]
-        compare_moe_kernels: bool,
-        #[command(flatten)]
-        runtime: RuntimeArgs,
-        /// Print the result as JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    Bench(step_bench::BenchArgs),
+    /// The same steps side by side with the model written in plain PyTorch
+    /// (scripts/bench_pytorch.py, eager, fused AdamW and torch.compile), alternated over
+    /// several rounds: tokens/s, spes's ratio, peak memory and MFU in one table.
+    BenchVsPytorch(step_bench::VsPytorchArgs),
     /// Per-node memory and traffic of SPES vs DiLoCo for presets, the server's measured
     /// aggregation throughput (bytes of uploads per second, on the first preset), and measured
     /// peak RSS of a SPES node vs a DiLoCo node training `tiny` (each in its own process).
@@ -697,65 +668,8 @@ fn run(cli: Cli) -> Result<()> {
                 ranks.dist_timeout,
             )?;
         }
-        Command::Bench {
-            preset,
-            batch_size,
-            seq_len,
-            steps,
-            warmup,
-            precision,
-            own_experts,
-            activation_checkpointing,
-            moe_kernel,
-            frozen_experts,
-            compare_moe_kernels,
-            runtime,
-            json,
-        } => {
-            let model = ModelConfig::preset(&preset)?;
-            let device = runtime.device()?;
-            let o = BenchOptions {
-                model,
-                device,
-                precision,
-                batch_size,
-                seq_len,
-                steps: steps.max(1),
-                warmup,
-                own_experts,
-                activation_checkpointing,
-                moe_kernel,
-                frozen_experts_bf16: match frozen_experts.as_str() {
-                    "auto" => None,
-                    f => Some(f == "bf16"),
-                },
-                compare_moe_kernels,
-            };
-            let r = bench(&o)?;
-            if json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!("| preset | device | precision | batch×seq | trainable params | optimizer state | step ms | optimizer ms | tokens/s | peak RSS | GPU memory |");
-                println!("|---|---|---|---|---|---|---|---|---|---|---|");
-                println!(
-                    "| {preset} | {device:?} | {precision:?} | {batch_size}×{seq_len} | {:.1} M of {:.1} M | {:.1} MiB | {:.0} | {:.1} | {:.0} | {:.0} MiB | {} |",
-                    r.trainable_params as f64 / 1e6,
-                    r.total_params as f64 / 1e6,
-                    r.optimizer_state_bytes as f64 / (1 << 20) as f64,
-                    r.step_ms,
-                    r.optimizer_ms,
-                    r.tokens_per_s,
-                    r.peak_rss_mb,
-                    r.gpu_memory_mb.map_or("n/a".into(), |m| format!("{m:.0} MiB"))
-                );
-                if let Some(d) = &r.moe_kernels {
-                    println!(
-                        "grouped vs loop MoE kernel on one batch: loss {:.2e} apart, gradients {:.2e} (relative)",
-                        d.loss_rel, d.grad_rel
-                    );
-                }
-            }
-        }
+        Command::Bench(args) => step_bench::run_bench(&args)?,
+        Command::BenchVsPytorch(args) => step_bench::run_vs_pytorch(&args)?,
         Command::BenchSync {
             presets,
             nodes,

@@ -533,3 +533,57 @@ fn memory_plan_matches_measured_peak() {
         );
     }
 }
+
+/// The side-by-side benchmark runs spes and the PyTorch reference on the same model (it
+/// refuses to compare different parameter counts, here with frozen experts), and its ratio
+/// column is spes's median over the row's.
+#[test]
+fn bench_vs_pytorch_compares_the_same_model() {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+    assert!(
+        python.exists(),
+        "scripts/setup.sh installs {}",
+        python.display()
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_spes"))
+        .args([
+            "bench-vs-pytorch",
+            "--preset",
+            "tiny",
+            "--own-experts",
+            "4",
+            "--batch-size",
+            "1",
+            "--seq-len",
+            "16",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--repeats",
+            "2",
+            "--variants",
+            "eager",
+            "--device",
+            "cpu",
+            "--json",
+        ])
+        .env("PYTHON", &python)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["spes", "PyTorch eager"]);
+    let f = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap();
+    let spes = f(&rows[0], "tokens_per_s_median");
+    for r in &rows {
+        let med = f(r, "tokens_per_s_median");
+        assert!(f(r, "tokens_per_s_min") <= med && med <= f(r, "tokens_per_s_max"));
+        assert!((f(r, "spes_ratio") - spes / med).abs() < 1e-9, "{r}");
+        assert!(f(r, "peak_memory_mb") > 100.0, "{r}");
+        assert!(f(r, "mfu") > 0.0 && f(r, "mfu") < 1.0, "{r}");
+    }
+}

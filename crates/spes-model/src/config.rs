@@ -178,6 +178,22 @@ impl ModelConfig {
             embeddings,
         }
     }
+
+    /// Model FLOPs of training on one token of a `seq_len` window, by PaLM's MFU convention:
+    /// 6 per weight of every matmul the token goes through (attention, router, its top-k
+    /// experts, LM head; not the embedding lookup or norms) plus 12·layers·(heads·head_dim)·T
+    /// for attention scores. Frozen experts are counted as trained, as every MFU figure does.
+    pub fn train_flops_per_token(&self, seq_len: usize) -> f64 {
+        let (d, l) = (self.d_model as f64, self.n_layers as f64);
+        let q = (self.n_heads * self.head_dim) as f64;
+        let kv = (self.n_kv_heads * self.head_dim) as f64;
+        let per_layer = 2.0 * d * q
+            + 2.0 * d * kv
+            + d * self.n_experts as f64
+            + self.top_k as f64 * 3.0 * d * self.expert_hidden as f64;
+        let matmul = l * per_layer + self.vocab_size as f64 * d;
+        6.0 * matmul + 12.0 * l * q * seq_len as f64
+    }
 }
 
 /// Parameter counts of a configuration. `active` is what one token touches.
@@ -220,6 +236,28 @@ mod tests {
             assert_eq!(
                 n.total,
                 n.shared + (c.n_layers * c.n_experts) as u64 * n.per_expert
+            );
+        }
+    }
+
+    #[test]
+    fn train_flops_count_every_active_weight_but_lookups_and_norms() {
+        for name in PRESETS {
+            let c = ModelConfig::preset(name).unwrap();
+            let n = c.param_counts();
+            let (d, l) = (c.d_model as u64, c.n_layers as u64);
+            let q = (c.n_heads * c.head_dim) as u64;
+            let qk_norm = (n.shared - n.embeddings - d) / l
+                - 2 * d
+                - d * c.n_experts as u64
+                - (2 * d * q + 2 * d * (c.n_kv_heads * c.head_dim) as u64);
+            let norms = l * (2 * d + qk_norm) + d;
+            let matmul = n.active - n.embeddings / 2 - norms;
+            let expect = 6.0 * matmul as f64 + 12.0 * (l * q * 512) as f64;
+            let got = c.train_flops_per_token(512);
+            assert!(
+                (got - expect).abs() / expect < 1e-12,
+                "{name}: {got} vs {expect}"
             );
         }
     }

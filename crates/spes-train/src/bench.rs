@@ -4,7 +4,7 @@ use crate::config::{MoeKernelChoice, Precision, TrainConfig};
 use crate::optim::AdamW;
 use crate::trainer::{compute_kind, moe_kernel, step_on_batches, StepOptions};
 use anyhow::Result;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use spes_model::{LossWeights, ModelConfig, MoeKernel, MoeModel, Role};
 use tch::{Device, Kind, Tensor};
 
@@ -33,7 +33,7 @@ pub struct BenchOptions {
 }
 
 /// One benchmark result row.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BenchResult {
     pub total_params: u64,
     pub trainable_params: u64,
@@ -56,7 +56,7 @@ pub struct BenchResult {
 }
 
 /// How far the grouped MoE kernel's results are from the loop's on one batch.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct KernelDiff {
     /// |loss_grouped − loss_loop| / |loss_loop|.
     pub loss_rel: f64,
@@ -236,6 +236,29 @@ fn optimizer_seconds(
         times.push(start.elapsed().as_secs_f64());
     }
     Ok(median(times))
+}
+
+/// The best FLOP/s of a square matmul in `kind` on `device` over a few tries (n = 2048 on
+/// CPU, 8192 on CUDA): the peak that MFU figures are measured against.
+pub fn matmul_peak_flops(device: Device, kind: Kind) -> f64 {
+    let n: i64 = if device.is_cuda() { 8192 } else { 2048 };
+    let a = Tensor::randn([n, n], (kind, device));
+    let b = Tensor::randn([n, n], (kind, device));
+    let sync = || {
+        if let Device::Cuda(i) = device {
+            tch::Cuda::synchronize(i as i64);
+        }
+    };
+    let _ = a.matmul(&b);
+    let mut best = f64::INFINITY;
+    for _ in 0..if device.is_cuda() { 20 } else { 4 } {
+        sync();
+        let start = std::time::Instant::now();
+        let _ = a.matmul(&b);
+        sync();
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    2.0 * (n as f64).powi(3) / best
 }
 
 /// This process's GPU memory in MiB as `nvidia-smi` reports it.

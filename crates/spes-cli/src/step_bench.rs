@@ -1,0 +1,367 @@
+//! `spes bench` (training steps of a preset on random tokens) and `spes bench-vs-pytorch`
+//! (the same steps side by side with the model written in plain PyTorch).
+
+use crate::{parse_moe_kernel, parse_precision, RuntimeArgs};
+use anyhow::{bail, Context, Result};
+use spes_model::ModelConfig;
+use spes_train::bench::{bench, matmul_peak_flops, BenchOptions, BenchResult};
+use spes_train::{MoeKernelChoice, Precision};
+use std::path::PathBuf;
+use std::process::Command;
+use tch::{Device, Kind};
+
+/// The steps to measure, shared by both commands.
+#[derive(clap::Args)]
+pub struct StepArgs {
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 256)]
+    seq_len: usize,
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    #[arg(long, value_parser = parse_precision, default_value = "auto")]
+    precision: Precision,
+    /// Train only this many experts per layer (as a SPES node does); default all.
+    #[arg(long)]
+    own_experts: Option<usize>,
+    /// How MoE layers run their experts: auto (grouped on CUDA), loop or grouped.
+    #[arg(long, value_parser = parse_moe_kernel, default_value = "auto")]
+    moe_kernel: MoeKernelChoice,
+    #[command(flatten)]
+    runtime: RuntimeArgs,
+}
+
+/// `spes bench`'s options beyond the steps.
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    step: StepArgs,
+    /// Recompute each block during backward instead of keeping its activations.
+    #[arg(long)]
+    activation_checkpointing: bool,
+    /// Frozen experts: auto (bf16-resident on CUDA), bf16 or fp32.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "bf16", "fp32"])]
+    frozen_experts: String,
+    /// First run one batch through both MoE kernels and report how far apart they are.
+    #[arg(long)]
+    compare_moe_kernels: bool,
+    /// Print the result as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `spes bench-vs-pytorch`'s options beyond the steps.
+#[derive(clap::Args)]
+pub struct VsPytorchArgs {
+    #[command(flatten)]
+    step: StepArgs,
+    /// Rounds of runs; each round runs spes and every variant once, in a rotating order.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// PyTorch variants: eager (AdamW's default implementation), fused (AdamW(fused=True)),
+    /// compile (the loss under torch.compile, fused AdamW).
+    #[arg(long, value_delimiter = ',', default_value = "eager,fused,compile",
+          value_parser = ["eager", "fused", "compile"])]
+    variants: Vec<String>,
+    /// Python interpreter with torch (default: $PYTHON, else .venv/bin/python, else python3).
+    #[arg(long)]
+    python: Option<PathBuf>,
+    /// Print the rows as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `spes bench`: measure in this process and print a table or JSON.
+pub fn run_bench(a: &BenchArgs) -> Result<()> {
+    let s = &a.step;
+    let device = s.runtime.device()?;
+    let o = BenchOptions {
+        model: ModelConfig::preset(&s.preset)?,
+        device,
+        precision: s.precision,
+        batch_size: s.batch_size,
+        seq_len: s.seq_len,
+        steps: s.steps.max(1),
+        warmup: s.warmup,
+        own_experts: s.own_experts,
+        activation_checkpointing: a.activation_checkpointing,
+        moe_kernel: s.moe_kernel,
+        frozen_experts_bf16: match a.frozen_experts.as_str() {
+            "auto" => None,
+            f => Some(f == "bf16"),
+        },
+        compare_moe_kernels: a.compare_moe_kernels,
+    };
+    let r = bench(&o)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!("| preset | device | precision | batch×seq | trainable params | optimizer state | step ms | optimizer ms | tokens/s | peak RSS | GPU memory |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "| {} | {device:?} | {:?} | {}×{} | {:.1} M of {:.1} M | {:.1} MiB | {:.0} | {:.1} | {:.0} | {:.0} MiB | {} |",
+        s.preset,
+        s.precision,
+        s.batch_size,
+        s.seq_len,
+        r.trainable_params as f64 / 1e6,
+        r.total_params as f64 / 1e6,
+        r.optimizer_state_bytes as f64 / (1 << 20) as f64,
+        r.step_ms,
+        r.optimizer_ms,
+        r.tokens_per_s,
+        r.peak_rss_mb,
+        r.gpu_memory_mb.map_or("n/a".into(), |m| format!("{m:.0} MiB"))
+    );
+    if let Some(d) = &r.moe_kernels {
+        println!(
+            "grouped vs loop MoE kernel on one batch: loss {:.2e} apart, gradients {:.2e} (relative)",
+            d.loss_rel, d.grad_rel
+        );
+    }
+    Ok(())
+}
+
+/// One run of one implementation, each in its own process.
+#[derive(Clone, Debug, serde::Deserialize)]
+struct Run {
+    tokens_per_s: f64,
+    step_ms: f64,
+    peak_rss_mb: f64,
+    gpu_memory_mb: Option<f64>,
+    total_params: u64,
+    trainable_params: u64,
+}
+
+/// One row of the side-by-side table.
+#[derive(Debug, serde::Serialize)]
+struct Row {
+    name: String,
+    tokens_per_s_median: f64,
+    tokens_per_s_min: f64,
+    tokens_per_s_max: f64,
+    step_ms_median: f64,
+    /// spes's median tokens/s over this row's.
+    spes_ratio: f64,
+    /// Peak over the repeats: RSS on CPU, `nvidia-smi` memory on CUDA.
+    peak_memory_mb: f64,
+    /// Median tokens/s × model FLOPs per token over the measured matmul peak.
+    mfu: f64,
+}
+
+/// `spes bench-vs-pytorch`: alternate `spes bench` and `scripts/bench_pytorch.py` (each run a
+/// fresh process), then print tokens/s, memory and MFU side by side.
+pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
+    let s = &a.step;
+    let model = ModelConfig::preset(&s.preset)?;
+    let device = s.runtime.device()?;
+    let cuda = device.is_cuda();
+    let bf16 = match s.precision {
+        Precision::Auto => cuda,
+        p => p == Precision::Bf16,
+    };
+    let kernel = match s.moe_kernel {
+        MoeKernelChoice::Auto if cuda => "grouped",
+        MoeKernelChoice::Grouped => "grouped",
+        _ => "loop",
+    };
+    let script = tempfile::Builder::new()
+        .prefix("bench_pytorch")
+        .suffix(".py")
+        .tempfile()?;
+    std::fs::write(
+        script.path(),
+        include_str!("../../../scripts/bench_pytorch.py"),
+    )?;
+    let python = a.python.clone().unwrap_or_else(default_python);
+    let exe = std::env::current_exe()?;
+
+    let common = |cmd: &mut Command| {
+        cmd.arg("--batch-size")
+            .arg(s.batch_size.to_string())
+            .arg("--seq-len")
+            .arg(s.seq_len.to_string())
+            .arg("--steps")
+            .arg(s.steps.max(1).to_string())
+            .arg("--warmup")
+            .arg(s.warmup.to_string())
+            .arg("--device")
+            .arg(if cuda { "cuda" } else { "cpu" })
+            .arg("--precision")
+            .arg(if bf16 { "bf16" } else { "fp32" })
+            .arg("--moe-kernel")
+            .arg(kernel);
+        if let Some(n) = s.own_experts {
+            cmd.arg("--own-experts").arg(n.to_string());
+        }
+        if let Some(n) = s.runtime.threads {
+            cmd.arg("--threads").arg(n.to_string());
+        }
+    };
+    let mut names = vec!["spes".to_string()];
+    names.extend(a.variants.iter().map(|v| format!("PyTorch {v}")));
+    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); names.len()];
+    for round in 0..a.repeats.max(1) {
+        for i in (0..names.len()).map(|i| (i + round) % names.len()) {
+            let mut cmd = if i == 0 {
+                let mut c = Command::new(&exe);
+                c.args(["bench", "--json", "--preset", &s.preset]);
+                c
+            } else {
+                let mut c = Command::new(&python);
+                c.arg(script.path())
+                    .arg("--model")
+                    .arg(serde_json::to_string(&model)?)
+                    .arg("--variant")
+                    .arg(&a.variants[i - 1]);
+                c
+            };
+            common(&mut cmd);
+            eprintln!("round {}/{}: {}", round + 1, a.repeats.max(1), names[i]);
+            runs[i].push(run_json(&mut cmd, &names[i])?);
+        }
+    }
+    check_same_model(&names, &runs)?;
+
+    let kind = if bf16 { Kind::BFloat16 } else { Kind::Float };
+    let peak = matmul_peak_flops(device, kind);
+    let flops = model.train_flops_per_token(s.seq_len);
+    let spes_median = median(runs[0].iter().map(|r| r.tokens_per_s).collect());
+    let rows: Vec<Row> = names
+        .iter()
+        .zip(&runs)
+        .map(|(name, rs)| {
+            let tps: Vec<f64> = rs.iter().map(|r| r.tokens_per_s).collect();
+            let med = median(tps.clone());
+            Row {
+                name: name.clone(),
+                tokens_per_s_median: med,
+                tokens_per_s_min: tps.iter().copied().fold(f64::INFINITY, f64::min),
+                tokens_per_s_max: tps.iter().copied().fold(0.0, f64::max),
+                step_ms_median: median(rs.iter().map(|r| r.step_ms).collect()),
+                spes_ratio: spes_median / med,
+                peak_memory_mb: rs
+                    .iter()
+                    .map(|r| {
+                        r.gpu_memory_mb
+                            .unwrap_or(if cuda { 0.0 } else { r.peak_rss_mb })
+                    })
+                    .fold(0.0, f64::max),
+                mfu: med * flops / peak,
+            }
+        })
+        .collect();
+    if a.json {
+        println!("{}", serde_json::to_string(&rows)?);
+        return Ok(());
+    }
+    let device_name = match device {
+        Device::Cuda(_) => "cuda",
+        _ => "cpu",
+    };
+    println!(
+        "{} on {device_name}, {}, {}×{} tokens per step, {} MoE kernel, {}; {} rounds of {} timed steps after {} warm-up",
+        s.preset,
+        if bf16 { "bf16" } else { "fp32" },
+        s.batch_size,
+        s.seq_len,
+        kernel,
+        s.own_experts
+            .map_or("all experts trained".into(), |n| format!("{n} experts per layer trained")),
+        a.repeats.max(1),
+        s.steps.max(1),
+        s.warmup
+    );
+    println!(
+        "matmul peak {:.1} GFLOP/s ({}), {:.2} MFLOP per token",
+        peak / 1e9,
+        if bf16 { "bf16" } else { "fp32" },
+        flops / 1e6
+    );
+    let memory = if cuda { "GPU memory" } else { "peak RSS" };
+    println!("| run | tokens/s median | min | max | step ms | spes ÷ run | {memory} MiB | MFU |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.1} % |",
+            r.name,
+            r.tokens_per_s_median,
+            r.tokens_per_s_min,
+            r.tokens_per_s_max,
+            r.step_ms_median,
+            r.spes_ratio,
+            r.peak_memory_mb,
+            100.0 * r.mfu
+        );
+    }
+    Ok(())
+}
+
+/// Runs `cmd` and parses the last line of its output as a [`Run`].
+fn run_json(cmd: &mut Command, name: &str) -> Result<Run> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("{name}: cannot start {:?}", cmd.get_program()))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = stderr.lines().rev().take(15).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        bail!("{name} failed ({}):\n{}", out.status, tail.join("\n"));
+    }
+    let last = stdout.lines().last().unwrap_or_default();
+    if name == "spes" {
+        let r: BenchResult = serde_json::from_str(last)
+            .with_context(|| format!("{name}: expected a JSON result, got `{last}`"))?;
+        return Ok(Run {
+            tokens_per_s: r.tokens_per_s,
+            step_ms: r.step_ms,
+            peak_rss_mb: r.peak_rss_mb,
+            gpu_memory_mb: r.gpu_memory_mb,
+            total_params: r.total_params,
+            trainable_params: r.trainable_params,
+        });
+    }
+    serde_json::from_str(last)
+        .with_context(|| format!("{name}: expected a JSON result, got `{last}`"))
+}
+
+/// The comparison means something only if both sides built and trained the same tensors.
+fn check_same_model(names: &[String], runs: &[Vec<Run>]) -> Result<()> {
+    let spes = &runs[0][0];
+    for (name, rs) in names.iter().zip(runs).skip(1) {
+        let r = &rs[0];
+        if (r.total_params, r.trainable_params) != (spes.total_params, spes.trainable_params) {
+            bail!(
+                "{name} built a different model: {} parameters, {} trainable; spes: {}, {}",
+                r.total_params,
+                r.trainable_params,
+                spes.total_params,
+                spes.trainable_params
+            );
+        }
+    }
+    Ok(())
+}
+
+fn default_python() -> PathBuf {
+    if let Some(p) = std::env::var_os("PYTHON") {
+        return p.into();
+    }
+    let venv = PathBuf::from(".venv/bin/python");
+    if venv.exists() {
+        venv
+    } else {
+        "python3".into()
+    }
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
