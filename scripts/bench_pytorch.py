@@ -69,7 +69,8 @@ trainable = [t for t in params.values() if t.requires_grad]
 
 inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, HD, 2, device=dev).float() / HD))
 freqs = torch.outer(torch.arange(args.seq_len, device=dev).float(), inv)
-COS, SIN = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+emb = torch.cat([freqs, freqs], -1)
+COS, SIN = emb.cos(), emb.sin()
 
 
 def rot(x):

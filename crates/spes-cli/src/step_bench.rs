@@ -3,12 +3,12 @@
 
 use crate::{parse_moe_kernel, parse_precision, RuntimeArgs};
 use anyhow::{bail, Context, Result};
-use spes_model::ModelConfig;
-use spes_train::bench::{bench, matmul_peak_flops, BenchOptions, BenchResult};
-use spes_train::{MoeKernelChoice, Precision};
+use spes_model::{ModelConfig, MoeKernel};
+use spes_train::bench::{bench, matmul_peak_flops, median, BenchOptions};
+use spes_train::{compute_kind, moe_kernel, MoeKernelChoice, Precision};
 use std::path::PathBuf;
 use std::process::Command;
-use tch::{Device, Kind};
+use tch::Kind;
 
 /// The steps to measure, shared by both commands.
 #[derive(clap::Args)]
@@ -127,7 +127,8 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// One run of one implementation, each in its own process.
+/// One run of one implementation, each in its own process: the fields that `spes bench
+/// --json` and `bench_pytorch.py` both print.
 #[derive(Clone, Debug, serde::Deserialize)]
 struct Run {
     tokens_per_s: f64,
@@ -161,15 +162,13 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
     let model = ModelConfig::preset(&s.preset)?;
     let device = s.runtime.device()?;
     let cuda = device.is_cuda();
-    let bf16 = match s.precision {
-        Precision::Auto => cuda,
-        p => p == Precision::Bf16,
+    let kind = compute_kind(s.precision, device);
+    let bf16 = kind == Kind::BFloat16;
+    let kernel = match moe_kernel(s.moe_kernel, device) {
+        MoeKernel::Loop => "loop",
+        MoeKernel::Grouped => "grouped",
     };
-    let kernel = match s.moe_kernel {
-        MoeKernelChoice::Auto if cuda => "grouped",
-        MoeKernelChoice::Grouped => "grouped",
-        _ => "loop",
-    };
+    let (steps, repeats) = (s.steps.max(1), a.repeats.max(1));
     let script = tempfile::Builder::new()
         .prefix("bench_pytorch")
         .suffix(".py")
@@ -187,7 +186,7 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
             .arg("--seq-len")
             .arg(s.seq_len.to_string())
             .arg("--steps")
-            .arg(s.steps.max(1).to_string())
+            .arg(steps.to_string())
             .arg("--warmup")
             .arg(s.warmup.to_string())
             .arg("--device")
@@ -206,7 +205,7 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
     let mut names = vec!["spes".to_string()];
     names.extend(a.variants.iter().map(|v| format!("PyTorch {v}")));
     let mut runs: Vec<Vec<Run>> = vec![Vec::new(); names.len()];
-    for round in 0..a.repeats.max(1) {
+    for round in 0..repeats {
         for i in (0..names.len()).map(|i| (i + round) % names.len()) {
             let mut cmd = if i == 0 {
                 let mut c = Command::new(&exe);
@@ -222,13 +221,12 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
                 c
             };
             common(&mut cmd);
-            eprintln!("round {}/{}: {}", round + 1, a.repeats.max(1), names[i]);
+            eprintln!("round {}/{repeats}: {}", round + 1, names[i]);
             runs[i].push(run_json(&mut cmd, &names[i])?);
         }
     }
     check_same_model(&names, &runs)?;
 
-    let kind = if bf16 { Kind::BFloat16 } else { Kind::Float };
     let peak = matmul_peak_flops(device, kind);
     let flops = model.train_flops_per_token(s.seq_len);
     let spes_median = median(runs[0].iter().map(|r| r.tokens_per_s).collect());
@@ -260,21 +258,18 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&rows)?);
         return Ok(());
     }
-    let device_name = match device {
-        Device::Cuda(_) => "cuda",
-        _ => "cpu",
-    };
     println!(
-        "{} on {device_name}, {}, {}×{} tokens per step, {} MoE kernel, {}; {} rounds of {} timed steps after {} warm-up",
+        "{} on {}, {}, {}×{} tokens per step, {} MoE kernel, {}; {} rounds of {} timed steps after {} warm-up",
         s.preset,
+        if cuda { "cuda" } else { "cpu" },
         if bf16 { "bf16" } else { "fp32" },
         s.batch_size,
         s.seq_len,
         kernel,
         s.own_experts
             .map_or("all experts trained".into(), |n| format!("{n} experts per layer trained")),
-        a.repeats.max(1),
-        s.steps.max(1),
+        repeats,
+        steps,
         s.warmup
     );
     println!(
@@ -302,7 +297,7 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Runs `cmd` and parses the last line of its output as a [`Run`].
+/// Runs `cmd` and parses the last line of its output as a [`Run`] (other fields ignored).
 fn run_json(cmd: &mut Command, name: &str) -> Result<Run> {
     let out = cmd
         .output()
@@ -315,18 +310,6 @@ fn run_json(cmd: &mut Command, name: &str) -> Result<Run> {
         bail!("{name} failed ({}):\n{}", out.status, tail.join("\n"));
     }
     let last = stdout.lines().last().unwrap_or_default();
-    if name == "spes" {
-        let r: BenchResult = serde_json::from_str(last)
-            .with_context(|| format!("{name}: expected a JSON result, got `{last}`"))?;
-        return Ok(Run {
-            tokens_per_s: r.tokens_per_s,
-            step_ms: r.step_ms,
-            peak_rss_mb: r.peak_rss_mb,
-            gpu_memory_mb: r.gpu_memory_mb,
-            total_params: r.total_params,
-            trainable_params: r.trainable_params,
-        });
-    }
     serde_json::from_str(last)
         .with_context(|| format!("{name}: expected a JSON result, got `{last}`"))
 }
@@ -359,9 +342,4 @@ fn default_python() -> PathBuf {
     } else {
         "python3".into()
     }
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
 }

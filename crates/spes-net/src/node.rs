@@ -965,7 +965,8 @@ impl Node {
         }
         self.owned = owned;
         if reset {
-            self.trainer.weights_changed()?;
+            self.trainer.model.refresh_resident();
+            self.trainer.publish_weights()?;
         }
         Ok(())
     }
@@ -1374,6 +1375,8 @@ impl Node {
                 || self.trainer.cfg.sync.overlaps() && self.trainer.step > header.round * h);
         if header.delta {
             self.apply_delta(header, named, keep_progress, &source)?;
+            // In place, unlike `MoeModel::load`, which refreshes the copies itself.
+            self.trainer.model.refresh_resident();
         } else {
             self.trainer.model.load(&named, &source)?;
             drop(named);
@@ -1385,7 +1388,7 @@ impl Node {
             self.trainer.step = header.round * h;
         }
         self.bytes_down += header.total_bytes;
-        self.trainer.weights_changed()
+        self.trainer.publish_weights()
     }
 
     fn apply_delta(

@@ -2,9 +2,9 @@
 
 use crate::config::{MoeKernelChoice, Precision, TrainConfig};
 use crate::optim::AdamW;
-use crate::trainer::{compute_kind, moe_kernel, step_on_batches, StepOptions};
+use crate::trainer::{compute_kind, frozen_experts_bf16, moe_kernel, step_on_batches, StepOptions};
 use anyhow::Result;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use spes_model::{LossWeights, ModelConfig, MoeKernel, MoeModel, Role};
 use tch::{Device, Kind, Tensor};
 
@@ -33,7 +33,7 @@ pub struct BenchOptions {
 }
 
 /// One benchmark result row.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct BenchResult {
     pub total_params: u64,
     pub trainable_params: u64,
@@ -56,7 +56,7 @@ pub struct BenchResult {
 }
 
 /// How far the grouped MoE kernel's results are from the loop's on one batch.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct KernelDiff {
     /// |loss_grouped − loss_loop| / |loss_loop|.
     pub loss_rel: f64,
@@ -71,7 +71,7 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
     let mut model = MoeModel::new(&o.model, o.device)?;
     model.set_compute_kind(compute_kind(o.precision, o.device));
     model.set_moe_kernel(moe_kernel(o.moe_kernel, o.device));
-    model.set_frozen_experts_bf16(o.frozen_experts_bf16.unwrap_or(o.device.is_cuda()));
+    model.set_frozen_experts_bf16(frozen_experts_bf16(o.frozen_experts_bf16, o.device));
     let own = o.own_experts;
     model.set_trainable(|r| match (r, own) {
         (Role::Expert { index, .. }, Some(n)) => index < n,
@@ -204,7 +204,8 @@ fn runtime_rss_mb(o: &BenchOptions) -> Result<f64> {
     Ok(rss_mb("VmRSS:"))
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
+/// The middle value (the upper one of an even count).
+pub fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
 }

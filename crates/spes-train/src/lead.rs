@@ -69,11 +69,10 @@ impl Trainer {
         Ok(())
     }
 
-    /// After the weights were changed in place outside a step (a node loaded a global
-    /// model): refreshes the bf16 copies of frozen experts, and in a led group every rank
-    /// takes rank 0's weights.
-    pub fn weights_changed(&self) -> Result<()> {
-        self.model.refresh_resident();
+    /// After rank 0 changed its weights outside a step (it loaded a global model): every
+    /// rank takes them (and refreshes its bf16 copies of frozen experts). A no-op without a
+    /// led group.
+    pub fn publish_weights(&self) -> Result<()> {
         let Some(dp) = self.dp.as_ref().filter(|_| self.leads) else {
             return Ok(());
         };

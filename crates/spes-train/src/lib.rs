@@ -17,5 +17,6 @@ pub use config::{
 };
 pub use lead::follow;
 pub use trainer::{
-    run, validation_loss, validation_stats, RunSummary, StepOptions, StepStats, Trainer,
+    compute_kind, moe_kernel, run, validation_loss, validation_stats, RunSummary, StepOptions,
+    StepStats, Trainer,
 };

@@ -99,6 +99,11 @@ pub fn compute_kind(precision: Precision, device: Device) -> Kind {
     }
 }
 
+/// Whether frozen experts are resident in bf16 (`train.frozen_experts_bf16`): unset, on CUDA.
+pub fn frozen_experts_bf16(choice: Option<bool>, device: Device) -> bool {
+    choice.unwrap_or(device.is_cuda())
+}
+
 impl Trainer {
     /// A fresh model from `cfg.train.seed`, training the parameters for which `trainable` holds.
     pub fn new(cfg: RunConfig, device: Device, trainable: impl Fn(Role) -> bool) -> Result<Self> {
@@ -126,7 +131,7 @@ impl Trainer {
         }
         model.set_compute_kind(compute_kind(cfg.train.precision, device));
         model.set_moe_kernel(moe_kernel(cfg.train.moe_kernel, device));
-        model.set_frozen_experts_bf16(cfg.train.frozen_experts_bf16.unwrap_or(device.is_cuda()));
+        model.set_frozen_experts_bf16(frozen_experts_bf16(cfg.train.frozen_experts_bf16, device));
         model.set_trainable(trainable);
         let opt = AdamW::new(model.trainable_params(), &cfg.train);
         let seq = cfg.train.seq_len;
