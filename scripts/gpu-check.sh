@@ -4,7 +4,8 @@
 # CUDA is used, benchmarks bf16 training steps (alone and side by side with PyTorch), checks
 # the grouped MoE kernel against the loop, compares frozen experts in bf16 and fp32 with the
 # memory planner, trains the tiny preset in bf16 (nodes must end bit-identical to the server)
-# and over 4-bit deltas, and runs 2 ranks.
+# and over 4-bit deltas, and runs data-parallel ranks over NCCL (equivalence and scaling with
+# 2+ GPUs; the single-rank NCCL path with one).
 #   scripts/gpu-check.sh [path/to/spes]      (PYTHON=... picks the interpreter that has torch)
 set -euo pipefail
 bin=$(realpath "${1:-target/release/spes}")
@@ -103,9 +104,51 @@ val = [r["val_loss"] for r in map(json.loads, open(f"{sys.argv[1]}/server/metric
 print(f"int4_delta: global val_loss {val[0]:.3f} -> {val[-1]:.3f}")
 assert val[-1] < val[0] - 1.0, "training over 4-bit deltas on CUDA must lower the validation loss"
 PY
-echo "== data parallel inside a node: 2 ranks over c10d (Gloo) with CUDA tensors, ZeRO-1"
+echo "== data parallel inside a node over c10d: NCCL with a GPU per rank, ZeRO-1"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-[ "$gpus" -ge 2 ] || echo "only $gpus GPU: both ranks share cuda:0 (NCCL is not built yet; Gloo stages through the host)"
+tiny=(--config "$(dirname "$0")/../configs/tiny.toml" --device cuda --set data.path="$work/demo/data"
+  --set train.log_every=1 --set train.eval_every=1000 --set train.max_steps=10)
+losses() { python3 -c 'import json, sys; print(json.dumps([r["loss"] for r in map(json.loads, open(sys.argv[1])) if "loss" in r]))' "$1/metrics.jsonl"; }
+same() { python3 - "$1" "$2" "$3" <<'PY'
+import json, sys
+a, b, what = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+assert len(a) == len(b) == 10, (len(a), len(b))
+worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+print(f"{what}: 10 losses within {worst:.1e} relative")
+assert worst <= 1e-4, f"{what} must match the single process"
+PY
+}
+uses_nccl() { sed 's/\x1b\[[0-9;]*m//g' "$1" | grep -q "backend=Nccl" || { cat "$1"; echo "not on NCCL"; exit 1; }; echo "ranks joined an NCCL group"; }
+if [ "$gpus" -ge 2 ]; then
+  # The CPU test two_ranks_equal_one_process_with_twice_the_batch, on GPUs over NCCL (fp32,
+  # load balancing off so every loss is a mean over tokens).
+  "$bin" train "${tiny[@]}" --out "$work/dp1" --set train.batch_size=4 --set train.lb_loss_weight=0 >/dev/null
+  "$bin" train "${tiny[@]}" --out "$work/dp2" --set train.batch_size=2 --set train.lb_loss_weight=0 \
+    --local-ranks 2 --dist-backend nccl 2>"$work/dp2.log" >/dev/null
+  uses_nccl "$work/dp2.log"
+  same "$(losses "$work/dp1")" "$(losses "$work/dp2")" "2 ranks x batch 2 over NCCL vs 1 process x batch 4"
+  echo "== scaling: 1b in bf16, tokens/s with 1 and $gpus ranks (each rank 4x2048 tokens per step)"
+  for g in 1 "$gpus"; do
+    "$bin" train --config "$(dirname "$0")/../configs/1b.toml" --device cuda --out "$work/scale-$g" \
+      --set data.path="$work/demo/data" --set train.precision=bf16 --set train.batch_size=4 \
+      --set train.seq_len=2048 --set train.max_steps=8 --set train.log_every=1 \
+      --set train.eval_every=1000 --set train.checkpoint_every=1000 --local-ranks "$g" >/dev/null
+    python3 - "$work/scale-$g" "$g" <<'PY'
+import json, sys
+tps = sorted(r["tokens_per_s"] for r in map(json.loads, open(f"{sys.argv[1]}/metrics.jsonl"))
+             if "tokens_per_s" in r and r.get("step", 0) > 2)
+print(f"{sys.argv[2]} rank(s): median {tps[len(tps) // 2]:.0f} tokens/s")
+PY
+  done
+else
+  echo "only $gpus GPU: no multi-GPU equivalence or scaling; checking the single-rank NCCL path"
+  "$bin" train "${tiny[@]}" --out "$work/dp1" >/dev/null
+  WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 \
+    "$bin" train "${tiny[@]}" --out "$work/dp-nccl" --dist-backend nccl 2>"$work/dp-nccl.log" >/dev/null
+  uses_nccl "$work/dp-nccl.log"
+  same "$(losses "$work/dp1")" "$(losses "$work/dp-nccl")" "1 rank in an NCCL group vs no group"
+fi
+echo "== 2 ranks with CUDA tensors, bf16, a checkpoint (NCCL on 2 GPUs; on 1 GPU both share it over Gloo)"
 "$bin" train --config "$(dirname "$0")/../configs/tiny.toml" --device cuda --out "$work/dp" \
   --set data.path="$work/demo/data" --set train.max_steps=20 --set train.log_every=5 \
   --set train.eval_every=20 --set train.checkpoint_every=20 --set train.precision=bf16 --local-ranks 2 | tail -n 9

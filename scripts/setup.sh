@@ -3,7 +3,9 @@
 # (Debian/Ubuntu libgloo-dev; spes-ext compiles c10d's process group against them), and in the
 # repository a Python virtualenv .venv with PyTorch 2.11.0 from PyPI, whose bundled libtorch is what tch
 # 0.24 builds and links against (.venv/libtorch -> site-packages/torch), and transformers for
-# the Hugging Face parity tests and interop. Needs python3 and cargo.
+# the Hugging Face parity tests and interop. Where the wheel brought CUDA (nvidia-cuda-runtime),
+# also the host headers it lacks (nvidia-cuda-crt and nvidia-cuda-cccl of the same CUDA
+# release, ~3 MB) so spes-ext can build its NCCL part. Needs python3 and cargo.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.venv"
@@ -28,6 +30,17 @@ have=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('t
 if [ "$have" != "$transformers_version" ]; then
   echo "setup: installing transformers==$transformers_version into $venv" >&2
   "$venv/bin/pip" install --quiet --disable-pip-version-check "transformers==$transformers_version"
+fi
+cuda=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('nvidia-cuda-runtime'))" 2>/dev/null || true)
+if [ -n "$cuda" ]; then
+  release=$(echo "$cuda" | cut -d. -f1,2)
+  for pkg in nvidia-cuda-crt nvidia-cuda-cccl; do
+    got=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('$pkg'))" 2>/dev/null || true)
+    if [ "$(echo "$got" | cut -d. -f1,2)" != "$release" ]; then
+      echo "setup: installing $pkg==$release.* (CUDA host headers for spes-ext's NCCL part)" >&2
+      "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps "$pkg==$release.*"
+    fi
+  done
 fi
 site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 ln -sfn "$site/torch" "$venv/libtorch"

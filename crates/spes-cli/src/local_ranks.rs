@@ -1,9 +1,11 @@
 //! `spes train --local-ranks G`: starts G copies of this command as the ranks of one
 //! data-parallel node (torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 //! MASTER_ADDR, MASTER_PORT) and supervises them: if one fails, the others are stopped and the command
-//! fails naming it. Resuming (`--resume`) works with the same or another G.
+//! fails naming it. Resuming (`--resume`) works with the same or another G. `--dist-backend`
+//! picks the c10d backend the ranks use ([`DistBackend`]).
 
 use anyhow::{bail, Context, Result};
+use spes_train::data_parallel::{nccl, Backend};
 use std::process::{Child, Command};
 use std::time::Duration;
 
@@ -87,8 +89,62 @@ fn without_local_ranks(args: impl Iterator<Item = String>) -> Vec<String> {
     out
 }
 
+/// `--dist-backend`: which c10d backend carries the ranks' collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DistBackend {
+    /// NCCL when every rank on this machine has a GPU of its own and this spes has its NCCL
+    /// part, else Gloo.
+    Auto,
+    Gloo,
+    Nccl,
+}
+
+impl DistBackend {
+    /// The backend for CUDA ranks, `local` of them on this machine's `gpus` GPUs.
+    pub fn resolve(self, local: usize, gpus: usize) -> Result<Backend> {
+        let own_gpu = local <= gpus;
+        match self {
+            DistBackend::Gloo => Ok(Backend::Gloo),
+            DistBackend::Nccl if !own_gpu => bail!(
+                "--dist-backend nccl: {local} ranks on this machine but {gpus} GPU(s); NCCL needs one GPU per rank (use gloo to share GPUs)"
+            ),
+            DistBackend::Nccl => {
+                nccl::version().context("--dist-backend nccl")?;
+                Ok(Backend::Nccl)
+            }
+            DistBackend::Auto if own_gpu => match nccl::version() {
+                Ok(_) => Ok(Backend::Nccl),
+                Err(e) => {
+                    tracing::warn!("data parallel over Gloo: {e}");
+                    Ok(Backend::Gloo)
+                }
+            },
+            DistBackend::Auto => {
+                tracing::warn!(
+                    "{local} ranks share {gpus} GPU(s): data parallel over Gloo, through host memory"
+                );
+                Ok(Backend::Gloo)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::DistBackend;
+    use spes_train::data_parallel::Backend;
+
+    #[test]
+    fn nccl_only_when_every_rank_has_its_own_gpu() {
+        assert_eq!(DistBackend::Auto.resolve(2, 1).unwrap(), Backend::Gloo);
+        assert_eq!(DistBackend::Gloo.resolve(2, 8).unwrap(), Backend::Gloo);
+        let e = DistBackend::Nccl.resolve(4, 2).unwrap_err().to_string();
+        assert!(e.contains("one GPU per rank"), "{e}");
+        // This build carries the NCCL part (tested in spes-ext), so it is picked when it fits.
+        assert_eq!(DistBackend::Auto.resolve(2, 2).unwrap(), Backend::Nccl);
+        assert_eq!(DistBackend::Nccl.resolve(1, 1).unwrap(), Backend::Nccl);
+    }
+
     #[test]
     fn drops_only_the_local_ranks_flag() {
         let args = [

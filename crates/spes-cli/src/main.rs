@@ -11,7 +11,7 @@ mod report;
 mod step_bench;
 mod sync_bench;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use device::DeviceChoice;
 use spes_data::{TokenizeOptions, TokenizerSource};
@@ -55,29 +55,38 @@ impl RuntimeArgs {
 /// there are more ranks than GPUs), CPU ranks an even share of the cores.
 fn rank_setup(
     runtime: &RuntimeArgs,
-    dist_timeout: u64,
+    ranks: &RanksArgs,
 ) -> Result<(tch::Device, Option<spes_train::data_parallel::Rendezvous>)> {
     let mut device = runtime.device()?;
-    let rendezvous = spes_train::data_parallel::rendezvous_from_env(
-        std::time::Duration::from_secs(dist_timeout),
+    let mut rendezvous = spes_train::data_parallel::rendezvous_from_env(
+        std::time::Duration::from_secs(ranks.dist_timeout),
+        ranks.dist_backend != local_ranks::DistBackend::Auto,
     )?;
-    let local_rank: usize = std::env::var("LOCAL_RANK")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(0);
-    if let (tch::Device::Cuda(_), Some(_)) = (device, &rendezvous) {
+    let env = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+    };
+    let local_rank = env("LOCAL_RANK").unwrap_or(0);
+    let Some(r) = &mut rendezvous else {
+        return Ok((device, None));
+    };
+    let local = env("LOCAL_WORLD_SIZE").unwrap_or(r.world);
+    if let tch::Device::Cuda(_) = device {
         let gpus = tch::Cuda::device_count().max(1) as usize;
         device = tch::Device::Cuda(local_rank % gpus);
+        r.backend = ranks.dist_backend.resolve(local, gpus)?;
+    } else {
+        if ranks.dist_backend == local_ranks::DistBackend::Nccl {
+            bail!("--dist-backend nccl needs CUDA ranks, but this rank runs on the CPU");
+        }
+        if runtime.threads.is_none() {
+            // Oversubscribed OpenMP threads spin-wait on each other and run many times slower.
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            tch::set_num_threads((cores / local.max(1)).max(1) as i32);
+        }
     }
-    if let (tch::Device::Cpu, Some(r), None) = (device, &rendezvous, runtime.threads) {
-        // Oversubscribed OpenMP threads spin-wait on each other and run many times slower.
-        let local: usize = std::env::var("LOCAL_WORLD_SIZE")
-            .ok()
-            .and_then(|w| w.parse().ok())
-            .unwrap_or(r.world);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        tch::set_num_threads((cores / local.max(1)).max(1) as i32);
-    }
+    tracing::info!(rank = r.rank, world = r.world, backend = ?r.backend, ?device, "data parallel");
     Ok((device, rendezvous))
 }
 
@@ -89,10 +98,10 @@ fn train(
     resume: bool,
     init: Option<&Path>,
     runtime: &RuntimeArgs,
-    dist_timeout: u64,
+    ranks: &RanksArgs,
 ) -> Result<()> {
     use spes_train::data_parallel::DataParallel;
-    let (device, rendezvous) = rank_setup(runtime, dist_timeout)?;
+    let (device, rendezvous) = rank_setup(runtime, ranks)?;
     let dp = rendezvous
         .as_ref()
         .map(|r| DataParallel::join(r, device))
@@ -117,6 +126,10 @@ struct RanksArgs {
     /// Seconds a rank waits for the others at a collective before failing (a dead rank).
     #[arg(long, default_value_t = 300)]
     dist_timeout: u64,
+    /// The c10d backend between ranks. Named explicitly, it also makes a group of one rank
+    /// when a launcher sets WORLD_SIZE=1 (to check a backend on one GPU).
+    #[arg(long, value_enum, default_value_t = local_ranks::DistBackend::Auto)]
+    dist_backend: local_ranks::DistBackend,
 }
 
 /// A run configuration file and its overrides.
@@ -659,14 +672,7 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(g) = ranks.local_ranks.filter(|&g| g > 1) {
                 return local_ranks::launch(g);
             }
-            train(
-                cfg,
-                &out,
-                resume,
-                init.as_deref(),
-                &runtime,
-                ranks.dist_timeout,
-            )?;
+            train(cfg, &out, resume, init.as_deref(), &runtime, &ranks)?;
         }
         Command::Bench(args) => step_bench::run_bench(&args)?,
         Command::BenchVsPytorch(args) => step_bench::run_vs_pytorch(&args)?,
@@ -774,7 +780,7 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(g) = ranks.local_ranks.filter(|&g| g > 1) {
                 return local_ranks::launch(g);
             }
-            let (device, rendezvous) = rank_setup(&runtime, ranks.dist_timeout)?;
+            let (device, rendezvous) = rank_setup(&runtime, &ranks)?;
             let data_parallel = match rendezvous {
                 Some(r) => {
                     let dp = spes_train::data_parallel::DataParallel::join(&r, device)?;

@@ -1,6 +1,7 @@
-// spes-ext, c10d part: a torch.distributed process group (TCPStore rendezvous, Gloo backend)
-// behind a C ABI, for data parallelism inside one node. Collectives are c10d's own; this file
-// only bundles tensors into flat buckets so one call moves many small tensors.
+// spes-ext, c10d part: a torch.distributed process group (TCPStore rendezvous; Gloo backend, or
+// NCCL built by the separately loaded nccl.cpp) behind a C ABI, for data parallelism inside one
+// node. Collectives are c10d's own; this file only bundles tensors into flat buckets so one call
+// moves many small tensors.
 
 #include <ATen/ATen.h>
 
@@ -9,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -18,9 +20,12 @@ using spes_ext::guarded;
 
 struct Group {
   c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  c10::intrusive_ptr<c10d::Backend> pg;
   int world;
 };
+
+// nccl.cpp's spes_nccl_backend_new, passed in by the caller that loaded it.
+using BackendFactory = char* (*)(void* store, int rank, int world, int64_t timeout_ms, void** out);
 
 // Consecutive runs of tensors of one dtype and device, each at most bucket_bytes (a larger
 // tensor is a bucket of its own): the unit of one collective call.
@@ -68,8 +73,9 @@ extern "C" {
 
 // Joins the group: rank 0 serves the TCPStore at host:port, every rank connects to it; every
 // collective (and the rendezvous) fails after timeout_ms instead of hanging on a dead rank.
+// The backend is Gloo, or whatever `factory` builds over the store (NCCL) when not NULL.
 char* spes_ext_pg_new(const char* host, int port, int rank, int world, int64_t timeout_ms,
-                      void** out) {
+                      BackendFactory factory, void** out) {
   return guarded([&] {
     auto timeout = std::chrono::milliseconds(timeout_ms);
     c10d::TCPStoreOptions o;
@@ -78,9 +84,20 @@ char* spes_ext_pg_new(const char* host, int port, int rank, int world, int64_t t
     o.numWorkers = world;
     o.timeout = timeout;
     auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), o);
-    auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
-    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, opts);
+    c10::intrusive_ptr<c10d::Backend> pg;
+    if (factory != nullptr) {
+      void* raw = nullptr;
+      if (char* err = factory(store.get(), rank, world, timeout_ms, &raw)) {
+        std::string message(err);
+        std::free(err);
+        throw std::runtime_error(message);
+      }
+      pg = c10::intrusive_ptr<c10d::Backend>::reclaim(static_cast<c10d::Backend*>(raw));
+    } else {
+      auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
+      pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, opts);
+    }
     *out = new Group{store, pg, world};
   });
 }

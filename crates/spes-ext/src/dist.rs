@@ -1,6 +1,7 @@
 //! torch.distributed's c10d inside one node: a process group over a TCPStore rendezvous with
-//! the Gloo backend, and the collectives data parallelism needs, on whole lists of tensors
-//! (flattened into buckets so many small tensors cost a few calls).
+//! the Gloo backend (CPU, or CUDA tensors staged through the host) or NCCL (one GPU per rank),
+//! and the collectives data parallelism needs, on whole lists of tensors (flattened into
+//! buckets so many small tensors cost a few calls).
 
 use crate::{check, handles, ExtError};
 use std::ffi::{c_char, c_void, CString};
@@ -15,6 +16,7 @@ extern "C" {
         rank: i32,
         world: i32,
         timeout_ms: i64,
+        factory: Option<crate::nccl::Factory>,
         out: *mut *mut c_void,
     ) -> *mut c_char;
     fn spes_ext_pg_free(group: *mut c_void);
@@ -34,6 +36,15 @@ extern "C" {
     fn spes_ext_pg_barrier(group: *mut c_void) -> *mut c_char;
 }
 
+/// The c10d backend that carries a group's collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// ProcessGroupGloo: CPU tensors, or CUDA tensors through host memory.
+    Gloo,
+    /// ProcessGroupNCCL: CUDA tensors, each rank on its own GPU ([`crate::nccl`]).
+    Nccl,
+}
+
 /// Where and how ranks meet: rank 0 serves the store at `host:port` (torchrun's MASTER_ADDR
 /// and MASTER_PORT).
 #[derive(Clone, Debug)]
@@ -44,13 +55,15 @@ pub struct Rendezvous {
     pub world: usize,
     /// How long the rendezvous and every collective may wait for the other ranks.
     pub timeout: Duration,
+    pub backend: Backend,
 }
 
 /// Bytes per flattened bucket of a collective (PyTorch DDP's default bucket size).
 const BUCKET_BYTES: usize = 25 << 20;
 
-/// A c10d process group (Gloo). Collectives block until every rank has joined them, or fail
-/// with an [`ExtError`] after the rendezvous timeout (e.g. when a rank died).
+/// A c10d process group. Collectives block until every rank has joined them (with NCCL: until
+/// the GPU has queued them behind the work already there), or fail with an [`ExtError`] after
+/// the rendezvous timeout (e.g. when a rank died; NCCL's watchdog ends the process instead).
 pub struct ProcessGroup {
     raw: *mut c_void,
     rank: usize,
@@ -74,8 +87,12 @@ impl ProcessGroup {
                 message: format!("rank {} is not below the world size {}", r.rank, r.world),
             });
         }
+        let factory = match r.backend {
+            Backend::Gloo => None,
+            Backend::Nccl => Some(crate::nccl::factory()?),
+        };
         let mut raw: *mut c_void = std::ptr::null_mut();
-        // SAFETY: valid C string and out-pointer for the duration of the call.
+        // SAFETY: valid C string, factory and out-pointer for the duration of the call.
         let message = unsafe {
             spes_ext_pg_new(
                 host.as_ptr(),
@@ -83,6 +100,7 @@ impl ProcessGroup {
                 r.rank as i32,
                 r.world as i32,
                 r.timeout.as_millis() as i64,
+                factory,
                 &mut raw,
             )
         };

@@ -4,11 +4,13 @@
 //! - [`fused_adamw`]: libtorch's `_fused_adamw_` (one pass per tensor instead of ~10 kernels).
 //! - [`clip_grad_norm`]: `_foreach_norm` and `_foreach_mul_`, no host sync.
 //! - [`zero`], [`add_scalar`]: `_foreach_zero_`, `_foreach_add_`.
-//! - [`dist`]: a torch.distributed (c10d) process group and its collectives.
+//! - [`dist`]: a torch.distributed (c10d) process group (Gloo, or NCCL through [`nccl`]) and
+//!   its collectives.
 //!
 //! Every function works on CPU and CUDA tensors alike. C++ exceptions come back as [`ExtError`].
 
 pub mod dist;
+pub mod nccl;
 
 use std::ffi::{c_char, CStr};
 use tch::Tensor;

@@ -1,6 +1,6 @@
 //! c10d through the shim: two ranks as two threads of this process, over loopback.
 
-use spes_ext::dist::{ProcessGroup, Rendezvous};
+use spes_ext::dist::{Backend, ProcessGroup, Rendezvous};
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
@@ -17,19 +17,28 @@ fn two_ranks<T: Send + 'static>(
     timeout: Duration,
     body: impl Fn(ProcessGroup) -> T + Send + Sync + Copy + 'static,
 ) -> Vec<T> {
+    ranks(2, Backend::Gloo, timeout, move |g| body(g.unwrap()))
+}
+
+/// Runs `body` on `world` ranks at once, each given its attempt to join.
+fn ranks<T: Send + 'static>(
+    world: usize,
+    backend: Backend,
+    timeout: Duration,
+    body: impl Fn(Result<ProcessGroup, spes_ext::ExtError>) -> T + Send + Sync + Copy + 'static,
+) -> Vec<T> {
     let port = free_port();
-    let handles: Vec<_> = (0..2)
+    let handles: Vec<_> = (0..world)
         .map(|rank| {
             std::thread::spawn(move || {
-                let g = ProcessGroup::join(&Rendezvous {
+                body(ProcessGroup::join(&Rendezvous {
                     host: "127.0.0.1".into(),
                     port,
                     rank,
-                    world: 2,
+                    world,
                     timeout,
-                })
-                .unwrap();
-                body(g)
+                    backend,
+                }))
             })
         })
         .collect();
@@ -78,4 +87,56 @@ fn a_missing_rank_is_an_error_after_the_timeout() {
     let (result, waited) = out[1].unwrap();
     assert_eq!(result, Err("all_reduce"));
     assert!(waited < Duration::from_secs(4), "waited {waited:?}");
+}
+
+/// NCCL through the shim's separately loaded part (this build must carry it: scripts/setup.sh
+/// installs the headers). With GPUs, one rank per GPU (at most 2) all-reduces and broadcasts
+/// CUDA tensors; without a GPU, joining an NCCL group is an error naming the cause, not a crash.
+#[test]
+fn nccl_runs_the_collectives_on_gpus_and_is_a_clear_error_without() {
+    assert!(
+        spes_ext::nccl::built(),
+        "spes-ext was built without its NCCL part (see the build warning)"
+    );
+    let (major, minor, _) = spes_ext::nccl::version().unwrap();
+    assert!(major >= 2 && minor > 0, "NCCL {major}.{minor}");
+    // Loading the part loaded libtorch_cuda, whose hooks answer this.
+    let gpus = if tch::Cuda::is_available() {
+        tch::Cuda::device_count() as usize
+    } else {
+        0
+    };
+    if gpus == 0 {
+        let out = ranks(1, Backend::Nccl, Duration::from_secs(30), |g| {
+            g.err().map(|e| (e.op, e.message))
+        });
+        let (op, message) = out[0]
+            .clone()
+            .expect("an NCCL group without a GPU was made");
+        assert_eq!(op, "process_group");
+        assert!(message.contains("GPU"), "{message}");
+        return;
+    }
+    let world = gpus.min(2);
+    let out = ranks(world, Backend::Nccl, Duration::from_secs(60), move |g| {
+        let g = g.unwrap();
+        let r = g.rank() as f64;
+        let dev = Device::Cuda(g.rank());
+        let ts = [
+            Tensor::full([3, 2], r + 1.0, (Kind::Float, dev)),
+            Tensor::full([5], 10.0 * r, (Kind::BFloat16, dev)),
+        ];
+        g.all_reduce_mean(&ts).unwrap();
+        let b = [Tensor::full([4], r + 7.0, (Kind::Float, dev))];
+        g.broadcast(&b, world - 1).unwrap();
+        g.barrier().unwrap();
+        let v = |t: &Tensor| Vec::<f64>::try_from(&t.to_kind(Kind::Double).reshape([-1])).unwrap();
+        (v(&ts[0]), v(&ts[1]), v(&b[0]))
+    });
+    let mean = |f: fn(f64) -> f64| (0..world).map(|r| f(r as f64)).sum::<f64>() / world as f64;
+    for (a, b, c) in out {
+        assert_eq!(a, vec![mean(|r| r + 1.0); 6]);
+        assert_eq!(b, vec![mean(|r| 10.0 * r); 5]);
+        assert_eq!(c, vec![(world - 1) as f64 + 7.0; 4]);
+    }
 }

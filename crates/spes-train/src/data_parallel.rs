@@ -12,7 +12,8 @@
 use crate::optim::{AdamW, Moments, Retarget};
 use anyhow::{bail, Context, Result};
 use spes_ext::dist::ProcessGroup;
-pub use spes_ext::dist::Rendezvous;
+pub use spes_ext::dist::{Backend, Rendezvous};
+pub use spes_ext::nccl;
 use spes_model::Param;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -47,8 +48,10 @@ pub fn partition(sizes: &[i64], world: usize) -> Vec<usize> {
     owner
 }
 
-/// The torchrun-style environment of a rank, if this process is one of several.
-pub fn rendezvous_from_env(timeout: Duration) -> Result<Option<Rendezvous>> {
+/// The torchrun-style environment of a rank, if this process is one of several (or, with
+/// `single`, the only rank of a group that WORLD_SIZE=1 asks for, to exercise a backend); Gloo
+/// until the caller, which knows the device, picks the backend.
+pub fn rendezvous_from_env(timeout: Duration, single: bool) -> Result<Option<Rendezvous>> {
     let var = |name: &str| std::env::var(name).ok();
     let world: usize = match var("WORLD_SIZE") {
         None => return Ok(None),
@@ -56,7 +59,7 @@ pub fn rendezvous_from_env(timeout: Duration) -> Result<Option<Rendezvous>> {
             .parse()
             .with_context(|| format!("WORLD_SIZE={w:?}: expected a whole number"))?,
     };
-    if world <= 1 {
+    if world == 0 || world == 1 && !single {
         return Ok(None);
     }
     let rank: usize = var("RANK")
@@ -76,6 +79,7 @@ pub fn rendezvous_from_env(timeout: Duration) -> Result<Option<Rendezvous>> {
         rank,
         world,
         timeout,
+        backend: Backend::Gloo,
     }))
 }
 

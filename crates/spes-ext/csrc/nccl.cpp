@@ -1,0 +1,29 @@
+// spes-ext, NCCL part: builds c10d's ProcessGroupNCCL over a store the main shim made. It is a
+// shared library of its own, linked against libtorch_cuda, and loaded only when a run asks for
+// NCCL, so the spes binary still starts on machines without CUDA libraries.
+
+#include "guard.h"
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include <chrono>
+
+extern "C" {
+
+// Joins an NCCL group of `world` ranks over `store` (a c10d::Store the caller keeps alive;
+// this takes its own reference). On success *out is a c10d::Backend* carrying one reference,
+// for the caller to reclaim.
+char* spes_nccl_backend_new(void* store, int rank, int world, int64_t timeout_ms, void** out) {
+  return spes_ext::guarded([&] {
+    auto s = c10::intrusive_ptr<c10d::Store>::reclaim_copy(static_cast<c10d::Store*>(store));
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = std::chrono::milliseconds(timeout_ms);
+    c10::intrusive_ptr<c10d::Backend> pg =
+        c10::make_intrusive<c10d::ProcessGroupNCCL>(s, rank, world, opts);
+    *out = pg.release();
+  });
+}
+
+// The NCCL version libtorch was built with, e.g. 22703 for 2.27.3.
+int spes_nccl_version() { return NCCL_VERSION_CODE; }
+
+}  // extern "C"
