@@ -55,6 +55,7 @@ pub fn outer_rules(sync: &spes_train::SyncConfig) -> spes_sync::OuterRules {
     spes_sync::OuterRules {
         averaged: rule(sync.outer_lr, sync.outer_momentum),
         owned: rule(sync.expert_outer_lr, sync.expert_outer_momentum),
+        norm_preserving: sync.outer_norm_preserving,
     }
 }
 

@@ -956,7 +956,7 @@ fn round_record(
         "evicted": r.evicted, "joined": r.joined, "discarded": r.discarded,
         "bytes_in": io.bytes_in, "bytes_out": io.bytes_out,
         "aggregation_s": aggregation_s, "round_s": round_s, "merge_alpha": r.merge_alpha,
-        "merges": merges, "rejected": io.rejected,
+        "merges": merges, "rejected": io.rejected, "outer_scale": r.outer_scale,
     })
 }
 

@@ -9,7 +9,7 @@
 //! the next round's ownership is rebalanced over the new members ([`Scope::with_members`]).
 
 use crate::delta::{self, RoundDelta, WireForm};
-use crate::outer::{OuterRules, OuterState, Source};
+use crate::outer::{norm_preserving_scale, OuterRules, OuterState, Source};
 use crate::round::{
     all_finite, merge_experts, validate, validate_compressed, validate_delta, Aggregator, Combine,
     Combined, Layout, MergeEvent, MergeSchedule, Named, Scope,
@@ -110,6 +110,8 @@ pub struct RoundReport {
     pub evicted: Vec<usize>,
     /// Nodes that are members from the next round on.
     pub joined: Vec<usize>,
+    /// With `outer.norm_preserving`: the averaged changes' scale, mean over their values.
+    pub outer_scale: Option<f64>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -146,6 +148,15 @@ struct Closing {
     published: Option<RoundDelta>,
     /// The outer optimizer's new momenta, kept only if the round is.
     momenta: Named,
+    /// [`RoundReport::outer_scale`].
+    outer_scale: Option<f64>,
+}
+
+/// A round's aggregator under `rules`: it measures the uploads' spread when the outer step
+/// needs it (norm-preserving scale, delta wires).
+fn aggregator(rules: &RoundRules, scope: Scope) -> Aggregator {
+    let spread = rules.outer.norm_preserving && rules.wire != WireForm::Values;
+    Aggregator::new(scope, rules.combine).with_spread(spread)
 }
 
 const MOMENTUM: &str = "momentum/";
@@ -178,7 +189,7 @@ impl Coordinator {
             })
             .collect();
         Coordinator {
-            agg: Aggregator::new(scope, rules.combine),
+            agg: aggregator(&rules, scope),
             last_delta: None,
             residual: HashMap::new(),
             outer: OuterState::default(),
@@ -361,7 +372,7 @@ impl Coordinator {
             .scope()
             .with_members(&members)
             .expect("join() keeps members within the expert count");
-        self.agg = Aggregator::new(scope, self.rules.combine);
+        self.agg = aggregator(&self.rules, scope);
     }
 
     /// The checks an upload's header allows, before its body is read: peer, round, membership,
@@ -449,10 +460,7 @@ impl Coordinator {
     /// rounds, publishes, evicts and admits members, and opens the next round at `now`.
     pub fn close(&mut self, now: f64) -> RoundReport {
         let scope = self.scope().clone();
-        let agg = std::mem::replace(
-            &mut self.agg,
-            Aggregator::new(scope.clone(), self.rules.combine),
-        );
+        let agg = std::mem::replace(&mut self.agg, aggregator(&self.rules, scope.clone()));
         let peers: Vec<usize> = agg.uploaded().iter().copied().collect();
         let members = scope.members();
         let missing = members
@@ -467,6 +475,7 @@ impl Coordinator {
             mut merges,
             published,
             momenta,
+            outer_scale,
         } = if self.rules.wire != WireForm::Values {
             self.close_deltas(agg.finish_deltas(), merge_alpha)
         } else {
@@ -481,6 +490,7 @@ impl Coordinator {
                 merges,
                 published: None,
                 momenta,
+                outer_scale: None,
             }
         };
         // The published delta decides the model (base + delta, base finite): check it alone.
@@ -537,7 +547,7 @@ impl Coordinator {
             next_scope = next_scope.rotated();
         }
         if next_scope != scope {
-            self.agg = Aggregator::new(next_scope, self.rules.combine);
+            self.agg = aggregator(&self.rules, next_scope);
         }
         let report = RoundReport {
             round: self.round,
@@ -551,6 +561,7 @@ impl Coordinator {
             discarded,
             evicted,
             joined,
+            outer_scale,
         };
         self.round += 1;
         self.opened_at = now;
@@ -568,9 +579,13 @@ impl Coordinator {
     fn close_deltas(&mut self, combined: Combined, merge_alpha: Option<f64>) -> Closing {
         let Combined {
             mut averaged,
+            spread,
+            uploads,
             mut owned,
             mut owned_compressed,
         } = combined;
+        // Σ scale·numel and Σ numel over the averaged changes, for the report.
+        let mut scaled = (0.0, 0.0);
         let merge = merge_alpha.zip(self.rules.merge);
         // An owner's expert is published as sent unless the server changes it.
         let verbatim = merge.is_none() && self.rules.outer.owned.is_average();
@@ -602,7 +617,16 @@ impl Coordinator {
                     change = Some((Source::Owned, c.dense(base)));
                 }
             }
-            let change = change.map(|(source, c)| {
+            let change = change.map(|(source, mut c)| {
+                if let (Source::Averaged, Some(&mean_sq)) = (source, spread.get(name)) {
+                    let norm = c.norm_scalaropt_dtype(2, Kind::Float).double_value(&[]);
+                    let scale = norm_preserving_scale(mean_sq, norm * norm, uploads);
+                    if scale != 1.0 {
+                        c *= scale;
+                    }
+                    scaled.0 += scale * c.numel() as f64;
+                    scaled.1 += c.numel() as f64;
+                }
                 let rule = self.rules.outer.of(source);
                 if rule.is_average() {
                     return c;
@@ -668,6 +692,7 @@ impl Coordinator {
             merges,
             published: Some(out),
             momenta,
+            outer_scale: (scaled.1 > 0.0).then(|| scaled.0 / scaled.1),
         }
     }
 

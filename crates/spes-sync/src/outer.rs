@@ -4,6 +4,12 @@
 //! lr 1 with μ 0 is the plain average of SPES.md §4, the default. Averaged tensors and owned
 //! experts (taken from their owner) have separate rules, since an expert's change is one
 //! node's and not a mean that averaging has shrunk.
+//!
+//! Averaging does shrink: n nodes' AdamW changes agree on the signal but their noise partly
+//! cancels, so the mean moves less than one node's change would, while a centralized step on
+//! the n-fold batch moves as far as one node's (AdamW's steps are about `lr` whatever the
+//! batch) with less noise. [`norm_preserving_scale`] undoes that shrinkage per tensor (a cousin
+//! of FedExP's server extrapolation, Jhunjhunwala et al., ICLR 2023).
 
 use crate::round::Named;
 use std::collections::HashMap;
@@ -45,6 +51,8 @@ pub enum Source {
 pub struct OuterRules {
     pub averaged: OuterRule,
     pub owned: OuterRule,
+    /// Scale each averaged change by [`norm_preserving_scale`] before its rule (delta wires).
+    pub norm_preserving: bool,
 }
 
 impl OuterRules {
@@ -52,6 +60,7 @@ impl OuterRules {
     pub const AVERAGE: OuterRules = OuterRules {
         averaged: OuterRule::AVERAGE,
         owned: OuterRule::AVERAGE,
+        norm_preserving: false,
     };
 
     /// The rule for a change from `source`.
@@ -61,6 +70,19 @@ impl OuterRules {
             Source::Owned => self.owned,
         }
     }
+}
+
+/// The factor that gives a tensor's combined change Δ̄ of `n` uploads back the RMS size of the
+/// uploaded changes Δᵢ, whose squared norms average `mean_sq`: `√(mean_sq / ‖Δ̄‖²)`, clamped to
+/// [1, √n]. Nodes that agree (signal-dominated changes, early training) get 1, plain averaging;
+/// independent noise, whose mean is √n times smaller, gets √n, which is what a centralized
+/// step on the n-fold batch would move in that limit.
+pub fn norm_preserving_scale(mean_sq: f64, combined_sq: f64, n: usize) -> f64 {
+    let most = (n.max(1) as f64).sqrt();
+    if !(combined_sq > 0.0 && mean_sq.is_finite()) {
+        return 1.0;
+    }
+    (mean_sq / combined_sq).sqrt().clamp(1.0, most)
 }
 
 /// Each tensor's momentum, kept only under rules with μ > 0 and carried over server restarts
@@ -187,6 +209,22 @@ mod tests {
             vec(&restored.step("w", rule, t(&[2.0])).change),
             vec(&s3.change)
         );
+    }
+
+    #[test]
+    fn norm_preserving_scale_is_one_for_agreement_and_sqrt_n_for_noise() {
+        // Four identical changes: nothing to undo.
+        assert_eq!(norm_preserving_scale(4.0, 4.0, 4), 1.0);
+        // Four orthogonal unit changes: the mean has norm² 4/16, so the factor is 2 = √4.
+        assert_eq!(norm_preserving_scale(1.0, 0.25, 4), 2.0);
+        // Partly opposed changes would call for more; never beyond √n.
+        assert_eq!(norm_preserving_scale(1.0, 0.01, 4), 2.0);
+        // Between the two.
+        let s = norm_preserving_scale(1.0, 0.5, 4);
+        assert!((s - 2f64.sqrt()).abs() < 1e-12, "{s}");
+        // No change at all, or a single upload: plain averaging.
+        assert_eq!(norm_preserving_scale(0.0, 0.0, 4), 1.0);
+        assert_eq!(norm_preserving_scale(1.0, 0.25, 1), 1.0);
     }
 
     #[test]

@@ -189,6 +189,9 @@ pub struct Aggregator {
     owned_compressed: HashMap<String, (usize, Compressed)>,
     uploaded: BTreeSet<usize>,
     scratch: Scratch,
+    /// With [`Aggregator::with_spread`]: per averaged tensor, the sum over uploads of the
+    /// squared norm of each uploaded delta.
+    spread: Option<HashMap<String, f64>>,
 }
 
 /// An fp32 buffer reused across the tensors of a round.
@@ -214,6 +217,11 @@ impl Scratch {
 pub struct Combined {
     /// Averaged tensors: the combined delta, fp32.
     pub averaged: HashMap<String, Tensor>,
+    /// With [`Aggregator::with_spread`]: per averaged tensor, the mean squared norm of the
+    /// uploaded deltas (empty otherwise).
+    pub spread: HashMap<String, f64>,
+    /// How many uploads were combined.
+    pub uploads: usize,
     /// Tensors taken from their owner: the owner and its bf16 delta, as sent.
     pub owned: HashMap<String, (usize, Tensor)>,
     /// The same for compressed deltas.
@@ -381,6 +389,21 @@ impl Aggregator {
             owned_compressed: HashMap::new(),
             uploaded: BTreeSet::new(),
             scratch: Scratch::default(),
+            spread: None,
+        }
+    }
+
+    /// Also measures how far apart the uploaded deltas of each averaged tensor are
+    /// ([`Combined::spread`]), for the outer step's norm-preserving scale.
+    pub fn with_spread(mut self, on: bool) -> Self {
+        self.spread = on.then(HashMap::new);
+        self
+    }
+
+    fn add_spread(&mut self, name: &str, delta: &Tensor) {
+        if let Some(spread) = &mut self.spread {
+            let norm = delta.norm_scalaropt_dtype(2, Kind::Float).double_value(&[]);
+            *spread.entry(name.to_owned()).or_default() += norm * norm;
         }
     }
 
@@ -409,7 +432,10 @@ impl Aggregator {
                 };
                 if !self.scope.averaged(*role) {
                     self.owned.insert(name.clone(), (peer, t.copy()));
-                } else if self.combine == Combine::Mean {
+                    continue;
+                }
+                self.add_spread(name, &t);
+                if self.combine == Combine::Mean {
                     match self.sums.get_mut(name) {
                         Some(sum) if t.kind() == Kind::Float => {
                             let _ = sum.g_add_(&t);
@@ -462,6 +488,12 @@ impl Aggregator {
     pub fn finish_deltas(self) -> Combined {
         let n = self.uploaded.len();
         let combine = self.combine;
+        let spread = self
+            .spread
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(name, sum)| (name, sum / n.max(1) as f64))
+            .collect();
         let mut averaged: HashMap<String, Tensor> = self
             .sums
             .into_iter()
@@ -477,6 +509,8 @@ impl Aggregator {
         );
         Combined {
             averaged,
+            spread,
+            uploads: n,
             owned: self.owned,
             owned_compressed: self.owned_compressed,
         }
@@ -504,6 +538,9 @@ impl Aggregator {
                     continue;
                 }
                 let zeros = || Tensor::zeros(shape.as_slice(), (Kind::Float, c.device()));
+                if self.spread.is_some() {
+                    self.add_spread(name, &c.dense(&zeros()));
+                }
                 if self.combine == Combine::Mean {
                     let sum = self.sums.entry(name.clone()).or_insert_with(zeros);
                     c.apply_(sum);

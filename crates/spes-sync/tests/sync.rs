@@ -964,6 +964,7 @@ fn the_outer_optimizer_steps_each_change_with_momentum_and_survives_a_restart() 
             momentum: 0.0,
             nesterov: true,
         },
+        norm_preserving: false,
     };
     let theta0 = snapshot(&m);
     let shared = "model.embed_tokens.weight";
@@ -1052,6 +1053,109 @@ fn the_outer_optimizer_steps_each_change_with_momentum_and_survives_a_restart() 
             .unwrap_err()
             .contains("no.such.tensor"));
     }
+}
+
+/// Norm-preserving scale (`outer.norm_preserving`): 4 nodes upload bf16 deltas towards values
+/// 1, −1, 1 and 3 everywhere. Each shared tensor's mean change is scaled by
+/// √(mean ‖Δᵢ‖² / ‖Δ̄‖²), clamped to [1, 2]; owners' experts are published as sent, the report
+/// gives the scale, and a node applying the published round lands on the server's model.
+#[test]
+fn norm_preserving_scale_undoes_what_averaging_shrank() {
+    let m = model(1, 4);
+    let layout = Layout::of(&m);
+    let theta0 = snapshot(&m);
+    let values = [1.0, -1.0, 1.0, 3.0];
+    let shared = "model.embed_tokens.weight";
+    let expert = expert_tensor_name(0, 1, "up_proj"); // node 1's
+    let mut finals = Vec::new();
+    for on in [false, true] {
+        let r = RoundRules {
+            merge: None,
+            wire: WireForm::Bf16Delta,
+            outer: OuterRules {
+                norm_preserving: on,
+                ..OuterRules::AVERAGE
+            },
+            ..rules()
+        };
+        let mut c = coordinator(&m, 4, r, 0.0);
+        let mut deltas: Vec<Named> = Vec::new();
+        for (peer, v) in values.iter().enumerate() {
+            c.join(peer, 100 + peer as u64, false, 0.0).unwrap();
+            let wire: Named = upload(&layout, c.scope(), peer, *v)
+                .into_iter()
+                .map(|(n, t)| {
+                    let d = delta::encode(&t, get(&theta0, &n));
+                    (n, d)
+                })
+                .collect();
+            deltas.push(copy(&wire));
+            let round = c.round();
+            c.upload(peer, 100 + peer as u64, round, wire, 0.5).unwrap();
+        }
+        let report = c.close(1.0);
+        // Each averaged tensor's scale from the uploaded (bf16) deltas themselves.
+        let sq = |t: &Tensor| {
+            t.to_kind(Kind::Double)
+                .square()
+                .sum(Kind::Double)
+                .double_value(&[])
+        };
+        let natural = |name: &str| {
+            let ds: Vec<Tensor> = deltas
+                .iter()
+                .map(|d| get(d, name).to_kind(Kind::Float))
+                .collect();
+            let mean = ds.iter().fold(ds[0].zeros_like(), |a, d| a + d) / 4.0;
+            let mean_sq = ds.iter().map(sq).sum::<f64>() / 4.0;
+            // Changes that cancel exactly (norms at 1 moved by 0, −2, 0, 2) stay unscaled.
+            let scale = match sq(&mean) {
+                0.0 => 1.0,
+                m => (mean_sq / m).sqrt().clamp(1.0, 2.0),
+            };
+            (scale, mean)
+        };
+        let (embed_scale, mean) = natural(shared);
+        assert!(
+            embed_scale > 1.3,
+            "the uploads disagree, so the scale matters: {embed_scale}"
+        );
+        let scale = if on { embed_scale } else { 1.0 };
+        let want = get(&theta0, shared) + &mean * scale;
+        let got = get(c.global().0, shared);
+        let err = (got - &want).abs().max().double_value(&[]);
+        assert!(err < 2e-2, "norm_preserving {on}: off by {err}");
+        // The report: the scales averaged over every averaged value.
+        let (mut sum, mut count) = (0.0, 0.0);
+        for (name, t) in &deltas[0] {
+            if !name.contains(".experts.") {
+                sum += natural(name).0 * t.numel() as f64;
+                count += t.numel() as f64;
+            }
+        }
+        match report.outer_scale {
+            Some(s) if on => assert!(
+                (s - sum / count).abs() < 1e-3,
+                "reported {s}, want {}",
+                sum / count
+            ),
+            None if !on => {}
+            other => panic!("norm_preserving {on}: reported {other:?}"),
+        }
+        // Node 1's expert: its own delta, as sent, whatever the rule.
+        let sent = delta::apply(get(&theta0, &expert), get(&deltas[1], &expert));
+        assert!(get(c.global().0, &expert).equal(&sent));
+        let mut node = copy(&theta0);
+        apply_published(&mut node, c.delta().unwrap(), &Vec::new());
+        for ((name, a), (_, b)) in node.iter().zip(c.global().0) {
+            assert!(
+                a.equal(b),
+                "{name}: a node's model differs from the server's"
+            );
+        }
+        finals.push(copy(c.global().0));
+    }
+    assert!(!get(&finals[0], shared).equal(get(&finals[1], shared)));
 }
 
 #[test]

@@ -143,6 +143,11 @@ pub struct SyncConfig {
     /// its experts back, since the server changes them.
     pub expert_outer_lr: f64,
     pub expert_outer_momentum: f64,
+    /// Before the outer rule, scale each averaged tensor's change back toward the RMS size of
+    /// the nodes' own changes, by √(mean ‖Δᵢ‖² / ‖Δ̄‖²) clamped to [1, √n] (spes-sync's
+    /// `outer::norm_preserving_scale`): averaging cancels part of n nodes' noise and so moves
+    /// less than a centralized step on the n-fold batch. Delta wires only.
+    pub outer_norm_preserving: bool,
     /// SPES: after every this many rounds each expert passes to the next node (peer order), so
     /// every expert trains on every node's data; a node starts fresh AdamW moments for the
     /// experts it receives. 0: fixed ownership (the published algorithm).
@@ -188,6 +193,7 @@ impl Default for SyncConfig {
             outer_nesterov: true,
             expert_outer_lr: 1.0,
             expert_outer_momentum: 0.0,
+            outer_norm_preserving: false,
             rotate_every_rounds: 0,
             decayed_lb: false,
             decayed_lb_start: 0.7,
@@ -434,6 +440,9 @@ impl RunConfig {
                     bail!("{key}_momentum must be in [0, 1), got {momentum}");
                 }
             }
+            if s.outer_norm_preserving && s.wire == Wire::Fp32 {
+                bail!("sync.outer_norm_preserving needs a delta wire (sync.wire = \"bf16_delta\" or a compressed one), not \"fp32\"");
+            }
             if !(s.sparse_density > 0.0 && s.sparse_density <= 0.3) {
                 bail!(
                     "sync.sparse_density must be in (0, 0.3], got {}",
@@ -578,6 +587,21 @@ mod tests {
         let err = spes("sync.outer_momentum=1.0").unwrap_err();
         assert!(
             err.contains("sync.outer_momentum must be in [0, 1)"),
+            "{err}"
+        );
+        let err = spes("sync.outer_norm_preserving=true")
+            .and_then(|_| {
+                let o = [
+                    "sync.mode=spes".into(),
+                    "sync.sync_steps=5".into(),
+                    "sync.wire=fp32".into(),
+                    "sync.outer_norm_preserving=true".into(),
+                ];
+                RunConfig::parse(BASE, &o).map_err(|e| e.to_string())
+            })
+            .unwrap_err();
+        assert!(
+            err.contains("sync.outer_norm_preserving needs a delta wire"),
             "{err}"
         );
         let err = spes("sync.expert_outer_lr=0").unwrap_err();
