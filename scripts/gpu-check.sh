@@ -128,16 +128,18 @@ if [ "$gpus" -ge 2 ]; then
   uses_nccl "$work/dp2.log"
   same "$(losses "$work/dp1")" "$(losses "$work/dp2")" "2 ranks x batch 2 over NCCL vs 1 process x batch 4"
   echo "== scaling: 1b in bf16, tokens/s with 1 and $gpus ranks (each rank 4x2048 tokens per step)"
-  for g in 1 "$gpus"; do
-    "$bin" train --config "$(dirname "$0")/../configs/1b.toml" --device cuda --out "$work/scale-$g" \
+  for run in "1 true" "$gpus true" "$gpus false"; do
+    set -- $run
+    "$bin" train --config "$(dirname "$0")/../configs/1b.toml" --device cuda --out "$work/scale-$1-$2" \
       --set data.path="$work/demo/data" --set train.precision=bf16 --set train.batch_size=4 \
       --set train.seq_len=2048 --set train.max_steps=8 --set train.log_every=1 \
-      --set train.eval_every=1000 --set train.checkpoint_every=1000 --local-ranks "$g" >/dev/null
-    python3 - "$work/scale-$g" "$g" <<'PY'
+      --set train.eval_every=1000 --set train.checkpoint_every=1000 \
+      --set train.overlap_grad_reduce="$2" --local-ranks "$1" >/dev/null
+    python3 - "$work/scale-$1-$2" "$1" "$2" <<'PY'
 import json, sys
 tps = sorted(r["tokens_per_s"] for r in map(json.loads, open(f"{sys.argv[1]}/metrics.jsonl"))
              if "tokens_per_s" in r and r.get("step", 0) > 2)
-print(f"{sys.argv[2]} rank(s): median {tps[len(tps) // 2]:.0f} tokens/s")
+print(f"{sys.argv[2]} rank(s), reduction overlapped with backward: {sys.argv[3]}: median {tps[len(tps) // 2]:.0f} tokens/s")
 PY
   done
 else

@@ -67,6 +67,30 @@ void bucketed(at::Tensor* const* ts, size_t n, size_t bucket_bytes, F&& collecti
   }
 }
 
+// An all-reduce in flight: one c10d Work per flattened bucket, the flat buffers it reduces and
+// the tensors that receive the result.
+struct PendingMean {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<at::Tensor> flats;
+  std::vector<std::vector<at::Tensor>> buckets;
+  int world;
+
+  // Waits for every bucket and copies the means back.
+  void finish() {
+    for (size_t b = 0; b < works.size(); ++b) {
+      works[b]->wait();
+      flats[b].div_(world);
+      int64_t offset = 0;
+      for (auto& t : buckets[b]) {
+        int64_t k = t.numel();
+        t.copy_(flats[b].narrow(0, offset, k).view(t.sizes()));
+        offset += k;
+      }
+    }
+    works.clear();
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -117,6 +141,47 @@ char* spes_ext_pg_all_reduce_mean(void* group, at::Tensor* const* ts, size_t n,
       flat.div_(g->world);
     });
   });
+}
+
+// Starts the all-reduce of spes_ext_pg_all_reduce_mean and returns at once; the tensors get
+// their means in spes_ext_pending_finish. Gloo reduces on its own threads and NCCL on its own
+// stream, so the caller computes meanwhile (the gradients of the next block).
+char* spes_ext_pg_all_reduce_mean_start(void* group, at::Tensor* const* ts, size_t n,
+                                        size_t bucket_bytes, void** out) {
+  return guarded([&] {
+    auto* g = static_cast<Group*>(group);
+    auto* p = new PendingMean{{}, {}, buckets(ts, n, bucket_bytes), g->world};
+    try {
+      for (auto& bucket : p->buckets) {
+        std::vector<at::Tensor> parts;
+        parts.reserve(bucket.size());
+        for (auto& t : bucket) parts.push_back(t.reshape({-1}));
+        p->flats.push_back(at::cat(parts));
+        std::vector<at::Tensor> io{p->flats.back()};
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = c10d::ReduceOp::SUM;
+        p->works.push_back(g->pg->allreduce(io, opts));
+      }
+    } catch (...) {
+      for (auto& w : p->works) {
+        try { w->wait(); } catch (...) {}
+      }
+      delete p;
+      throw;
+    }
+    *out = p;
+  });
+}
+
+// Waits for an all-reduce started above and writes the means; frees it either way.
+char* spes_ext_pending_finish(void* pending) {
+  auto* p = static_cast<PendingMean*>(pending);
+  char* err = guarded([&] { p->finish(); });
+  for (auto& w : p->works) {
+    try { w->wait(); } catch (...) {}
+  }
+  delete p;
+  return err;
 }
 
 // In place on every rank: each tensor becomes root's.

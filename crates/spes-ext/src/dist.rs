@@ -34,6 +34,14 @@ extern "C" {
         bucket_bytes: usize,
     ) -> *mut c_char;
     fn spes_ext_pg_barrier(group: *mut c_void) -> *mut c_char;
+    fn spes_ext_pg_all_reduce_mean_start(
+        group: *mut c_void,
+        ts: *const *const C_tensor,
+        n: usize,
+        bucket_bytes: usize,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
+    fn spes_ext_pending_finish(pending: *mut c_void) -> *mut c_char;
 }
 
 /// The c10d backend that carries a group's collectives.
@@ -132,6 +140,21 @@ impl ProcessGroup {
         })
     }
 
+    /// Starts [`ProcessGroup::all_reduce_mean`] of `ts` and returns while it runs (on Gloo's
+    /// threads or NCCL's stream); the tensors hold their means once [`PendingMean::finish`]
+    /// returns, and must not be touched before. Every rank starts the same lists in the same
+    /// order.
+    pub fn start_all_reduce_mean(&self, ts: &[Tensor]) -> Result<PendingMean, ExtError> {
+        let h = handles(ts);
+        let mut raw: *mut c_void = std::ptr::null_mut();
+        // SAFETY: live group, n live tensor handles and an out-pointer for the call; the
+        // pending reduce holds its own references to the tensors.
+        check("all_reduce", unsafe {
+            spes_ext_pg_all_reduce_mean_start(self.raw, h.as_ptr(), h.len(), BUCKET_BYTES, &mut raw)
+        })?;
+        Ok(PendingMean { raw })
+    }
+
     /// Replaces every tensor, in place, by rank `root`'s.
     pub fn broadcast(&self, ts: &[Tensor], root: usize) -> Result<(), ExtError> {
         let h = handles(ts);
@@ -152,5 +175,32 @@ impl Drop for ProcessGroup {
     fn drop(&mut self) {
         // SAFETY: `raw` came from spes_ext_pg_new and is freed once.
         unsafe { spes_ext_pg_free(self.raw) }
+    }
+}
+
+/// An all-reduce in flight, from [`ProcessGroup::start_all_reduce_mean`]. Dropping it waits for
+/// it and discards its error.
+pub struct PendingMean {
+    raw: *mut c_void,
+}
+
+// SAFETY: as for ProcessGroup: used from one thread at a time.
+unsafe impl Send for PendingMean {}
+
+impl PendingMean {
+    /// Waits for the reduce and writes each tensor's mean into it.
+    pub fn finish(mut self) -> Result<(), ExtError> {
+        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        // SAFETY: `raw` came from spes_ext_pg_all_reduce_mean_start and is consumed once.
+        check("all_reduce", unsafe { spes_ext_pending_finish(raw) })
+    }
+}
+
+impl Drop for PendingMean {
+    fn drop(&mut self) {
+        if !self.raw.is_null() {
+            // SAFETY: as in finish; the error is dropped with the value.
+            let _ = check("all_reduce", unsafe { spes_ext_pending_finish(self.raw) });
+        }
     }
 }

@@ -71,6 +71,39 @@ fn all_reduce_mean_and_broadcast_reach_every_tensor() {
     }
 }
 
+/// Reduces started one after another run while the caller works, and each lands when finished.
+#[test]
+fn started_reduces_land_when_finished() {
+    let out = two_ranks(Duration::from_secs(30), |g| {
+        let r = g.rank() as f64;
+        let first = [
+            Tensor::full([1000], r, (Kind::Float, Device::Cpu)),
+            Tensor::full([7], 2.0 * r, (Kind::Float, Device::Cpu)),
+        ];
+        let second = [Tensor::full([3], 4.0 + r, (Kind::Float, Device::Cpu))];
+        let a = g.start_all_reduce_mean(&first).unwrap();
+        let b = g.start_all_reduce_mean(&second).unwrap();
+        // Work meanwhile; the started tensors are not touched.
+        let busy = Tensor::ones([64, 64], (Kind::Float, Device::Cpu))
+            .matmul(&Tensor::ones([64, 64], (Kind::Float, Device::Cpu)));
+        a.finish().unwrap();
+        b.finish().unwrap();
+        let v = |t: &Tensor| Vec::<f64>::try_from(&t.to_kind(Kind::Double).reshape([-1])).unwrap();
+        (
+            v(&first[0]),
+            v(&first[1]),
+            v(&second[0]),
+            busy.double_value(&[0, 0]),
+        )
+    });
+    for (a, b, c, busy) in out {
+        assert_eq!(a, vec![0.5; 1000]);
+        assert_eq!(b, vec![1.0; 7]);
+        assert_eq!(c, vec![4.5; 3]);
+        assert_eq!(busy, 64.0);
+    }
+}
+
 /// A rank that never joins a collective makes the other's call fail after the timeout, as an
 /// error rather than a hang or an abort.
 #[test]
@@ -126,7 +159,8 @@ fn nccl_runs_the_collectives_on_gpus_and_is_a_clear_error_without() {
             Tensor::full([3, 2], r + 1.0, (Kind::Float, dev)),
             Tensor::full([5], 10.0 * r, (Kind::BFloat16, dev)),
         ];
-        g.all_reduce_mean(&ts).unwrap();
+        // Started and finished: the reduce runs on NCCL's stream.
+        g.start_all_reduce_mean(&ts).unwrap().finish().unwrap();
         let b = [Tensor::full([4], r + 7.0, (Kind::Float, dev))];
         g.broadcast(&b, world - 1).unwrap();
         g.barrier().unwrap();

@@ -7,5 +7,5 @@ pub mod model;
 pub use config::{ModelConfig, NormPlacement, ParamCounts, QkNorm, PRESETS};
 pub use model::{
     expert_tensor_name, load_balancing_loss, LossWeights, Losses, MoeKernel, MoeModel, Param, Role,
-    EXPERT_PARTS,
+    Stage, EXPERT_PARTS,
 };

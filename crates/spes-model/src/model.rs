@@ -153,6 +153,25 @@ pub struct RouterAux {
     pub expert_counts: Tensor,
 }
 
+/// Where a parameter's gradient is completed in [`MoeModel::backward_in_stages`], which
+/// runs them in the order head, `Block(L−1)` … `Block(0)`, embedding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stage {
+    /// The final norm and the LM head.
+    Head,
+    /// Block (layer) `l`: its norms, attention, router and experts.
+    Block(usize),
+    /// The token embedding.
+    Embedding,
+}
+
+/// A block's part of a staged backward pass: its input, and, unless it is recomputed
+/// (checkpointing), its output and MoE statistics with their graph.
+struct BlockTape {
+    input: Tensor,
+    graph: Option<(Tensor, MoeOutput)>,
+}
+
 /// One MoE layer's output and router statistics.
 struct MoeOutput {
     /// `[N, d]` in fp32.
@@ -467,49 +486,97 @@ impl MoeModel {
         scale: f64,
         checkpoint: bool,
     ) -> Losses {
+        if checkpoint {
+            return self.backward_in_stages(batch, w, scale, true, &mut |_| {});
+        }
+        let t = batch.size()[1] - 1;
+        let inputs = batch.narrow(1, 0, t);
+        let targets = batch.narrow(1, 1, t).reshape([-1]);
+        let (h, aux) = self.trunk(&inputs);
+        let h = h.view([-1, self.cfg.d_model as i64]);
+        let head = self.head_losses(&h, &targets, w.z_loss, Some(scale));
+        let objective = head.surrogate + (&aux.lb * w.lb + &aux.router_z * w.router_z) * scale;
+        run_backward(&objective);
+        Losses::new(head.ce, head.z_loss, aux, w)
+    }
+
+    /// [`MoeModel::backward`] one stage at a time from the top: head, blocks from the last,
+    /// embedding. `ready(stage)` is called as soon as the gradients of that stage's parameters
+    /// ([`MoeModel::stage_of`]) are complete, so a caller can reduce them while the stages below
+    /// compute. Each block is given the gradient of its output (`Σ out·g` has gradient g):
+    /// recomputed with `checkpoint`, else from the graph its forward kept, cut from its
+    /// neighbours' so that it runs alone.
+    pub fn backward_in_stages(
+        &self,
+        batch: &Tensor,
+        w: &LossWeights,
+        scale: f64,
+        checkpoint: bool,
+        ready: &mut dyn FnMut(Stage),
+    ) -> Losses {
         let t = batch.size()[1] - 1;
         let inputs = batch.narrow(1, 0, t);
         let targets = batch.narrow(1, 1, t).reshape([-1]);
         let d = self.cfg.d_model as i64;
-        if !checkpoint {
-            let (h, aux) = self.trunk(&inputs);
-            let head = self.head_losses(&h.view([-1, d]), &targets, w.z_loss, Some(scale));
-            let objective = head.surrogate + (&aux.lb * w.lb + &aux.router_z * w.router_z) * scale;
-            run_backward(&objective);
-            return Losses::new(head.ce, head.z_loss, aux, w);
-        }
-        // Forward without a graph, keeping each block's input.
         let (cos, sin) = self.rope(&inputs);
-        let (block_inputs, aux, last) = tch::no_grad(|| {
-            let mut x = Tensor::embedding(&self.embed, &inputs, -1, false, false);
-            let mut kept = Vec::with_capacity(self.layers.len());
-            let mut moes = Vec::with_capacity(self.layers.len());
-            for layer in &self.layers {
-                let (y, moe) = self.block(layer, &x, &cos, &sin);
-                kept.push(std::mem::replace(&mut x, y));
-                moes.push(moe);
-            }
-            (kept, router_aux(moes), x)
-        });
-        // Head and final norm, then each block from the top, each recomputed with a graph and
-        // given the gradient of its output (`Σ out·g` has gradient g).
-        let x = last.set_requires_grad(true);
+        let mut x = tch::no_grad(|| Tensor::embedding(&self.embed, &inputs, -1, false, false));
+        let mut tapes = Vec::with_capacity(self.layers.len());
+        let mut stats = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let (tape, y) = if checkpoint {
+                let (y, moe) = tch::no_grad(|| self.block(layer, &x, &cos, &sin));
+                stats.push(moe.detached());
+                (
+                    BlockTape {
+                        input: x,
+                        graph: None,
+                    },
+                    y,
+                )
+            } else {
+                let input = x.set_requires_grad(true);
+                let (y, moe) = self.block(layer, &input, &cos, &sin);
+                stats.push(moe.detached());
+                let cut = y.detach();
+                // The MoE output is in the graph already; the tape keeps the losses.
+                let graph = Some((
+                    y,
+                    MoeOutput {
+                        y: Tensor::new(),
+                        ..moe
+                    },
+                ));
+                (BlockTape { input, graph }, cut)
+            };
+            tapes.push(tape);
+            x = y;
+        }
+        let x = x.set_requires_grad(true);
         let h = rms_norm(&x, &self.final_norm, self.cfg.norm_eps);
         let head = self.head_losses(&h.view([-1, d]), &targets, w.z_loss, Some(scale));
         run_backward(&head.surrogate);
+        ready(Stage::Head);
         let mut g = x.grad();
         let per_layer_lb = w.lb / self.layers.len() as f64;
-        for (layer, input) in self.layers.iter().zip(block_inputs).rev() {
-            let x = input.set_requires_grad(true);
-            let (y, moe) = self.block(layer, &x, &cos, &sin);
+        for (l, (layer, tape)) in self.layers.iter().zip(tapes).enumerate().rev() {
+            let (x, (y, moe)) = match tape.graph {
+                Some(graph) => (tape.input, graph),
+                None => {
+                    let x = tape.input.set_requires_grad(true);
+                    let out = self.block(layer, &x, &cos, &sin);
+                    (x, out)
+                }
+            };
             let objective = (&y * &g).sum(Kind::Float)
                 + (moe.lb * per_layer_lb + moe.router_z * w.router_z) * scale;
             run_backward(&objective);
+            ready(Stage::Block(l));
             g = x.grad();
         }
         let embedded = Tensor::embedding(&self.embed, &inputs, -1, false, false);
         run_backward(&(embedded * g).sum(Kind::Float));
-        Losses::new(head.ce, head.z_loss, aux, w)
+        ready(Stage::Embedding);
+        Losses::new(head.ce, head.z_loss, router_aux(stats), w)
     }
 
     /// The loss parts of a `[B, T+1]` window batch without any gradient (validation), with the
@@ -645,6 +712,18 @@ impl MoeModel {
     fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
         x.to_kind(self.compute)
             .matmul(&w.to_kind(self.compute).tr())
+    }
+
+    /// The stage of [`MoeModel::backward_in_stages`] that completes the gradient of the
+    /// parameter named `name` (as [`MoeModel::params`] names it).
+    pub fn stage_of(name: &str) -> Stage {
+        if name.starts_with("model.embed_tokens.") {
+            return Stage::Embedding;
+        }
+        name.strip_prefix("model.layers.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|l| l.parse().ok())
+            .map_or(Stage::Head, Stage::Block)
     }
 
     /// Every parameter, in a fixed order, by its Hugging Face OLMoE name and SPES role.
@@ -811,6 +890,18 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
 fn run_backward(objective: &Tensor) {
     if objective.requires_grad() {
         objective.backward();
+    }
+}
+
+impl MoeOutput {
+    /// The statistics without their graph (the output itself is not needed).
+    fn detached(&self) -> MoeOutput {
+        MoeOutput {
+            y: Tensor::new(),
+            lb: self.lb.detach(),
+            router_z: self.router_z.detach(),
+            counts: self.counts.shallow_clone(),
+        }
     }
 }
 

@@ -1,5 +1,6 @@
 use spes_model::{
-    load_balancing_loss, LossWeights, ModelConfig, MoeKernel, MoeModel, NormPlacement, QkNorm, Role,
+    load_balancing_loss, LossWeights, ModelConfig, MoeKernel, MoeModel, NormPlacement, QkNorm,
+    Role, Stage,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -389,10 +390,11 @@ fn chunked_head_loss_matches_full_logits() {
     assert_close(&take_grads(&m), &reference, 1e-5, "chunked head");
 }
 
-/// Activation checkpointing recomputes each block in backward: same losses, and every
-/// gradient within 1e-6 relative, with pre- and post-norm blocks and frozen experts.
+/// Activation checkpointing recomputes each block in backward, and the staged backward runs
+/// one stage at a time (for reductions overlapped with it): same losses, and every gradient
+/// within 1e-6 relative, with pre- and post-norm blocks and frozen experts.
 #[test]
-fn activation_checkpointing_gives_the_same_gradients() {
+fn checkpointed_and_staged_backward_give_the_same_gradients() {
     for placement in [NormPlacement::Pre, NormPlacement::Post] {
         tch::manual_seed(7);
         let cfg = ModelConfig {
@@ -415,6 +417,33 @@ fn activation_checkpointing_gives_the_same_gradients() {
         // Frozen experts get no gradient (a trainable one may get none if no token reached it).
         for p in m.params().into_iter().filter(|p| !p.tensor.requires_grad()) {
             assert!(!p.tensor.grad().defined(), "{}", p.name);
+        }
+        // In stages, with or without checkpointing: each stage's gradients are final when it
+        // is announced, stages come from the top, and the losses and gradients are the same.
+        for checkpoint in [false, true] {
+            let mut order = Vec::new();
+            let staged = m.backward_in_stages(&batch, &W, 1.0, checkpoint, &mut |stage| {
+                for p in m.params() {
+                    let g = p.tensor.grad();
+                    if MoeModel::stage_of(&p.name) == stage && g.defined() {
+                        let (_, want) = reference.iter().find(|(n, _)| *n == p.name).unwrap();
+                        let diff = (&g - want).abs().max().double_value(&[]);
+                        let scale = want.abs().max().double_value(&[]).max(1e-12);
+                        assert!(diff <= 1e-6 * scale, "{} at {stage:?}", p.name);
+                    }
+                }
+                order.push(stage);
+            });
+            let layers = cfg.n_layers;
+            let mut want = vec![Stage::Head];
+            want.extend((0..layers).rev().map(Stage::Block));
+            want.push(Stage::Embedding);
+            assert_eq!(order, want);
+            assert_eq!(
+                staged.total.double_value(&[]),
+                plain.total.double_value(&[])
+            );
+            assert_close(&take_grads(&m), &reference, 1e-6, "in stages");
         }
     }
 }

@@ -260,6 +260,9 @@ pub struct TrainConfig {
     /// Keep only each block's input through the forward pass and recompute the block during
     /// backward: activation memory of one block instead of all, for ~1/3 more compute.
     pub activation_checkpointing: bool,
+    /// Data parallel: average each block's gradients over the ranks while the blocks below are
+    /// still in backward (the model's staged backward), instead of all of them after it.
+    pub overlap_grad_reduce: bool,
     /// How MoE layers run their experts: `auto`, `loop` or `grouped`.
     pub moe_kernel: MoeKernelChoice,
     /// Keep experts this process does not train as bf16 copies on the device, their exact
@@ -302,6 +305,7 @@ impl Default for TrainConfig {
             router_z_loss_weight: 0.001,
             precision: Precision::Auto,
             activation_checkpointing: false,
+            overlap_grad_reduce: true,
             moe_kernel: MoeKernelChoice::Auto,
             frozen_experts_bf16: None,
             seed: 0,

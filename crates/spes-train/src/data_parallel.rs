@@ -11,10 +11,10 @@
 
 use crate::optim::{AdamW, Moments, Retarget};
 use anyhow::{bail, Context, Result};
-use spes_ext::dist::ProcessGroup;
 pub use spes_ext::dist::{Backend, Rendezvous};
+use spes_ext::dist::{PendingMean, ProcessGroup};
 pub use spes_ext::nccl;
-use spes_model::Param;
+use spes_model::{MoeModel, Param, Stage};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use tch::{Device, Kind, Tensor};
@@ -27,6 +27,8 @@ pub struct DataParallel {
     trained: Vec<Tensor>,
     /// For each, the rank that holds its AdamW moments and updates it.
     owner: Vec<usize>,
+    /// For each, the stage of the staged backward that completes its gradient.
+    stage: Vec<Stage>,
     /// Where this rank's tensors live (small control messages go there too).
     device: Device,
 }
@@ -97,6 +99,7 @@ impl DataParallel {
             names: Vec::new(),
             trained: Vec::new(),
             owner: Vec::new(),
+            stage: Vec::new(),
             device,
         })
     }
@@ -107,6 +110,7 @@ impl DataParallel {
         let sizes: Vec<i64> = trainable.iter().map(|p| p.tensor.numel() as i64).collect();
         self.owner = partition(&sizes, self.world());
         self.names = trainable.iter().map(|p| p.name.clone()).collect();
+        self.stage = self.names.iter().map(|n| MoeModel::stage_of(n)).collect();
         self.trained = trainable.iter().map(|p| p.tensor.shallow_clone()).collect();
         let me = self.rank();
         trainable
@@ -259,6 +263,24 @@ impl DataParallel {
             zero.backward();
         }
         self.average(&self.grads())
+    }
+
+    /// Starts averaging the gradients of the trainable tensors of `stage`, which the staged
+    /// backward has just completed (zero ones for tensors no local token reached, as
+    /// [`DataParallel::average_gradients`]); the reduce runs while backward goes on.
+    pub fn start_stage(&self, stage: Stage) -> Result<PendingMean> {
+        let tensors: Vec<&Tensor> = (0..self.trained.len())
+            .filter(|&i| self.stage[i] == stage)
+            .map(|i| &self.trained[i])
+            .collect();
+        let missing: Vec<&&Tensor> = tensors.iter().filter(|p| !p.grad().defined()).collect();
+        if !missing.is_empty() {
+            let zero: Tensor = missing.iter().map(|p| (**p * 0.0).sum(Kind::Float)).sum();
+            zero.backward();
+        }
+        let grads: Vec<Tensor> = tensors.iter().map(|p| p.grad()).collect();
+        tch::no_grad(|| self.group.start_all_reduce_mean(&grads))
+            .with_context(|| format!("rank {}: all-reduce of {stage:?}", self.rank()))
     }
 
     fn grads(&self) -> Vec<Tensor> {

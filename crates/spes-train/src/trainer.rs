@@ -48,6 +48,8 @@ pub struct StepOptions {
     pub grad_clip: f64,
     /// Recompute blocks during backward (activation checkpointing).
     pub checkpoint: bool,
+    /// Data parallel: reduce each stage's gradients as soon as backward completes them.
+    pub overlap_reduce: bool,
 }
 
 impl StepOptions {
@@ -60,6 +62,7 @@ impl StepOptions {
             },
             grad_clip: t.grad_clip,
             checkpoint: t.activation_checkpointing,
+            overlap_reduce: t.overlap_grad_reduce,
         }
     }
 }
@@ -440,10 +443,26 @@ pub fn step_on_batches(
     // Loss parts stay on the device until one read at the end: a read is a GPU sync.
     let mut sums: Option<Tensor> = None;
     let mut tokens = 0;
-    for batch in batches {
+    // Data parallel: the last batch's gradients are averaged stage by stage while its backward
+    // runs on (the earlier batches only accumulate).
+    let mut reducing = Vec::new();
+    let mut failed = None;
+    for (i, batch) in batches.iter().enumerate() {
         let (rows, cols) = batch.size2().expect("batch is [rows, seq+1]");
         tokens += (rows * (cols - 1)) as u64;
-        let l = model.backward(batch, &o.weights, 1.0 / n, o.checkpoint);
+        let l = match dp.filter(|_| o.overlap_reduce && i + 1 == batches.len()) {
+            Some(dp) => {
+                model.backward_in_stages(batch, &o.weights, 1.0 / n, o.checkpoint, &mut |stage| {
+                    if failed.is_none() {
+                        match dp.start_stage(stage) {
+                            Ok(p) => reducing.push(p),
+                            Err(e) => failed = Some(e),
+                        }
+                    }
+                })
+            }
+            None => model.backward(batch, &o.weights, 1.0 / n, o.checkpoint),
+        };
         let parts = Tensor::stack(&[&l.total, &l.ce, &l.z_loss, &l.lb, &l.router_z], 0) / n;
         sums = Some(match sums.take() {
             Some(acc) => acc + parts,
@@ -459,7 +478,16 @@ pub fn step_on_batches(
             norm
         }
         Some(dp) => {
-            dp.average_gradients()?;
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            if reducing.is_empty() {
+                dp.average_gradients()?;
+            }
+            for p in reducing {
+                p.finish()
+                    .with_context(|| format!("rank {}: all-reduce", dp.rank()))?;
+            }
             dp.average(std::slice::from_mut(&mut sums))?;
             tokens *= dp.world() as u64;
             let norm = dp.clip_grad_norm(o.grad_clip)?;
