@@ -21,6 +21,7 @@ using spes_ext::guarded;
 struct Group {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> pg;
+  int rank;
   int world;
 };
 
@@ -67,18 +68,20 @@ void bucketed(at::Tensor* const* ts, size_t n, size_t bucket_bytes, F&& collecti
   }
 }
 
-// An all-reduce in flight: one c10d Work per flattened bucket, the flat buffers it reduces and
-// the tensors that receive the result.
+// A reduce in flight: one c10d Work per flattened bucket, the flat buffers it reduces and
+// the tensors that receive the result (on every rank, or only on the root of a reduce).
 struct PendingMean {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> flats;
   std::vector<std::vector<at::Tensor>> buckets;
   int world;
+  bool receives;
 
   // Waits for every bucket and copies the means back.
   void finish() {
     for (size_t b = 0; b < works.size(); ++b) {
       works[b]->wait();
+      if (!receives) continue;
       flats[b].div_(world);
       int64_t offset = 0;
       for (auto& t : buckets[b]) {
@@ -122,35 +125,24 @@ char* spes_ext_pg_new(const char* host, int port, int rank, int world, int64_t t
       opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
       pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, opts);
     }
-    *out = new Group{store, pg, world};
+    *out = new Group{store, pg, rank, world};
   });
 }
 
 void spes_ext_pg_free(void* group) { delete static_cast<Group*>(group); }
 
-// In place on every rank: each tensor becomes the mean of that tensor over the ranks.
-char* spes_ext_pg_all_reduce_mean(void* group, at::Tensor* const* ts, size_t n,
-                                  size_t bucket_bytes) {
-  return guarded([&] {
-    auto* g = static_cast<Group*>(group);
-    bucketed(ts, n, bucket_bytes, [&](at::Tensor& flat) {
-      std::vector<at::Tensor> io{flat};
-      c10d::AllreduceOptions opts;
-      opts.reduceOp = c10d::ReduceOp::SUM;
-      g->pg->allreduce(io, opts)->wait();
-      flat.div_(g->world);
-    });
-  });
-}
-
-// Starts the all-reduce of spes_ext_pg_all_reduce_mean and returns at once; the tensors get
-// their means in spes_ext_pending_finish. Gloo reduces on its own threads and NCCL on its own
+// Starts averaging the tensors over the ranks and returns at once: an all-reduce when root < 0
+// (every rank gets the means), else a reduce to rank `root` (only it gets them, for half an
+// all-reduce's traffic; the others' tensors are left as they were). The tensors get their
+// means in spes_ext_pending_finish. Gloo reduces on its own threads and NCCL on its own
 // stream, so the caller computes meanwhile (the gradients of the next block).
-char* spes_ext_pg_all_reduce_mean_start(void* group, at::Tensor* const* ts, size_t n,
-                                        size_t bucket_bytes, void** out) {
+char* spes_ext_pg_reduce_mean_start(void* group, at::Tensor* const* ts, size_t n, int root,
+                                    size_t bucket_bytes, void** out) {
   return guarded([&] {
     auto* g = static_cast<Group*>(group);
-    auto* p = new PendingMean{{}, {}, buckets(ts, n, bucket_bytes), g->world};
+    if (root >= g->world) throw std::invalid_argument("reduce: root is not a rank of the group");
+    bool receives = root < 0 || root == g->rank;
+    auto* p = new PendingMean{{}, {}, buckets(ts, n, bucket_bytes), g->world, receives};
     try {
       for (auto& bucket : p->buckets) {
         std::vector<at::Tensor> parts;
@@ -158,9 +150,16 @@ char* spes_ext_pg_all_reduce_mean_start(void* group, at::Tensor* const* ts, size
         for (auto& t : bucket) parts.push_back(t.reshape({-1}));
         p->flats.push_back(at::cat(parts));
         std::vector<at::Tensor> io{p->flats.back()};
-        c10d::AllreduceOptions opts;
-        opts.reduceOp = c10d::ReduceOp::SUM;
-        p->works.push_back(g->pg->allreduce(io, opts));
+        if (root < 0) {
+          c10d::AllreduceOptions opts;
+          opts.reduceOp = c10d::ReduceOp::SUM;
+          p->works.push_back(g->pg->allreduce(io, opts));
+        } else {
+          c10d::ReduceOptions opts;
+          opts.reduceOp = c10d::ReduceOp::SUM;
+          opts.rootRank = root;
+          p->works.push_back(g->pg->reduce(io, opts));
+        }
       }
     } catch (...) {
       for (auto& w : p->works) {
@@ -173,7 +172,7 @@ char* spes_ext_pg_all_reduce_mean_start(void* group, at::Tensor* const* ts, size
   });
 }
 
-// Waits for an all-reduce started above and writes the means; frees it either way.
+// Waits for a reduce started above and writes the means; frees it either way.
 char* spes_ext_pending_finish(void* pending) {
   auto* p = static_cast<PendingMean*>(pending);
   char* err = guarded([&] { p->finish(); });

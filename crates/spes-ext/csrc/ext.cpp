@@ -63,6 +63,26 @@ char* spes_ext_clip_grad_norm(at::Tensor* const* grads, size_t n, double max_nor
   });
 }
 
+// *out receives the sum of the tensors' squared L2 norms as a new fp32 scalar tensor on their
+// device: one rank's part of a global norm when the tensors are split among ranks.
+char* spes_ext_sq_norm(at::Tensor* const* ts, size_t n, at::Tensor** out) {
+  return guarded([&] {
+    auto norms = at::_foreach_norm(tensors(ts, n), 2, at::kFloat);
+    *out = new at::Tensor(at::stack(norms).square().sum());
+  });
+}
+
+// Scales the tensors in place by min(1, max_norm / (norm + 1e-6)), as spes_ext_clip_grad_norm
+// does, for a global `norm` computed elsewhere (a 0-d tensor on their device).
+char* spes_ext_clip_to_norm(at::Tensor* const* ts, size_t n, const at::Tensor* norm,
+                            double max_norm) {
+  return guarded([&] {
+    if (n == 0) return;
+    auto coef = at::clamp_max(at::reciprocal((*norm + 1e-6) / max_norm), 1.0);
+    at::_foreach_mul_(tensors(ts, n), coef);
+  });
+}
+
 // Adds value to every tensor in place.
 char* spes_ext_add_scalar(at::Tensor* const* ts, size_t n, double value) {
   return guarded([&] {

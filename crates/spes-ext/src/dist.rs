@@ -20,12 +20,6 @@ extern "C" {
         out: *mut *mut c_void,
     ) -> *mut c_char;
     fn spes_ext_pg_free(group: *mut c_void);
-    fn spes_ext_pg_all_reduce_mean(
-        group: *mut c_void,
-        ts: *const *const C_tensor,
-        n: usize,
-        bucket_bytes: usize,
-    ) -> *mut c_char;
     fn spes_ext_pg_broadcast(
         group: *mut c_void,
         ts: *const *const C_tensor,
@@ -34,10 +28,11 @@ extern "C" {
         bucket_bytes: usize,
     ) -> *mut c_char;
     fn spes_ext_pg_barrier(group: *mut c_void) -> *mut c_char;
-    fn spes_ext_pg_all_reduce_mean_start(
+    fn spes_ext_pg_reduce_mean_start(
         group: *mut c_void,
         ts: *const *const C_tensor,
         n: usize,
+        root: i32,
         bucket_bytes: usize,
         out: *mut *mut c_void,
     ) -> *mut c_char;
@@ -133,11 +128,7 @@ impl ProcessGroup {
     /// Replaces every tensor, in place, by its mean over the ranks. Every rank passes the
     /// same list (shapes, dtypes, order).
     pub fn all_reduce_mean(&self, ts: &[Tensor]) -> Result<(), ExtError> {
-        let h = handles(ts);
-        // SAFETY: live group and n live tensor handles for the call.
-        check("all_reduce", unsafe {
-            spes_ext_pg_all_reduce_mean(self.raw, h.as_ptr(), h.len(), BUCKET_BYTES)
-        })
+        self.start_all_reduce_mean(ts)?.finish()
     }
 
     /// Starts [`ProcessGroup::all_reduce_mean`] of `ts` and returns while it runs (on Gloo's
@@ -145,14 +136,37 @@ impl ProcessGroup {
     /// returns, and must not be touched before. Every rank starts the same lists in the same
     /// order.
     pub fn start_all_reduce_mean(&self, ts: &[Tensor]) -> Result<PendingMean, ExtError> {
+        self.start_mean(ts, -1, "all_reduce")
+    }
+
+    /// As [`ProcessGroup::start_all_reduce_mean`], but only rank `root` receives the means
+    /// (c10d's reduce: half an all-reduce's traffic); on the other ranks the tensors keep
+    /// their values. ZeRO's reduce-scatter, with each rank the root of the tensors it owns.
+    pub fn start_reduce_mean(&self, ts: &[Tensor], root: usize) -> Result<PendingMean, ExtError> {
+        self.start_mean(ts, root as i32, "reduce")
+    }
+
+    fn start_mean(
+        &self,
+        ts: &[Tensor],
+        root: i32,
+        op: &'static str,
+    ) -> Result<PendingMean, ExtError> {
         let h = handles(ts);
         let mut raw: *mut c_void = std::ptr::null_mut();
         // SAFETY: live group, n live tensor handles and an out-pointer for the call; the
         // pending reduce holds its own references to the tensors.
-        check("all_reduce", unsafe {
-            spes_ext_pg_all_reduce_mean_start(self.raw, h.as_ptr(), h.len(), BUCKET_BYTES, &mut raw)
+        check(op, unsafe {
+            spes_ext_pg_reduce_mean_start(
+                self.raw,
+                h.as_ptr(),
+                h.len(),
+                root,
+                BUCKET_BYTES,
+                &mut raw,
+            )
         })?;
-        Ok(PendingMean { raw })
+        Ok(PendingMean { raw, op })
     }
 
     /// Replaces every tensor, in place, by rank `root`'s.
@@ -178,21 +192,22 @@ impl Drop for ProcessGroup {
     }
 }
 
-/// An all-reduce in flight, from [`ProcessGroup::start_all_reduce_mean`]. Dropping it waits for
-/// it and discards its error.
+/// A reduce in flight, from [`ProcessGroup::start_all_reduce_mean`] or
+/// [`ProcessGroup::start_reduce_mean`]. Dropping it waits for it and discards its error.
 pub struct PendingMean {
     raw: *mut c_void,
+    op: &'static str,
 }
 
 // SAFETY: as for ProcessGroup: used from one thread at a time.
 unsafe impl Send for PendingMean {}
 
 impl PendingMean {
-    /// Waits for the reduce and writes each tensor's mean into it.
+    /// Waits for the reduce and writes each tensor's mean into it (on the ranks that receive).
     pub fn finish(mut self) -> Result<(), ExtError> {
         let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
-        // SAFETY: `raw` came from spes_ext_pg_all_reduce_mean_start and is consumed once.
-        check("all_reduce", unsafe { spes_ext_pending_finish(raw) })
+        // SAFETY: `raw` came from spes_ext_pg_reduce_mean_start and is consumed once.
+        check(self.op, unsafe { spes_ext_pending_finish(raw) })
     }
 }
 
@@ -200,7 +215,7 @@ impl Drop for PendingMean {
     fn drop(&mut self) {
         if !self.raw.is_null() {
             // SAFETY: as in finish; the error is dropped with the value.
-            let _ = check("all_reduce", unsafe { spes_ext_pending_finish(self.raw) });
+            let _ = check(self.op, unsafe { spes_ext_pending_finish(self.raw) });
         }
     }
 }

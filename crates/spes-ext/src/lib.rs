@@ -67,6 +67,17 @@ mod ffi {
             max_norm: f64,
             total: *mut *mut C_tensor,
         ) -> *mut c_char;
+        pub fn spes_ext_sq_norm(
+            ts: *const *const C_tensor,
+            n: usize,
+            out: *mut *mut C_tensor,
+        ) -> *mut c_char;
+        pub fn spes_ext_clip_to_norm(
+            ts: *const *const C_tensor,
+            n: usize,
+            norm: *const C_tensor,
+            max_norm: f64,
+        ) -> *mut c_char;
         pub fn spes_ext_zero(ts: *const *const C_tensor, n: usize) -> *mut c_char;
         pub fn spes_ext_add_scalar(ts: *const *const C_tensor, n: usize, value: f64)
             -> *mut c_char;
@@ -148,6 +159,32 @@ pub fn clip_grad_norm(grads: &[Tensor], max_norm: f64) -> Result<Tensor, ExtErro
     check("clip_grad_norm", message)?;
     // SAFETY: `total` is a fresh `at::Tensor*` we now own; tch frees it on drop.
     Ok(unsafe { Tensor::from_ptr(total) })
+}
+
+/// The sum of the tensors' squared L2 norms, an fp32 scalar on their device: one rank's part
+/// of the global norm when gradients are split among ranks. `None` for an empty list.
+pub fn sq_norm(ts: &[Tensor]) -> Result<Option<Tensor>, ExtError> {
+    if ts.is_empty() {
+        return Ok(None);
+    }
+    let h = handles(ts);
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: n live handles; on success the shim stores a new heap tensor in `out`.
+    check("sq_norm", unsafe {
+        ffi::spes_ext_sq_norm(h.as_ptr(), h.len(), &mut out)
+    })?;
+    // SAFETY: `out` is a fresh `at::Tensor*` we now own; tch frees it on drop.
+    Ok(Some(unsafe { Tensor::from_ptr(out) }))
+}
+
+/// Scales `grads` in place as [`clip_grad_norm`] does, for a global `norm` (a scalar tensor
+/// on their device) computed elsewhere, e.g. from every rank's [`sq_norm`].
+pub fn clip_to_norm(grads: &[Tensor], norm: &Tensor, max_norm: f64) -> Result<(), ExtError> {
+    let h = handles(grads);
+    // SAFETY: n live handles and a live norm tensor borrowed for the call.
+    check("clip_to_norm", unsafe {
+        ffi::spes_ext_clip_to_norm(h.as_ptr(), h.len(), norm.as_ptr(), max_norm)
+    })
 }
 
 /// Sets every tensor to zero in place, in one multi-tensor call.

@@ -104,6 +104,40 @@ fn started_reduces_land_when_finished() {
     }
 }
 
+/// A reduce to one root gives that rank the means and leaves the other's tensors as they were;
+/// several in flight at once, one per root (ZeRO's reduce-scatter).
+#[test]
+fn a_reduce_lands_on_its_root_alone() {
+    let out = two_ranks(Duration::from_secs(30), |g| {
+        let r = g.rank() as f64;
+        let to_0 = [Tensor::full([5], 2.0 * r, (Kind::Float, Device::Cpu))];
+        let to_1 = [
+            Tensor::full([3], 1.0 + r, (Kind::Float, Device::Cpu)),
+            Tensor::full([2], 4.0 * r, (Kind::Float, Device::Cpu)),
+        ];
+        let a = g.start_reduce_mean(&to_0, 0).unwrap();
+        let b = g.start_reduce_mean(&to_1, 1).unwrap();
+        a.finish().unwrap();
+        b.finish().unwrap();
+        let v = |t: &Tensor| Vec::<f64>::try_from(&t.to_kind(Kind::Double).reshape([-1])).unwrap();
+        (g.rank(), v(&to_0[0]), v(&to_1[0]), v(&to_1[1]))
+    });
+    for (rank, a, b, c) in out {
+        match rank {
+            0 => {
+                assert_eq!(a, vec![1.0; 5]);
+                assert_eq!(b, vec![1.0; 3], "rank 0 keeps its own, not the mean");
+                assert_eq!(c, vec![0.0; 2]);
+            }
+            _ => {
+                assert_eq!(a, vec![2.0; 5], "rank 1 keeps its own, not the mean");
+                assert_eq!(b, vec![1.5; 3]);
+                assert_eq!(c, vec![2.0; 2]);
+            }
+        }
+    }
+}
+
 /// A rank that never joins a collective makes the other's call fail after the timeout, as an
 /// error rather than a hang or an abort.
 #[test]

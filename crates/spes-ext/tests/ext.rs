@@ -1,6 +1,8 @@
 //! The shim's operations against plain tch arithmetic, and its error path.
 
-use spes_ext::{add_scalar, clip_grad_norm, fused_adamw, zero, AdamWGroup, AdamWHyper};
+use spes_ext::{
+    add_scalar, clip_grad_norm, clip_to_norm, fused_adamw, sq_norm, zero, AdamWGroup, AdamWHyper,
+};
 use tch::{Device, Kind, Tensor};
 
 const FLOAT: (Kind, Device) = (Kind::Float, Device::Cpu);
@@ -28,6 +30,34 @@ fn clipping_returns_the_norm_and_scales_only_above_the_max() {
     let _ = clip_grad_norm(&small, 1.0).unwrap();
     assert_eq!(Vec::<f32>::try_from(&small[0]).unwrap(), vec![0.3, 0.4]);
     assert_eq!(clip_grad_norm(&[], 1.0).unwrap().double_value(&[]), 0.0);
+}
+
+/// A norm split into parts (as ranks that each own some gradients compute it) and clipping to
+/// it give what clipping the whole list does.
+#[test]
+fn a_norm_in_parts_clips_as_the_whole_does() {
+    let whole = [
+        Tensor::from_slice(&[3.0f32, 0.0]),
+        Tensor::from_slice(&[4.0f32]),
+        Tensor::from_slice(&[12.0f32]),
+    ];
+    let parts = [whole[0].copy(), whole[1].copy(), whole[2].copy()];
+    let total = clip_grad_norm(&whole, 2.0).unwrap();
+    let a = sq_norm(&parts[..2]).unwrap().unwrap();
+    let b = sq_norm(&parts[2..]).unwrap().unwrap();
+    assert!((a.double_value(&[]) - 25.0).abs() < 1e-5);
+    let norm = (a + b).sqrt();
+    assert!((norm.double_value(&[]) - total.double_value(&[])).abs() < 1e-5);
+    clip_to_norm(&parts[..2], &norm, 2.0).unwrap();
+    clip_to_norm(&parts[2..], &norm, 2.0).unwrap();
+    for (p, w) in parts.iter().zip(&whole) {
+        assert_eq!(
+            Vec::<f32>::try_from(p).unwrap(),
+            Vec::<f32>::try_from(w).unwrap()
+        );
+    }
+    assert!(sq_norm(&[]).unwrap().is_none());
+    clip_to_norm(&[], &norm, 2.0).unwrap();
 }
 
 #[test]

@@ -2,8 +2,9 @@
 //! same model, trains on its own rows of each batch, and gradients are averaged with c10d
 //! (spes-ext's process group) before the optimizer step, so ranks stay bit-identical.
 //!
-//! The AdamW state is sharded (ZeRO-1): each trainable tensor has one owner rank that keeps
-//! its moments and updates it, then broadcasts the new values; a checkpoint gathers the
+//! The AdamW state is sharded (ZeRO-1 with ZeRO-2's reduce-scatter): each trainable tensor
+//! has one owner rank, to which its gradient is reduced, that keeps its moments and updates
+//! it, then broadcasts the new values; a checkpoint gathers the
 //! moments to rank 0, which writes them all, so a run resumes with any number of ranks.
 //!
 //! Ranks meet as torchrun's do: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for
@@ -249,50 +250,73 @@ impl DataParallel {
             .with_context(|| format!("rank {}: all-reduce", self.rank()))
     }
 
-    /// Averages the gradients of the trainable tensors over the ranks. A tensor that got no
-    /// gradient on this rank (say, an expert no local token reached) first gets a zero one,
-    /// so every rank reduces the same list.
-    pub fn average_gradients(&self) -> Result<()> {
-        let missing: Vec<&Tensor> = self
-            .trained
+    /// Reduces the gradients of the trainable tensors over the ranks, each to the rank that
+    /// owns the tensor (ZeRO's reduce-scatter: half an all-reduce's traffic), which alone
+    /// then holds its mean; other ranks' copies of it are left stale, since only the owner
+    /// updates it. A tensor that got no gradient on this rank (say, an expert no local token
+    /// reached) first gets a zero one, so every rank reduces the same list.
+    pub fn reduce_gradients(&self) -> Result<()> {
+        let all: Vec<usize> = (0..self.trained.len()).collect();
+        for p in self.start_reduce(&all, "gradients")? {
+            p.finish()
+                .with_context(|| format!("rank {}: reducing gradients", self.rank()))?;
+        }
+        Ok(())
+    }
+
+    /// Starts reducing, as [`DataParallel::reduce_gradients`], the gradients of the trainable
+    /// tensors of `stage`, which the staged backward has just completed; the reduces run
+    /// while backward goes on. Finish every returned reduce before the optimizer step.
+    pub fn start_stage(&self, stage: Stage) -> Result<Vec<PendingMean>> {
+        let of_stage: Vec<usize> = (0..self.trained.len())
+            .filter(|&i| self.stage[i] == stage)
+            .collect();
+        self.start_reduce(&of_stage, &format!("{stage:?}"))
+    }
+
+    /// One reduce per owner rank of the gradients of tensors `which`, in rank order (the
+    /// same on every rank, as c10d requires).
+    fn start_reduce(&self, which: &[usize], what: &str) -> Result<Vec<PendingMean>> {
+        let missing: Vec<&Tensor> = which
             .iter()
+            .map(|&i| &self.trained[i])
             .filter(|p| !p.grad().defined())
             .collect();
         if !missing.is_empty() {
             let zero: Tensor = missing.iter().map(|p| (*p * 0.0).sum(Kind::Float)).sum();
             zero.backward();
         }
-        self.average(&self.grads())
-    }
-
-    /// Starts averaging the gradients of the trainable tensors of `stage`, which the staged
-    /// backward has just completed (zero ones for tensors no local token reached, as
-    /// [`DataParallel::average_gradients`]); the reduce runs while backward goes on.
-    pub fn start_stage(&self, stage: Stage) -> Result<PendingMean> {
-        let tensors: Vec<&Tensor> = (0..self.trained.len())
-            .filter(|&i| self.stage[i] == stage)
-            .map(|i| &self.trained[i])
-            .collect();
-        let missing: Vec<&&Tensor> = tensors.iter().filter(|p| !p.grad().defined()).collect();
-        if !missing.is_empty() {
-            let zero: Tensor = missing.iter().map(|p| (**p * 0.0).sum(Kind::Float)).sum();
-            zero.backward();
+        let mut pending = Vec::new();
+        for r in 0..self.world() {
+            let grads: Vec<Tensor> = which
+                .iter()
+                .filter(|&&i| self.owner[i] == r)
+                .map(|&i| self.trained[i].grad())
+                .collect();
+            if grads.is_empty() {
+                continue;
+            }
+            let p = tch::no_grad(|| self.group.start_reduce_mean(&grads, r))
+                .with_context(|| format!("rank {}: reducing {what} to rank {r}", self.rank()))?;
+            pending.push(p);
         }
-        let grads: Vec<Tensor> = tensors.iter().map(|p| p.grad()).collect();
-        tch::no_grad(|| self.group.start_all_reduce_mean(&grads))
-            .with_context(|| format!("rank {}: all-reduce of {stage:?}", self.rank()))
+        Ok(pending)
     }
 
-    fn grads(&self) -> Vec<Tensor> {
-        self.trained.iter().map(Tensor::grad).collect()
-    }
-
-    /// Clips the (averaged, hence identical) gradients of every trainable tensor to a global
-    /// L2 norm of `max_norm`; returns the pre-clip norm.
+    /// Clips the gradients to a global L2 norm of `max_norm`, each rank scaling those of the
+    /// tensors it owns (the only ones reduced there); returns the pre-clip norm, the same on
+    /// every rank.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Tensor> {
-        Ok(tch::no_grad(|| {
-            spes_ext::clip_grad_norm(&self.grads(), max_norm)
-        })?)
+        let owned: Vec<Tensor> = self
+            .owned_by(self.rank())
+            .map(|i| self.trained[i].grad())
+            .collect();
+        let part = tch::no_grad(|| spes_ext::sq_norm(&owned))?
+            .unwrap_or_else(|| Tensor::zeros([], (Kind::Float, self.device)));
+        self.average(std::slice::from_ref(&part))?;
+        let norm = tch::no_grad(|| (part * self.world() as f64).sqrt());
+        tch::no_grad(|| spes_ext::clip_to_norm(&owned, &norm, max_norm))?;
+        Ok(norm)
     }
 
     /// After each rank updated the tensors it owns: every rank receives every owner's.
@@ -310,7 +334,12 @@ impl DataParallel {
 
     /// Zeroes the gradients of every trainable tensor.
     pub fn zero_grads(&self) -> Result<()> {
-        let grads: Vec<Tensor> = self.grads().into_iter().filter(Tensor::defined).collect();
+        let grads: Vec<Tensor> = self
+            .trained
+            .iter()
+            .map(Tensor::grad)
+            .filter(Tensor::defined)
+            .collect();
         Ok(spes_ext::zero(&grads)?)
     }
 

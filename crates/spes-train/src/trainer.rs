@@ -443,8 +443,8 @@ pub fn step_on_batches(
     // Loss parts stay on the device until one read at the end: a read is a GPU sync.
     let mut sums: Option<Tensor> = None;
     let mut tokens = 0;
-    // Data parallel: the last batch's gradients are averaged stage by stage while its backward
-    // runs on (the earlier batches only accumulate).
+    // Data parallel: the last batch's gradients are reduced to their owners stage by stage
+    // while its backward runs on (the earlier batches only accumulate).
     let mut reducing = Vec::new();
     let mut failed = None;
     for (i, batch) in batches.iter().enumerate() {
@@ -455,7 +455,7 @@ pub fn step_on_batches(
                 model.backward_in_stages(batch, &o.weights, 1.0 / n, o.checkpoint, &mut |stage| {
                     if failed.is_none() {
                         match dp.start_stage(stage) {
-                            Ok(p) => reducing.push(p),
+                            Ok(p) => reducing.extend(p),
                             Err(e) => failed = Some(e),
                         }
                     }
@@ -482,11 +482,11 @@ pub fn step_on_batches(
                 return Err(e);
             }
             if reducing.is_empty() {
-                dp.average_gradients()?;
+                dp.reduce_gradients()?;
             }
             for p in reducing {
                 p.finish()
-                    .with_context(|| format!("rank {}: all-reduce", dp.rank()))?;
+                    .with_context(|| format!("rank {}: reducing gradients", dp.rank()))?;
             }
             dp.average(std::slice::from_mut(&mut sums))?;
             tokens *= dp.world() as u64;
