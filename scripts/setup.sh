@@ -23,8 +23,18 @@ fi
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 installed=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true)
 if [ "${installed%%+*}" != "$torch_version" ]; then
+  # The wheel is unpacked beside its download: check room first so a full disk is one clear
+  # line, not pip's traceback, and keep no cached copy of the 2.7 GB wheel.
+  need_gb=8
+  for dir in "$venv" "${TMPDIR:-/tmp}"; do
+    free_gb=$(df -P -k "$dir" | awk 'NR==2 {print int($4 / 1048576)}')
+    if [ "$free_gb" -lt "$need_gb" ]; then
+      echo "setup: installing torch==$torch_version needs about $need_gb GB free on the disk holding $dir; it has $free_gb GB. Free some space (or point TMPDIR elsewhere) and rerun." >&2
+      exit 1
+    fi
+  done
   echo "setup: installing torch==$torch_version into $venv (about 2.7 GB download, 4.7 GB on disk)" >&2
-  "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==$torch_version" numpy
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir "torch==$torch_version" numpy
 fi
 have=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('transformers'))" 2>/dev/null || true)
 if [ "$have" != "$transformers_version" ]; then
