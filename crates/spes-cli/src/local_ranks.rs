@@ -55,7 +55,7 @@ fn supervise(mut children: Vec<Child>) -> Result<()> {
                 done[rank] = true;
                 if !status.success() {
                     stop(&mut children);
-                    bail!("rank {rank} failed ({status}); the other ranks were stopped. Rerun with --resume to continue from the last checkpoint");
+                    bail!("rank {rank} failed ({status}); the other ranks were stopped. Its own error is above; if it died mid-run, rerun with --resume to continue from the last checkpoint");
                 }
             }
         }
