@@ -23,16 +23,23 @@ fi
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 installed=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true)
 if [ "${installed%%+*}" != "$torch_version" ]; then
-  # The wheel is unpacked beside its download: check room first so a full disk is one clear
-  # line, not pip's traceback, and keep no cached copy of the 2.7 GB wheel.
-  need_gb=8
-  for dir in "$venv" "${TMPDIR:-/tmp}"; do
-    free_gb=$(df -P -k "$dir" | awk 'NR==2 {print int($4 / 1048576)}')
-    if [ "$free_gb" -lt "$need_gb" ]; then
-      echo "setup: installing torch==$torch_version needs about $need_gb GB free on the disk holding $dir; it has $free_gb GB. Free some space (or point TMPDIR elsewhere) and rerun." >&2
+  # pip downloads the 2.7 GB wheel into $TMPDIR and unpacks 4.7 GB into the venv: check the
+  # room first, so a full disk is one clear line rather than pip's traceback.
+  room() {
+    local free
+    free=$(df -P -k "$1" | awk 'NR==2 {print int($4 / 1048576)}')
+    if [ "$free" -lt "$2" ]; then
+      echo "setup: installing torch==$torch_version needs about $2 GB free on the disk holding $1; it has $free GB. Free some space (or point TMPDIR elsewhere) and rerun." >&2
       exit 1
     fi
-  done
+  }
+  tmp=${TMPDIR:-/tmp}
+  if [ "$(df -P "$venv" | awk 'NR==2 {print $6}')" = "$(df -P "$tmp" | awk 'NR==2 {print $6}')" ]; then
+    room "$venv" 8
+  else
+    room "$venv" 5
+    room "$tmp" 3
+  fi
   echo "setup: installing torch==$torch_version into $venv (about 2.7 GB download, 4.7 GB on disk)" >&2
   "$venv/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir "torch==$torch_version" numpy
 fi
