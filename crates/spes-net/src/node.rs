@@ -147,6 +147,9 @@ const LOCAL_TRAIN_KEYS: &[&str] = &[
     "frozen_experts_bf16",
 ];
 
+/// Sync keys only the server reads: how often it archives the model and how many it keeps.
+const SERVER_SYNC_KEYS: &[&str] = &["checkpoint_every_rounds", "keep_checkpoints"];
+
 /// A node's model, sync and training settings must equal the server's; says which key differs.
 fn check_compatible(local: &RunConfig, server: &RunConfig) -> Result<()> {
     let (l, s) = (
@@ -158,7 +161,12 @@ fn check_compatible(local: &RunConfig, server: &RunConfig) -> Result<()> {
             continue;
         };
         for (key, sv) in table {
-            if section == "train" && LOCAL_TRAIN_KEYS.contains(&key.as_str()) {
+            let own = match section {
+                "train" => LOCAL_TRAIN_KEYS,
+                "sync" => SERVER_SYNC_KEYS,
+                _ => &[],
+            };
+            if own.contains(&key.as_str()) {
                 continue;
             }
             let lv = l.get(section).and_then(|t| t.get(key));

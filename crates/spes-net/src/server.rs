@@ -11,10 +11,10 @@
 //! with, on the delta wires, `round-NNNNNN.delta.safetensors` and one `.own-P.safetensors` per
 //! owner whose experts the round published verbatim (what fetches stream),
 //! `server.json` (the restart point: kept rounds with checksums and ownership, token count,
-//! evicted peers), `checkpoints/round-NNNNNN.safetensors` every `sync.checkpoint_every_rounds`,
-//! `incoming/` (uploads being received), `pending/` (accepted uploads of the open round,
-//! re-applied after a restart) and `metrics.jsonl`. Every file is written to a temp name,
-//! fsynced and renamed, and its directory fsynced.
+//! evicted peers), `checkpoints/round-NNNNNN.safetensors` every `sync.checkpoint_every_rounds`
+//! (the newest `sync.keep_checkpoints`), `incoming/` (uploads being received), `pending/`
+//! (accepted uploads of the open round, re-applied after a restart) and `metrics.jsonl`. Every
+//! file is written to a temp name, fsynced and renamed, and its directory fsynced.
 
 use crate::auth::{authorize, check_peer, AuthedPeer, CheckCredential};
 use crate::proto::refusal::Kind;
@@ -294,6 +294,10 @@ impl State {
                 .join("checkpoints")
                 .join(format!("round-{:06}.safetensors", p.round));
             copy_verified(&path, &ck, xxh3)?;
+            prune_checkpoints(
+                &self.out.join("checkpoints"),
+                self.cfg.sync.keep_checkpoints,
+            )?;
         }
         let entry = PublishedRound {
             round: p.round,
@@ -519,6 +523,31 @@ fn remove_pending(out: &Path, drop: impl Fn(u64) -> bool) {
 }
 
 /// Copies `from` to `to` through a temp file, checks the copy's checksum, fsyncs, renames.
+/// Deletes all but the newest `keep` `round-NNNNNN.safetensors` in `dir` (0: keeps all).
+fn prune_checkpoints(dir: &Path, keep: usize) -> Result<()> {
+    if keep == 0 {
+        return Ok(());
+    }
+    let mut rounds: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot list {}", dir.display()))?
+        .filter_map(|e| {
+            let path = e.ok()?.path();
+            let name = path.file_name()?.to_str()?;
+            let round = name
+                .strip_prefix("round-")?
+                .strip_suffix(".safetensors")?
+                .parse()
+                .ok()?;
+            Some((round, path))
+        })
+        .collect();
+    rounds.sort();
+    for (_, path) in rounds.iter().rev().skip(keep) {
+        std::fs::remove_file(path).with_context(|| format!("cannot delete {}", path.display()))?;
+    }
+    Ok(())
+}
+
 fn copy_verified(from: &Path, to: &Path, xxh3: u64) -> Result<()> {
     let mut tmp = to.as_os_str().to_owned();
     tmp.push(".tmp");

@@ -159,7 +159,14 @@ fn spes_rounds_with_two_and_four_nodes() {
     for nodes in [2, 4] {
         let tmp = tempfile::tempdir().unwrap();
         let data = data(tmp.path());
-        let cfg = config(&data, "spes", nodes, &[]);
+        // Two nodes keep every server checkpoint, four the newest two.
+        let keep = if nodes == 2 { 0 } else { 2 };
+        let cfg = config(
+            &data,
+            "spes",
+            nodes,
+            &[&format!("sync.keep_checkpoints={keep}")],
+        );
         let server = Server::start(cfg.clone(), &tmp.path().join("server"), None);
         let seen = run_nodes(&cfg, &server.url(), tmp.path(), 3);
         check_rounds(&cfg, &seen, 3, false);
@@ -185,6 +192,20 @@ fn spes_rounds_with_two_and_four_nodes() {
             .unwrap()
             .next()
             .is_none());
+        let mut kept: Vec<String> = std::fs::read_dir(tmp.path().join("server/checkpoints"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        kept.sort();
+        let newest: Vec<String> = (1..=3)
+            .map(|r| format!("round-{r:06}.safetensors"))
+            .skip(if keep == 0 { 0 } else { 3 - keep })
+            .collect();
+        if keep == 0 {
+            assert!(kept.ends_with(&newest), "{kept:?}");
+        } else {
+            assert_eq!(kept, newest);
+        }
     }
 }
 

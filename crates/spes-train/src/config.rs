@@ -122,8 +122,10 @@ pub struct SyncConfig {
     /// `max_update_factor · sync_steps · train.lr`. AdamW moves a weight by about `lr` per step
     /// (RMS), so honest nodes stay far below the default; 0 disables the check.
     pub max_update_factor: f64,
-    /// Checkpoint the global model every this many rounds.
+    /// Checkpoint the global model every this many rounds (and at the final round).
     pub checkpoint_every_rounds: u64,
+    /// Newest server checkpoints kept; older ones are deleted. 0 keeps every one.
+    pub keep_checkpoints: usize,
     /// Expert-merging warm-up (SPES.md §5): merge at sync steps `s % merge_every == 0` while
     /// `α_s = merge_alpha·(1 − min(s/merge_until, 1)) > 0`, each expert with its
     /// `merge_top_k` most similar experts of the layer. `merge_every = 0` disables merging.
@@ -184,6 +186,7 @@ impl Default for SyncConfig {
             trim_fraction: 0.25,
             max_update_factor: 10.0,
             checkpoint_every_rounds: 1,
+            keep_checkpoints: 3,
             merge_every: 500,
             merge_alpha: 0.01,
             merge_until: 10_000,
