@@ -958,8 +958,13 @@ fn rules_of(cfg: &RunConfig) -> RoundRules {
             },
             AggregateRule::Median => Combine::Median,
         },
-        max_update_rms: (s.max_update_factor > 0.0)
-            .then_some(s.max_update_factor * s.sync_steps as f64 * cfg.train.lr),
+        // The fastest-moving tensors bound the check: experts step at lr · expert_lr_scale.
+        max_update_rms: (s.max_update_factor > 0.0).then_some(
+            s.max_update_factor
+                * s.sync_steps as f64
+                * cfg.train.lr
+                * cfg.train.expert_lr_scale.max(1.0),
+        ),
         wire: crate::wire_form(s),
         outer: crate::outer_rules(s),
         rotate_every: s.rotate_every_rounds,

@@ -119,8 +119,9 @@ pub struct SyncConfig {
     /// Fraction of the values trimmed at each end by `aggregate = "trimmed_mean"`.
     pub trim_fraction: f64,
     /// An upload is refused if a tensor's RMS change from the global model exceeds
-    /// `max_update_factor · sync_steps · train.lr`. AdamW moves a weight by about `lr` per step
-    /// (RMS), so honest nodes stay far below the default; 0 disables the check.
+    /// `max_update_factor · sync_steps · train.lr` (times `train.expert_lr_scale` when above
+    /// 1). AdamW moves a weight by about `lr` per step (RMS), so honest nodes stay far below
+    /// the default; 0 disables the check.
     pub max_update_factor: f64,
     /// Checkpoint the global model every this many rounds (and at the final round).
     pub checkpoint_every_rounds: u64,
@@ -244,6 +245,10 @@ pub struct TrainConfig {
     pub seq_len: usize,
     /// Peak learning rate.
     pub lr: f64,
+    /// Expert matrices step at `lr · expert_lr_scale`: in SPES an owned expert's update is its
+    /// owner's alone, while shared parameters average every node's, so the two may want
+    /// different rates.
+    pub expert_lr_scale: f64,
     pub warmup_steps: u64,
     /// The step at which the cosine decay reaches the floor, after which the rate stays there;
     /// 0: `max_steps`. Larger than `max_steps`, a run ends before the decay does (the SPES 9B
@@ -295,6 +300,7 @@ impl Default for TrainConfig {
             grad_accum: 1,
             seq_len: 256,
             lr: 5e-4,
+            expert_lr_scale: 1.0,
             warmup_steps: 100,
             t_max: 0,
             lr_floor: 0.1,
@@ -382,6 +388,12 @@ impl RunConfig {
                 "train.t_max ({}) must be 0 (use train.max_steps) or more than train.warmup_steps ({})",
                 t.t_max,
                 t.warmup_steps
+            );
+        }
+        if !(t.expert_lr_scale > 0.0 && t.expert_lr_scale.is_finite()) {
+            bail!(
+                "train.expert_lr_scale must be a positive number, got {}",
+                t.expert_lr_scale
             );
         }
         if !(0.0..=1.0).contains(&t.lr_floor) {
@@ -614,6 +626,11 @@ mod tests {
         let err = spes("sync.expert_outer_lr=0").unwrap_err();
         assert!(
             err.contains("sync.expert_outer_lr must be a positive"),
+            "{err}"
+        );
+        let err = spes("train.expert_lr_scale=-0.5").unwrap_err();
+        assert!(
+            err.contains("train.expert_lr_scale must be a positive number, got -0.5"),
             "{err}"
         );
         assert_eq!(

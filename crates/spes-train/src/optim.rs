@@ -5,7 +5,7 @@
 
 use crate::config::TrainConfig;
 use anyhow::{bail, Context, Result};
-use spes_model::Param;
+use spes_model::{Param, Role};
 use std::collections::HashMap;
 use tch::{Kind, Tensor};
 
@@ -24,8 +24,11 @@ pub struct AdamW {
     /// Per tensor, `steps - started` as an fp32 scalar on its device: the fused kernel reads
     /// bias correction from these without a host sync.
     counts: Vec<Tensor>,
+    /// Per tensor, whether it is an expert matrix (stepped at `lr · expert_lr_scale`).
+    expert: Vec<bool>,
     /// Optimizer steps taken.
     pub steps: i64,
+    expert_lr_scale: f64,
     beta1: f64,
     beta2: f64,
     eps: f64,
@@ -52,22 +55,26 @@ impl AdamW {
             exp_avg_sq: Vec::new(),
             started: Vec::new(),
             counts: Vec::new(),
+            expert: Vec::new(),
             steps: 0,
+            expert_lr_scale: cfg.expert_lr_scale,
             beta1: cfg.beta1,
             beta2: cfg.beta2,
             eps: cfg.eps,
             weight_decay: cfg.weight_decay,
         };
         for p in params {
-            opt.push(p.name, p.tensor, None, 0);
+            opt.push(p, None, 0);
         }
         opt
     }
 
-    fn push(&mut self, name: String, w: Tensor, moments: Option<(Tensor, Tensor)>, started: i64) {
+    fn push(&mut self, p: Param, moments: Option<(Tensor, Tensor)>, started: i64) {
+        let w = p.tensor;
         let (m, v) = moments.unwrap_or_else(|| (zeros_like(&w), zeros_like(&w)));
         self.counts.push(counter(&w, self.steps - started));
-        self.names.push(name);
+        self.expert.push(matches!(p.role, Role::Expert { .. }));
+        self.names.push(p.name);
         self.exp_avg.push(m);
         self.exp_avg_sq.push(v);
         self.started.push(started);
@@ -123,17 +130,18 @@ impl AdamW {
         old.extend(held);
         self.weights.clear();
         self.counts.clear();
+        self.expert.clear();
         let mut report = Retarget::default();
         for p in params {
             match old.remove(&p.name) {
                 Some(m) => {
                     report.kept += 1;
-                    self.push(p.name, p.tensor, Some((m.exp_avg, m.exp_avg_sq)), m.started);
+                    self.push(p, Some((m.exp_avg, m.exp_avg_sq)), m.started);
                 }
                 None => {
                     report.fresh.push(p.name.clone());
                     let now = self.steps;
-                    self.push(p.name, p.tensor, None, now);
+                    self.push(p, None, now);
                 }
             }
         }
@@ -181,12 +189,13 @@ impl AdamW {
             .collect()
     }
 
-    /// One update at learning rate `lr` from the accumulated gradients. A tensor without a
-    /// gradient is left alone, but its bias-correction clock still advances.
+    /// One update at learning rate `lr` (expert matrices: `lr · train.expert_lr_scale`) from the
+    /// accumulated gradients. A tensor without a gradient is left alone, but its
+    /// bias-correction clock still advances.
     pub fn step(&mut self, lr: f64) -> Result<()> {
         self.steps += 1;
         let grads: Vec<Tensor> = self.weights.iter().map(Tensor::grad).collect();
-        let h = spes_ext::AdamWHyper {
+        let hyper = |lr| spes_ext::AdamWHyper {
             lr,
             beta1: self.beta1,
             beta2: self.beta2,
@@ -195,7 +204,7 @@ impl AdamW {
         };
         tch::no_grad(|| -> Result<()> {
             spes_ext::add_scalar(&self.counts, 1.0)?;
-            if grads.iter().all(Tensor::defined) {
+            if self.expert_lr_scale == 1.0 && grads.iter().all(Tensor::defined) {
                 return Ok(spes_ext::fused_adamw(
                     &spes_ext::AdamWGroup {
                         params: &self.weights,
@@ -204,23 +213,33 @@ impl AdamW {
                         exp_avg_sqs: &self.exp_avg_sq,
                         steps: &self.counts,
                     },
-                    h,
+                    hyper(lr),
                 )?);
             }
-            let with_grad: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].defined()).collect();
-            let pick = |ts: &[Tensor]| -> Vec<Tensor> {
-                with_grad.iter().map(|&i| ts[i].shallow_clone()).collect()
-            };
-            Ok(spes_ext::fused_adamw(
-                &spes_ext::AdamWGroup {
-                    params: &pick(&self.weights),
-                    grads: &pick(&grads),
-                    exp_avgs: &pick(&self.exp_avg),
-                    exp_avg_sqs: &pick(&self.exp_avg_sq),
-                    steps: &pick(&self.counts),
-                },
-                h,
-            )?)
+            // One fused call per learning rate, as PyTorch's param groups do.
+            for expert in [false, true] {
+                let group: Vec<usize> = (0..grads.len())
+                    .filter(|&i| grads[i].defined() && self.expert[i] == expert)
+                    .collect();
+                if group.is_empty() {
+                    continue;
+                }
+                let pick = |ts: &[Tensor]| -> Vec<Tensor> {
+                    group.iter().map(|&i| ts[i].shallow_clone()).collect()
+                };
+                let scale = if expert { self.expert_lr_scale } else { 1.0 };
+                spes_ext::fused_adamw(
+                    &spes_ext::AdamWGroup {
+                        params: &pick(&self.weights),
+                        grads: &pick(&grads),
+                        exp_avgs: &pick(&self.exp_avg),
+                        exp_avg_sqs: &pick(&self.exp_avg_sq),
+                        steps: &pick(&self.counts),
+                    },
+                    hyper(lr * scale),
+                )?;
+            }
+            Ok(())
         })
     }
 
@@ -356,7 +375,6 @@ pub fn lr_at(s: u64, cfg: &TrainConfig) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use spes_model::Role;
 
     const FLOAT: (Kind, tch::Device) = (Kind::Float, tch::Device::Cpu);
 
@@ -428,6 +446,53 @@ mod tests {
             assert!((got[i] - expect[i]).abs() < 1e-6, "{got:?} vs {expect:?}");
         }
         assert_eq!(opt.state_bytes(), 2 * 2 * 4);
+    }
+
+    /// With `expert_lr_scale`, expert matrices take the step of an AdamW at the scaled rate and
+    /// shared tensors that of the unscaled one.
+    #[test]
+    fn experts_step_at_their_own_learning_rate() {
+        let make = |role: Role| Param {
+            name: format!("{role:?}"),
+            role,
+            tensor: Tensor::from_slice(&[1.0f32, -2.0]).set_requires_grad(true),
+        };
+        let run = |scale: f64, roles: &[Role]| -> Vec<Vec<f64>> {
+            let params: Vec<Param> = roles.iter().map(|&r| make(r)).collect();
+            let ws: Vec<Tensor> = params.iter().map(|p| p.tensor.shallow_clone()).collect();
+            let cfg = TrainConfig {
+                expert_lr_scale: scale,
+                ..TrainConfig::default()
+            };
+            let mut opt = AdamW::new(params, &cfg);
+            for _ in 0..3 {
+                opt.zero_grad().unwrap();
+                let loss: Tensor = ws.iter().map(|w| (w * w).sum(Kind::Float)).sum();
+                loss.backward();
+                opt.step(0.01).unwrap();
+            }
+            ws.iter()
+                .map(|w| Vec::<f64>::try_from(&w.to_kind(Kind::Double)).unwrap())
+                .collect()
+        };
+        let expert = Role::Expert { layer: 0, index: 1 };
+        let mixed = run(0.25, &[Role::Shared, expert]);
+        let shared_alone = run(1.0, &[Role::Shared]);
+        // An expert at scale 1 with lr 0.01 · 0.25 behaves as a shared tensor at lr 0.0025.
+        let expert_alone = {
+            let params = vec![make(Role::Shared)];
+            let w = params[0].tensor.shallow_clone();
+            let mut opt = AdamW::new(params, &TrainConfig::default());
+            for _ in 0..3 {
+                opt.zero_grad().unwrap();
+                (&w * &w).sum(Kind::Float).backward();
+                opt.step(0.0025).unwrap();
+            }
+            Vec::<f64>::try_from(&w.to_kind(Kind::Double)).unwrap()
+        };
+        assert_eq!(mixed[0], shared_alone[0]);
+        assert_eq!(mixed[1], expert_alone);
+        assert_ne!(mixed[1], mixed[0]);
     }
 
     #[test]
