@@ -5,8 +5,10 @@
 //! Interrupted, it stops every process; run again with the same `--out` to resume. With
 //! `--link`, every node reaches the server through its own shaped link (spes-net's `link`).
 
+use crate::device::DeviceChoice;
 use crate::report;
 use anyhow::{bail, Context, Result};
+use clap::ValueEnum;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Value};
 use spes_data::{TokenizeOptions, TokenizerSource};
@@ -47,7 +49,7 @@ pub fn prepare_data(out: &Path) -> Result<PathBuf> {
 fn secret_files(out: &Path, nodes: usize) -> Result<(PathBuf, Vec<PathBuf>)> {
     let path = out.join("secret");
     if !path.exists() {
-        spes_data::shard::write_secret(&path, crate::new_secret().as_bytes())?;
+        spes_data::shard::write_secret(&path, crate::secrets::new_secret().as_bytes())?;
     }
     let secret = spes_net::auth::read_token(&path)?;
     let credentials = (0..nodes)
@@ -84,8 +86,38 @@ pub fn config(data: &Path, overrides: &[String]) -> Result<RunConfig> {
     RunConfig::parse(SPES_TINY, &all).context("embedded configs/spes-tiny.toml")
 }
 
+/// Decentralized training on loopback: one server and 4 nodes (separate processes) train
+/// the tiny preset with SPES on the embedded corpus; writes report.md with plots.
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, default_value = "runs/demo")]
+    pub out: PathBuf,
+    /// Override a key of the embedded configs/spes-tiny.toml (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub overrides: Vec<String>,
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+    /// Put every node behind its own shaped loopback link, e.g. `100mbit,40ms` or
+    /// `up=20mbit,down=100mbit,rtt=40ms,loss=0.1%` (rtt is the round trip).
+    #[arg(long)]
+    pub link: Option<LinkSpec>,
+}
+
 /// Runs the demo: data, server and nodes, then `summary.json` and `report.md`.
-pub fn run(out: &Path, overrides: &[String], device: &str, link: Option<LinkSpec>) -> Result<()> {
+pub fn run(a: Args) -> Result<()> {
+    let Args {
+        out,
+        overrides,
+        device,
+        link,
+    } = a;
+    let (out, overrides) = (out.as_path(), overrides.as_slice());
+    let device = device
+        .to_possible_value()
+        .expect("named")
+        .get_name()
+        .to_owned();
+    let device = device.as_str();
     let started = Instant::now();
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let data = prepare_data(out)?;

@@ -6,8 +6,10 @@
 //! seeds). Finished runs are kept, so running it again resumes; the spec file alone
 //! reproduces the results.
 
+use crate::device::DeviceChoice;
 use crate::{demo, report};
 use anyhow::{bail, Context, Result};
+use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use spes_data::{TokenizeOptions, TokenizerSource};
@@ -196,8 +198,29 @@ fn tokens_of(cfg: &RunConfig) -> u64 {
     cfg.train.max_steps * cfg.tokens_per_step() * nodes
 }
 
+/// Run named variants of one config (centralized, SPES, DiLoCo, overrides) on the same data
+/// and tokens for several seeds, one after another on loopback, and write a table and a
+/// plot of their validation loss (experiments/tiny-ablation.toml). Resumes.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The experiment spec (TOML).
+    #[arg(long)]
+    pub spec: PathBuf,
+    #[arg(long, default_value = "runs/experiment")]
+    pub out: PathBuf,
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+}
+
+/// `spes experiment`.
+pub fn command(a: Args) -> Result<()> {
+    let name = a.device.to_possible_value().expect("named");
+    let device = crate::device::select(a.device)?;
+    run(&a.spec, &a.out, device, name.get_name()).context("experiment failed")
+}
+
 /// Runs every (seed, run) not finished yet under `out`, then writes the results.
-pub fn run(spec_path: &Path, out: &Path, device: tch::Device, device_arg: &str) -> Result<()> {
+fn run(spec_path: &Path, out: &Path, device: tch::Device, device_arg: &str) -> Result<()> {
     let spec = Spec::load(spec_path)?;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     spes_data::shard::write_atomic(
@@ -300,7 +323,7 @@ fn measure(
         .map(|(n, t)| (n, t.to_device(device)))
         .collect();
     model.load(&named, &weights.display().to_string())?;
-    let sc = crate::scoring(cfg, None, 16, device)?;
+    let sc = crate::score::scoring(cfg, None, 16, device)?;
     let (mut held_out_ce, mut held_out_bpb) = (Vec::new(), Vec::new());
     for text in &spec.eval_texts {
         let body = std::fs::read_to_string(text)

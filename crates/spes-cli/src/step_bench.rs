@@ -1,7 +1,7 @@
 //! `spes bench` (training steps of a preset on random tokens) and `spes bench-vs-pytorch`
 //! (the same steps side by side with the model written in plain PyTorch).
 
-use crate::{parse_moe_kernel, parse_precision, RuntimeArgs};
+use crate::args::{parse_moe_kernel, parse_precision, RuntimeArgs};
 use anyhow::{bail, Context, Result};
 use spes_model::{ModelConfig, MoeKernel};
 use spes_train::bench::{bench, matmul_peak_flops, median, BenchOptions};

@@ -7,6 +7,35 @@ use serde_json::Value;
 use spes_model::ModelConfig;
 use std::process::Command;
 
+/// Per-node memory and traffic of SPES vs DiLoCo for presets, the server's measured
+/// aggregation throughput (bytes of uploads per second, on the first preset), and measured
+/// peak RSS of a SPES node vs a DiLoCo node training `tiny` (each in its own process).
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, value_delimiter = ',', default_value = "tiny,1b")]
+    presets: Vec<String>,
+    #[arg(long, default_value_t = 4)]
+    nodes: usize,
+    /// Bytes per value on the wire: 4 (fp32) or 2 (bf16).
+    #[arg(long, default_value_t = 4)]
+    wire_bytes: u64,
+    /// Rounds of the server-aggregation measurement (on the first preset).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Micro-batch of the measured steps.
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 256)]
+    seq_len: usize,
+}
+
+/// `spes bench-sync`: the three tables.
+pub fn run(a: Args) -> Result<()> {
+    traffic_table(&a.presets, a.nodes, a.wire_bytes)?;
+    aggregation(&a.presets[0], a.nodes, a.rounds)?;
+    measured_rss("tiny", a.nodes, a.batch_size, a.seq_len)
+}
+
 fn mib(bytes: u64) -> String {
     let m = bytes as f64 / (1u64 << 20) as f64;
     if m >= 10_240.0 {
@@ -17,7 +46,7 @@ fn mib(bytes: u64) -> String {
 }
 
 /// Prints the analytic table for `presets` with `nodes` nodes and `wire_bytes` per value.
-pub fn traffic_table(presets: &[String], nodes: usize, wire_bytes: u64) -> Result<()> {
+fn traffic_table(presets: &[String], nodes: usize, wire_bytes: u64) -> Result<()> {
     println!("| preset | mode | trainable params / node | trainable bytes | optimizer state | upload / round | download / round |");
     println!("|---|---|---|---|---|---|---|");
     for name in presets {
@@ -66,7 +95,7 @@ fn bench_child(preset: &str, own_experts: usize, batch: usize, seq: usize) -> Re
 }
 
 /// Measures a SPES node (owning E/N experts) against a DiLoCo node (all experts) on `preset`.
-pub fn measured_rss(preset: &str, nodes: usize, batch: usize, seq: usize) -> Result<()> {
+fn measured_rss(preset: &str, nodes: usize, batch: usize, seq: usize) -> Result<()> {
     let cfg = ModelConfig::preset(preset)?;
     let own = cfg.n_experts.div_ceil(nodes);
     println!();
@@ -100,7 +129,7 @@ pub fn measured_rss(preset: &str, nodes: usize, batch: usize, seq: usize) -> Res
 /// Measures how fast a server takes uploads in: each node's payload is mapped from disk
 /// (not copied), validated and folded in, then the round closes (merge off) — the server's
 /// whole path for a round. Prints bytes of uploads per second for both wires.
-pub fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
+fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
     use spes_sync::{Combine, Coordinator, Layout, Ownership, RoundRules, Scope, WireForm};
     let cfg = ModelConfig::preset(preset)?;
     if nodes == 0 || nodes > cfg.n_experts {

@@ -1,0 +1,101 @@
+//! Run secrets, node credentials and TLS certificates: `spes gen-secret`, `spes credential`,
+//! `spes gen-cert`, and how commands read a secret.
+
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+
+/// A secret read from a file, or else from an environment variable.
+pub fn secret_from(file: Option<&Path>, env: &str) -> Result<Option<String>> {
+    match (file, std::env::var(env)) {
+        (Some(path), _) => Ok(Some(spes_net::auth::read_token(path)?)),
+        (None, Ok(t)) if !t.trim().is_empty() => Ok(Some(t.trim().to_owned())),
+        _ => Ok(None),
+    }
+}
+
+/// 32 random bytes from the OS-seeded CSPRNG, as hex: a run secret.
+pub(crate) fn new_secret() -> String {
+    let bytes: [u8; 32] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Write a new random run secret (owner-only) for `spes server --secret-file`.
+#[derive(clap::Args)]
+pub struct GenSecretArgs {
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// `spes gen-secret`: refuses to overwrite an existing secret.
+pub fn gen_secret(a: GenSecretArgs) -> Result<()> {
+    let out = a.out;
+    if out.exists() {
+        anyhow::bail!(
+            "{} exists; remove it first to make a new secret",
+            out.display()
+        );
+    }
+    spes_data::shard::write_secret(&out, new_secret().as_bytes())?;
+    println!("wrote {} (owner-only): give it to `spes server --secret-file` and make node credentials with `spes credential`", out.display());
+    Ok(())
+}
+
+/// Derive node credentials from the run secret: each authorizes exactly one peer id.
+/// Prints them, or writes DIR/node-<peer>.credential (owner-only) with --out.
+#[derive(clap::Args)]
+pub struct CredentialArgs {
+    #[arg(long)]
+    pub secret_file: PathBuf,
+    #[arg(long, num_args = 1.., required = true)]
+    pub peer: Vec<usize>,
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// Write a self-signed TLS certificate and key (cert.pem, key.pem) for `spes server`.
+#[derive(clap::Args)]
+pub struct GenCertArgs {
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Host names or IP addresses the certificate is valid for.
+    #[arg(long, num_args = 1.., default_value = "localhost")]
+    pub host: Vec<String>,
+}
+
+/// `spes gen-cert`.
+pub fn gen_cert(a: GenCertArgs) -> Result<()> {
+    let (out, hosts) = (a.out.as_path(), a.host);
+    let cert =
+        rcgen::generate_simple_self_signed(hosts).context("cannot generate a certificate")?;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    spes_data::shard::write_atomic(&out.join("cert.pem"), cert.cert.pem().as_bytes())?;
+    spes_data::shard::write_secret(
+        &out.join("key.pem"),
+        cert.signing_key.serialize_pem().as_bytes(),
+    )?;
+    println!(
+        "wrote {0}/cert.pem and {0}/key.pem: serve with --tls-cert/--tls-key, give nodes --tls-ca {0}/cert.pem",
+        out.display()
+    );
+    Ok(())
+}
+
+/// `spes credential`.
+pub fn credentials(a: CredentialArgs) -> Result<()> {
+    let (secret_file, peers, out) = (&a.secret_file, &a.peer, a.out.as_deref());
+    let secret = spes_net::auth::read_token(secret_file)?;
+    for &p in peers {
+        let c = spes_net::auth::credential(&secret, p);
+        match out {
+            Some(dir) => {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("cannot create {}", dir.display()))?;
+                let path = dir.join(format!("node-{p}.credential"));
+                spes_data::shard::write_secret(&path, c.as_bytes())?;
+                println!("{}", path.display());
+            }
+            None => println!("{c}"),
+        }
+    }
+    Ok(())
+}

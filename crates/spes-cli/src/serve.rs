@@ -1,0 +1,132 @@
+//! `spes server`: the parameter server of a decentralized run (spes-net's `server`), behind the
+//! checks that keep credentials and models off the network in plaintext.
+
+use crate::args::{ConfigArgs, RuntimeArgs};
+use crate::secrets::secret_from;
+use anyhow::Result;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Run the SPES (or DiLoCo) parameter server of a decentralized run.
+/// The config needs a [sync] section with mode = "spes" or "diloco".
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Address to serve on. Anything but loopback needs TLS (or --insecure).
+    #[arg(long, default_value = "0.0.0.0:50051")]
+    pub listen: SocketAddr,
+    /// Output directory: metrics.jsonl, global/, checkpoints/, server.json (restart point).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// File whose first line is the run secret that node credentials derive from
+    /// (`spes gen-secret`; else the SPES_SECRET environment variable).
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
+    /// Accept calls without a credential (only on a network you trust).
+    #[arg(long)]
+    pub no_auth: bool,
+    /// Serve plaintext on a non-loopback address (only on a network you trust).
+    #[arg(long)]
+    pub insecure: bool,
+    /// Uploads received at once; more wait for a slot.
+    #[arg(long, default_value_t = 4)]
+    pub max_concurrent_uploads: usize,
+    /// Cut a stream that sends nothing for this many seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub idle_timeout_s: f64,
+    /// PEM certificate chain, to serve TLS.
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Initial weights (model.safetensors with this model's tensor names) instead of a fresh init.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// After the last round, wait this long for every node to fetch it.
+    #[arg(long, default_value_t = 120.0)]
+    pub linger_s: f64,
+    /// Serve shard i of k (`0/2`, `1/2`): a deterministic slice of whole layers and
+    /// tensors; nodes take every shard's URL in order (`--server URL0,URL1`).
+    #[arg(long, default_value = "0/1", value_parser = parse_shard)]
+    pub shard: (usize, usize),
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
+}
+
+/// `spes server`: serves until the last round is published and fetched; prints the summary.
+pub fn run(a: Args) -> Result<()> {
+    let Args {
+        config,
+        listen,
+        out,
+        secret_file,
+        no_auth,
+        insecure,
+        max_concurrent_uploads,
+        idle_timeout_s,
+        tls_cert,
+        tls_key,
+        init,
+        linger_s,
+        shard,
+        runtime,
+    } = a;
+    let cfg = config.load()?;
+    let secret = secret_from(secret_file.as_deref(), "SPES_SECRET")?;
+    if secret.is_none() && !no_auth {
+        anyhow::bail!(
+            "the server needs the run secret: --secret-file FILE (spes gen-secret makes \
+                 one) or SPES_SECRET (or --no-auth to accept anyone)"
+        );
+    }
+    let tls = match (tls_cert, tls_key) {
+        (Some(c), Some(k)) => Some((
+            spes_net::auth::read_pem(&c, "TLS certificate")?,
+            spes_net::auth::read_pem(&k, "TLS key")?,
+        )),
+        _ => None,
+    };
+    if tls.is_none() && !listen.ip().is_loopback() && !insecure {
+        anyhow::bail!(
+            "refusing to serve {listen} in plaintext: credentials and models would cross \
+                 the network unencrypted. Give --tls-cert/--tls-key (spes gen-cert makes \
+                 them), listen on 127.0.0.1, or pass --insecure on a network you trust"
+        );
+    }
+    if !(idle_timeout_s > 0.0 && idle_timeout_s.is_finite()) {
+        anyhow::bail!("--idle-timeout-s must be a positive number of seconds");
+    }
+    let opts = spes_net::ServerOptions {
+        cfg,
+        out,
+        secret,
+        tls,
+        init,
+        device: runtime.device()?,
+        linger_s,
+        shard,
+        limits: spes_net::Limits {
+            max_concurrent_uploads,
+            idle_timeout: std::time::Duration::from_secs_f64(idle_timeout_s),
+            ..Default::default()
+        },
+    };
+    let summary = spes_net::server::run(opts, listen)?;
+    println!("{}", serde_json::to_string_pretty(&summary)?);
+    Ok(())
+}
+
+/// `i/k` with `i < k`.
+fn parse_shard(s: &str) -> Result<(usize, usize), String> {
+    let parsed = s
+        .split_once('/')
+        .and_then(|(i, k)| Some((i.trim().parse().ok()?, k.trim().parse().ok()?)));
+    match parsed {
+        Some((i, k)) if i < k => Ok((i, k)),
+        _ => Err(format!(
+            "`{s}` is not a shard `i/k` with i < k, such as 0/2"
+        )),
+    }
+}
