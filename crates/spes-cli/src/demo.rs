@@ -122,10 +122,31 @@ pub fn run(a: Args) -> Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let data = prepare_data(out)?;
     let cfg = config(&data, overrides)?;
-    let config_toml = launch(out, &cfg, device, link, true)?;
+    let config_toml = launch(out, &cfg, device, link, true).map_err(|e| {
+        if e.is::<Interrupted>() {
+            anyhow::anyhow!(
+                "{e}. Run `spes demo --out {}` again to resume",
+                out.display()
+            )
+        } else {
+            e
+        }
+    })?;
     let nodes = cfg.sync.nodes;
     report(out, nodes, started, &config_toml)
 }
+
+/// [`launch`]'s error when Ctrl-C stopped it; each caller says how to resume.
+#[derive(Debug)]
+pub struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted; every process is stopped")
+    }
+}
+
+impl std::error::Error for Interrupted {}
 
 /// Starts one server and `cfg.sync.nodes` node processes under `out` (each node behind its own
 /// shaped link if `link` is given) and waits for all of them; returns the config as written.
@@ -239,10 +260,7 @@ pub fn launch(
         if interrupted.load(Ordering::SeqCst) {
             stop_all(&mut children);
             bars.clear().ok();
-            bail!(
-                "interrupted; every process is stopped. Run `spes demo --out {}` again to resume",
-                out.display()
-            );
+            return Err(Interrupted.into());
         }
         let rounds = report::read_jsonl(&out.join("server/metrics.jsonl"));
         if let Some(last) = rounds.last() {

@@ -216,7 +216,16 @@ pub struct Args {
 pub fn command(a: Args) -> Result<()> {
     let name = a.device.to_possible_value().expect("named");
     let device = crate::device::select(a.device)?;
-    run(&a.spec, &a.out, device, name.get_name()).context("experiment failed")
+    run(&a.spec, &a.out, device, name.get_name()).map_err(|e| {
+        if e.is::<demo::Interrupted>() {
+            anyhow::anyhow!(
+                "{}. Run the same `spes experiment` command again to resume (finished runs are kept)",
+                e.root_cause()
+            )
+        } else {
+            e.context("experiment failed")
+        }
+    })
 }
 
 /// Runs every (seed, run) not finished yet under `out`, then writes the results.

@@ -366,6 +366,8 @@ fn ctrl_c_stops_every_demo_process() {
     let mut err = String::new();
     std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
     assert!(err.contains("interrupted"), "{err}");
+    let resume = format!("Run `spes demo --out {}` again to resume", out.display());
+    assert!(err.contains(&resume), "{err}");
     let left = processes_mentioning(out.to_str().unwrap());
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }
