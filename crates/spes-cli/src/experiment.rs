@@ -532,3 +532,29 @@ fn mean_curve(rs: &[RunResult]) -> Vec<(f64, f64)> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every shipped spec loads (runs that parse, one token budget), and its centralized
+    /// baseline trains at the rate it was measured with, not at whatever a SPES config holds.
+    #[test]
+    fn shipped_specs_load_and_pin_the_centralized_rate() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments");
+        let mut checked = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let spec = Spec::load(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            for r in &spec.run {
+                let cfg = spec.config_of(r, Path::new("data"), spec.seeds[0]).unwrap();
+                if cfg.sync.mode == Mode::Centralized {
+                    assert_eq!(cfg.train.lr, 3e-3, "{}: {}", path.display(), r.name);
+                    assert_eq!(cfg.train.expert_lr_scale, 1.0, "{}", path.display());
+                }
+            }
+            checked += 1;
+        }
+        assert!(checked >= 4, "only {checked} specs in {}", dir.display());
+    }
+}
