@@ -8,7 +8,6 @@
 use crate::device::DeviceChoice;
 use crate::report;
 use anyhow::{bail, Context, Result};
-use clap::ValueEnum;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Value};
 use spes_data::{TokenizeOptions, TokenizerSource};
@@ -111,18 +110,12 @@ pub fn run(a: Args) -> Result<()> {
         device,
         link,
     } = a;
-    let (out, overrides) = (out.as_path(), overrides.as_slice());
-    let device = device
-        .to_possible_value()
-        .expect("named")
-        .get_name()
-        .to_owned();
-    let device = device.as_str();
+    let (out, overrides, device) = (out.as_path(), overrides.as_slice(), device.arg());
     let started = Instant::now();
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let data = prepare_data(out)?;
     let cfg = config(&data, overrides)?;
-    let config_toml = launch(out, &cfg, device, link, true).map_err(|e| {
+    let config_toml = launch(out, &cfg, &device, link, true).map_err(|e| {
         if e.is::<Interrupted>() {
             anyhow::anyhow!(
                 "{e}. Run `spes demo --out {}` again to resume",

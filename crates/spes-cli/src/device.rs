@@ -14,6 +14,14 @@ pub enum DeviceChoice {
     Cuda,
 }
 
+impl DeviceChoice {
+    /// The `--device` value naming this choice, as child processes are given it.
+    pub fn arg(self) -> String {
+        let value = self.to_possible_value().expect("every choice is named");
+        value.get_name().to_owned()
+    }
+}
+
 /// Loads libtorch's CUDA backend so its kernels and device hooks register.
 fn load_cuda_backend() -> Result<(), String> {
     // SAFETY: loading a shared library runs its initialisers; libtorch_cuda's only register

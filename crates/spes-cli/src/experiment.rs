@@ -9,7 +9,6 @@
 use crate::device::DeviceChoice;
 use crate::{demo, report};
 use anyhow::{bail, Context, Result};
-use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use spes_data::{TokenizeOptions, TokenizerSource};
@@ -214,9 +213,8 @@ pub struct Args {
 
 /// `spes experiment`.
 pub fn command(a: Args) -> Result<()> {
-    let name = a.device.to_possible_value().expect("named");
     let device = crate::device::select(a.device)?;
-    run(&a.spec, &a.out, device, name.get_name()).map_err(|e| {
+    run(&a.spec, &a.out, device, &a.device.arg()).map_err(|e| {
         if e.is::<demo::Interrupted>() {
             anyhow::anyhow!(
                 "{}. Run the same `spes experiment` command again to resume (finished runs are kept)",

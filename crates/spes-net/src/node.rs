@@ -160,12 +160,12 @@ fn check_compatible(local: &RunConfig, server: &RunConfig) -> Result<()> {
         let Some(table) = s.get(section).and_then(|t| t.as_table()) else {
             continue;
         };
+        let own = match section {
+            "train" => LOCAL_TRAIN_KEYS,
+            "sync" => SERVER_SYNC_KEYS,
+            _ => &[],
+        };
         for (key, sv) in table {
-            let own = match section {
-                "train" => LOCAL_TRAIN_KEYS,
-                "sync" => SERVER_SYNC_KEYS,
-                _ => &[],
-            };
             if own.contains(&key.as_str()) {
                 continue;
             }

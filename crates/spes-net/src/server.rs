@@ -522,7 +522,6 @@ fn remove_pending(out: &Path, drop: impl Fn(u64) -> bool) {
     }
 }
 
-/// Copies `from` to `to` through a temp file, checks the copy's checksum, fsyncs, renames.
 /// Deletes all but the newest `keep` `round-NNNNNN.safetensors` in `dir` (0: keeps all).
 fn prune_checkpoints(dir: &Path, keep: usize) -> Result<()> {
     if keep == 0 {
@@ -548,6 +547,7 @@ fn prune_checkpoints(dir: &Path, keep: usize) -> Result<()> {
     Ok(())
 }
 
+/// Copies `from` to `to` through a temp file, checks the copy's checksum, fsyncs, renames.
 fn copy_verified(from: &Path, to: &Path, xxh3: u64) -> Result<()> {
     let mut tmp = to.as_os_str().to_owned();
     tmp.push(".tmp");

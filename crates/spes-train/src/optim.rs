@@ -217,9 +217,21 @@ impl AdamW {
                 )?);
             }
             // One fused call per learning rate, as PyTorch's param groups do.
-            for expert in [false, true] {
+            let scale_of = |i: usize| {
+                if self.expert[i] {
+                    self.expert_lr_scale
+                } else {
+                    1.0
+                }
+            };
+            let scales: &[f64] = if self.expert_lr_scale == 1.0 {
+                &[1.0]
+            } else {
+                &[1.0, self.expert_lr_scale]
+            };
+            for &scale in scales {
                 let group: Vec<usize> = (0..grads.len())
-                    .filter(|&i| grads[i].defined() && self.expert[i] == expert)
+                    .filter(|&i| grads[i].defined() && scale_of(i) == scale)
                     .collect();
                 if group.is_empty() {
                     continue;
@@ -227,7 +239,6 @@ impl AdamW {
                 let pick = |ts: &[Tensor]| -> Vec<Tensor> {
                     group.iter().map(|&i| ts[i].shallow_clone()).collect()
                 };
-                let scale = if expert { self.expert_lr_scale } else { 1.0 };
                 spes_ext::fused_adamw(
                     &spes_ext::AdamWGroup {
                         params: &pick(&self.weights),
