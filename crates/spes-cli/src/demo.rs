@@ -9,9 +9,9 @@ use crate::device::DeviceChoice;
 use crate::report;
 use anyhow::{bail, Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use serde_json::{json, Value};
 use spes_data::{TokenizeOptions, TokenizerSource};
 use spes_net::link::{LinkSpec, RelaySet};
+use spes_train::metrics::{self, DemoSummary, NodeLine, NodeSummary, ProgressLine, RoundRecord};
 use spes_train::RunConfig;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -226,14 +226,17 @@ pub fn launch(
         let stdout = child.stdout.take().expect("piped");
         readers.push(std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                let Ok(p) = serde_json::from_str::<ProgressLine>(&line) else {
                     continue;
                 };
-                if let Some(step) = v["step"].as_u64() {
-                    bar.set_position(step);
-                }
-                if let (Some(loss), Some(tps)) = (v["loss"].as_f64(), v["tokens_per_s"].as_f64()) {
-                    bar.set_message(format!("loss {loss:.3} | {tps:.0} tok/s"));
+                match p.line {
+                    NodeLine::Sync(s) => bar.set_position(s.step),
+                    NodeLine::Step(s) => {
+                        bar.set_position(s.step);
+                        if let (Some(l), Some(tps)) = (&s.losses, s.tokens_per_s) {
+                            bar.set_message(format!("loss {:.3} | {tps:.0} tok/s", l.loss));
+                        }
+                    }
                 }
             }
             bar.finish();
@@ -255,10 +258,10 @@ pub fn launch(
             bars.clear().ok();
             return Err(Interrupted.into());
         }
-        let rounds = report::read_jsonl(&out.join("server/metrics.jsonl"));
+        let rounds: Vec<RoundRecord> = metrics::read(&out.join("server/metrics.jsonl"));
         if let Some(last) = rounds.last() {
-            server_bar.set_position(last["round"].as_u64().unwrap_or(0));
-            if let Some(v) = last["val_loss"].as_f64() {
+            server_bar.set_position(last.round);
+            if let Some(v) = last.val_loss {
                 server_bar.set_message(format!("global validation loss {v:.3}"));
             }
         }
@@ -312,9 +315,9 @@ fn interrupt_flag() -> Result<Arc<AtomicBool>> {
 
 /// Writes `summary.json` and `report.md` of a finished demo.
 fn report(out: &Path, nodes: usize, started: Instant, config_toml: &str) -> Result<()> {
-    let rounds = report::read_jsonl(&out.join("server/metrics.jsonl"));
-    let val = |r: Option<&Value>| r.and_then(|r| r["val_loss"].as_f64());
-    let node_summaries: Vec<Value> = (0..nodes)
+    let rounds: Vec<RoundRecord> = metrics::read(&out.join("server/metrics.jsonl"));
+    let val = |r: Option<&RoundRecord>| r.and_then(|r| r.val_loss);
+    let node_summaries: Vec<NodeSummary> = (0..nodes)
         .map(|p| {
             let path = out.join(format!("node-{p}/summary.json"));
             std::fs::read_to_string(&path)
@@ -323,24 +326,25 @@ fn report(out: &Path, nodes: usize, started: Instant, config_toml: &str) -> Resu
                 .with_context(|| format!("node {p} left no {}", path.display()))
         })
         .collect::<Result<_>>()?;
-    let summary = json!({
-        "initial_val_loss": val(rounds.first()),
-        "final_val_loss": val(rounds.last()),
-        "tokens": rounds.last().and_then(|r| r["tokens"].as_u64()),
-        "rounds": rounds.last().and_then(|r| r["round"].as_u64()),
-        "wall_s": started.elapsed().as_secs_f64(),
-        "nodes": node_summaries,
-    });
+    let summary = DemoSummary {
+        initial_val_loss: val(rounds.first()),
+        final_val_loss: val(rounds.last()),
+        tokens: rounds.last().map(|r| r.tokens),
+        rounds: rounds.last().map(|r| r.round),
+        wall_s: started.elapsed().as_secs_f64(),
+        nodes: node_summaries,
+    };
     spes_data::shard::write_atomic(
         &out.join("summary.json"),
         serde_json::to_string_pretty(&summary)?.as_bytes(),
     )?;
     report::write(out, &summary, config_toml)?;
+    let shown = |v: Option<f64>| v.map_or("n/a".into(), |v| v.to_string());
     println!(
         "global validation loss {} -> {} nats/token in {:.0} s; report: {}",
-        summary["initial_val_loss"],
-        summary["final_val_loss"],
-        summary["wall_s"].as_f64().unwrap_or(0.0),
+        shown(summary.initial_val_loss),
+        shown(summary.final_val_loss),
+        summary.wall_s,
         out.join("report.md").display()
     );
     Ok(())

@@ -10,9 +10,9 @@ use crate::device::DeviceChoice;
 use crate::{demo, report};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use spes_data::{TokenizeOptions, TokenizerSource};
 use spes_model::MoeModel;
+use spes_train::metrics::{self, NodeSummary, RoundRecord, StepRecord};
 use spes_train::{Mode, RunConfig};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -313,10 +313,17 @@ fn measure(
     } else {
         dir.join("server/metrics.jsonl")
     };
-    let curve: Vec<(f64, f64)> = report::read_jsonl(&metrics)
-        .iter()
-        .filter_map(|v| Some((v["tokens"].as_f64()?, v["val_loss"].as_f64()?)))
-        .collect();
+    let curve: Vec<(f64, f64)> = if centralized {
+        metrics::read::<StepRecord>(&metrics)
+            .iter()
+            .filter_map(|r| Some((r.tokens as f64, r.val_loss?)))
+            .collect()
+    } else {
+        metrics::read::<RoundRecord>(&metrics)
+            .iter()
+            .filter_map(|r| Some((r.tokens as f64, r.val_loss?)))
+            .collect()
+    };
     let Some(&(_, final_ce)) = curve.last() else {
         bail!("{} has no validation loss", metrics.display());
     };
@@ -343,7 +350,7 @@ fn measure(
     let (optimizer_bytes, bytes_per_round) = if centralized {
         (params as u64 * 8, 0.0)
     } else {
-        let node: Value = serde_json::from_str(
+        let node: NodeSummary = serde_json::from_str(
             &std::fs::read_to_string(dir.join("node-0/summary.json"))
                 .context("node 0 left no summary.json")?,
         )?;
@@ -353,7 +360,7 @@ fn measure(
         let costs = report::round_costs(dir, &peers);
         let traffic: f64 = costs.iter().map(|c| c.bytes_up + c.bytes_down).sum();
         (
-            node["optimizer_state_bytes"].as_u64().unwrap_or(0),
+            node.optimizer_state_bytes,
             traffic / costs.len().max(1) as f64,
         )
     };

@@ -4,20 +4,11 @@
 use anyhow::{Context, Result};
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
-use serde_json::Value;
+use spes_train::metrics::{self, DemoSummary, NodeLine, RoundRecord, SyncRecord};
 use std::path::Path;
 
 /// DejaVu Sans (see assets/DEJAVU-LICENSE), so plots have text without system fonts.
 const FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
-
-/// Reads a `metrics.jsonl` into JSON objects (missing file: none).
-pub fn read_jsonl(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
 
 /// What one round cost the nodes, averaged over those that synced it.
 #[derive(Clone, Debug)]
@@ -35,29 +26,26 @@ pub struct RoundCost {
 
 /// Per-round sync costs from the nodes' `metrics.jsonl` (`sync` records), by round.
 pub fn round_costs(out: &Path, peers: &[u64]) -> Vec<RoundCost> {
-    let mut by_round: std::collections::BTreeMap<u64, Vec<Value>> = Default::default();
+    let mut by_round: std::collections::BTreeMap<u64, Vec<SyncRecord>> = Default::default();
     for p in peers {
-        for r in read_jsonl(&out.join(format!("node-{p}/metrics.jsonl"))) {
-            if r["event"] == "sync" {
-                if let Some(round) = r["round"].as_u64() {
-                    by_round.entry(round).or_default().push(r);
-                }
+        for line in metrics::read::<NodeLine>(&out.join(format!("node-{p}/metrics.jsonl"))) {
+            if let NodeLine::Sync(r) = line {
+                by_round.entry(r.round).or_default().push(r);
             }
         }
     }
     by_round
         .into_iter()
         .map(|(round, rs)| {
-            let mean =
-                |k: &str| rs.iter().filter_map(|r| r[k].as_f64()).sum::<f64>() / rs.len() as f64;
+            let mean = |f: fn(&SyncRecord) -> f64| rs.iter().map(f).sum::<f64>() / rs.len() as f64;
             RoundCost {
                 round,
                 nodes: rs.len(),
-                compute_s: mean("compute_s"),
-                sync_s: mean("sync_s"),
-                idle_s: mean("idle_s"),
-                bytes_up: mean("bytes_up"),
-                bytes_down: mean("bytes_down"),
+                compute_s: mean(|r| r.compute_s),
+                sync_s: mean(|r| r.sync_s),
+                idle_s: mean(|r| r.idle_s),
+                bytes_up: mean(|r| r.bytes_up as f64),
+                bytes_down: mean(|r| r.bytes_down as f64),
             }
         })
         .collect()
@@ -148,27 +136,30 @@ pub fn loss_plot(path: &Path, title: &str, series: &[(String, Vec<(f64, f64)>)])
 }
 
 /// Writes `loss.png`, `expert_load.png` and `report.md` under `out`.
-pub fn write(out: &Path, summary: &Value, config_toml: &str) -> Result<()> {
+pub fn write(out: &Path, summary: &DemoSummary, config_toml: &str) -> Result<()> {
     // Registering twice (a second report in one process) fails harmlessly.
     let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
-    let server = read_jsonl(&out.join("server/metrics.jsonl"));
-    let nodes = summary["nodes"].as_array().cloned().unwrap_or_default();
+    let server: Vec<RoundRecord> = metrics::read(&out.join("server/metrics.jsonl"));
+    let nodes = &summary.nodes;
 
     let per_node: Vec<(String, Vec<(f64, f64)>)> = nodes
         .iter()
-        .filter_map(|n| n["peer"].as_u64())
-        .map(|p| {
-            let rows = read_jsonl(&out.join(format!("node-{p}/metrics.jsonl")));
+        .map(|n| {
+            let rows =
+                metrics::read::<NodeLine>(&out.join(format!("node-{}/metrics.jsonl", n.peer)));
             let pts = rows
                 .iter()
-                .filter_map(|r| Some((r["tokens"].as_f64()?, r["loss"].as_f64()?)))
+                .filter_map(|r| match r {
+                    NodeLine::Step(s) => Some((s.tokens as f64, s.losses.as_ref()?.loss)),
+                    NodeLine::Sync(_) => None,
+                })
                 .collect();
-            (format!("node {p}"), pts)
+            (format!("node {}", n.peer), pts)
         })
         .collect();
     let val: Vec<(f64, f64)> = server
         .iter()
-        .filter_map(|r| Some((r["tokens"].as_f64()?, r["val_loss"].as_f64()?)))
+        .filter_map(|r| Some((r.tokens as f64, r.val_loss?)))
         .collect();
     let loss_png = out.join("loss.png");
     {
@@ -196,7 +187,7 @@ pub fn write(out: &Path, summary: &Value, config_toml: &str) -> Result<()> {
     let load: Vec<Vec<f64>> = server
         .iter()
         .rev()
-        .find_map(|r| serde_json::from_value(r["expert_load"].clone()).ok())
+        .find_map(|r| r.expert_load.clone())
         .unwrap_or_default();
     let load_png = out.join("expert_load.png");
     {
@@ -250,18 +241,19 @@ pub fn write(out: &Path, summary: &Value, config_toml: &str) -> Result<()> {
 
     let merges: Vec<String> = server
         .iter()
-        .filter(|r| r["merge_alpha"].is_number())
-        .map(|r| {
-            format!(
+        .filter_map(|r| {
+            let c = r.close.as_ref()?;
+            Some(format!(
                 "round {} (step {}): α = {:.4}, {} experts merged",
-                r["round"],
-                r["step"],
-                r["merge_alpha"].as_f64().unwrap_or(0.0),
-                r["merges"].as_array().map_or(0, |m| m.len())
-            )
+                r.round,
+                r.step,
+                c.merge_alpha?,
+                c.merges.len()
+            ))
         })
         .collect();
-    let f = |v: &Value| v.as_f64().map_or("n/a".into(), |x| format!("{x:.3}"));
+    let f = |v: Option<f64>| v.map_or("n/a".into(), |x| format!("{x:.3}"));
+    let n = |v: Option<u64>| v.map_or("n/a".into(), |x| x.to_string());
     let mut md = String::new();
     md.push_str("# spes demo: SPES on loopback\n\n");
     md.push_str(&format!(
@@ -272,42 +264,39 @@ pub fn write(out: &Path, summary: &Value, config_toml: &str) -> Result<()> {
     md.push_str("| | |\n|---|---|\n");
     md.push_str(&format!(
         "| initial validation loss | {} |\n",
-        f(&summary["initial_val_loss"])
+        f(summary.initial_val_loss)
     ));
     md.push_str(&format!(
         "| final validation loss | {} |\n",
-        f(&summary["final_val_loss"])
+        f(summary.final_val_loss)
     ));
-    md.push_str(&format!("| tokens (all nodes) | {} |\n", summary["tokens"]));
-    md.push_str(&format!("| rounds | {} |\n", summary["rounds"]));
-    md.push_str(&format!(
-        "| wall time | {:.0} s |\n\n",
-        summary["wall_s"].as_f64().unwrap_or(0.0)
-    ));
+    md.push_str(&format!("| tokens (all nodes) | {} |\n", n(summary.tokens)));
+    md.push_str(&format!("| rounds | {} |\n", n(summary.rounds)));
+    md.push_str(&format!("| wall time | {:.0} s |\n\n", summary.wall_s));
     md.push_str(
         "| node | trainable params | optimizer state | bytes up | bytes down | peak RSS |\n",
     );
     md.push_str("|---|---|---|---|---|---|\n");
-    let mib = |v: &Value| v.as_f64().unwrap_or(0.0) / (1u64 << 20) as f64;
-    for n in &nodes {
+    let mib = |v: u64| v as f64 / (1u64 << 20) as f64;
+    for n in nodes {
         md.push_str(&format!(
             "| {} | {:.2} M | {:.1} MiB | {:.1} MiB | {:.1} MiB | {:.0} MiB |\n",
-            n["peer"],
-            n["trainable_params"].as_f64().unwrap_or(0.0) / 1e6,
-            mib(&n["optimizer_state_bytes"]),
-            mib(&n["bytes_up"]),
-            mib(&n["bytes_down"]),
-            n["peak_rss_mb"].as_f64().unwrap_or(0.0)
+            n.peer,
+            n.trainable_params as f64 / 1e6,
+            mib(n.optimizer_state_bytes),
+            mib(n.bytes_up),
+            mib(n.bytes_down),
+            n.peak_rss_mb
         ));
     }
-    let peers: Vec<u64> = nodes.iter().filter_map(|n| n["peer"].as_u64()).collect();
+    let peers: Vec<u64> = nodes.iter().map(|n| n.peer as u64).collect();
     md.push_str("\n## Sync cost per round\n\nMeans over the nodes. *Sync* runs from a node's upload to its loaded model; *idle* is the time training stood still for it (with `sync.overlap`, only the wait for the result).\n\n");
     md.push_str("| round | compute s | sync s | idle s | up MiB | down MiB | server aggregation s |\n|---|---|---|---|---|---|---|\n");
     for c in round_costs(out, &peers) {
         let agg = server
             .iter()
-            .find(|r| r["round"].as_u64() == Some(c.round))
-            .and_then(|r| r["aggregation_s"].as_f64())
+            .find(|r| r.round == c.round)
+            .and_then(|r| Some(r.close.as_ref()?.aggregation_s))
             .map_or("".into(), |a| format!("{a:.2}"));
         md.push_str(&format!(
             "| {} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {agg} |\n",

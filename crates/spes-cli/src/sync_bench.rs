@@ -130,7 +130,7 @@ fn measured_rss(preset: &str, nodes: usize, batch: usize, seq: usize) -> Result<
 /// (not copied), validated and folded in, then the round closes (merge off) — the server's
 /// whole path for a round. Prints bytes of uploads per second for both wires.
 fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
-    use spes_sync::{Combine, Coordinator, Layout, Ownership, RoundRules, Scope, WireForm};
+    use spes_sync::{Coordinator, Delta, Layout, Ownership, Scope, Start, SyncConfig, Wire};
     let cfg = ModelConfig::preset(preset)?;
     if nodes == 0 || nodes > cfg.n_experts {
         bail!(
@@ -151,14 +151,24 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
     println!();
     println!("| {preset}, {nodes} nodes | upload bytes / round | read | validate + fold | close | throughput | values / s |");
     println!("|---|---|---|---|---|---|---|");
-    let density = 0.03;
     let forms = [
-        ("bf16_delta", WireForm::Bf16Delta),
-        ("int4_delta", WireForm::Quantized { bits: 4 }),
-        ("sparse_delta (3 %)", WireForm::Sparse { density }),
-        ("fp32", WireForm::Values),
+        ("bf16_delta", Wire::Bf16Delta),
+        ("int4_delta", Wire::Int4Delta),
+        ("sparse_delta (3 %)", Wire::SparseDelta),
+        ("fp32", Wire::Fp32),
     ];
-    for (label, form) in forms {
+    for (label, wire) in forms {
+        let sync = SyncConfig {
+            mode: spes_sync::Mode::Spes,
+            sync_steps: 100,
+            wire,
+            sparse_density: 0.03,
+            round_timeout_s: 1e9,
+            lease_s: 1e9,
+            evict_after_s: 1e9,
+            merge_every: 0,
+            ..SyncConfig::default()
+        };
         let mut paths = Vec::new();
         let (mut bytes, mut values) = (0u64, 0u64);
         for peer in 0..nodes {
@@ -169,46 +179,30 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
                 }
                 let change = g.randn_like() * 1e-4;
                 values += change.numel() as u64;
-                match form {
-                    WireForm::Values => upload.push((name.clone(), g + change)),
-                    WireForm::Bf16Delta => upload.push((name.clone(), change)),
-                    lossy => {
-                        upload.extend(spes_sync::delta::compress(&change, lossy).into_wire(name))
-                    }
+                match wire {
+                    Wire::Fp32 => upload.push((name.clone(), g + change)),
+                    _ => upload.extend(Delta::of_change(&change, &sync).into_wire(name)),
                 }
             }
-            let kind = if form == WireForm::Values {
-                tch::Kind::Float
-            } else {
-                tch::Kind::BFloat16
-            };
+            let kind = spes_sync::delta::payload_kind(wire);
             let path = dir.path().join(format!("{peer}.safetensors"));
             let (size, _) = spes_net::payload::write(&path, &upload, kind)?;
             bytes += size;
             paths.push(path);
         }
-        let rules = RoundRules {
-            sync_steps: 100,
-            timeout_s: 1e9,
-            lease_s: 1e9,
-            evict_after_s: 1e9,
-            merge: None,
-            combine: Combine::Mean,
-            max_update_rms: Some(1.0),
-            wire: form,
-            outer: spes_sync::OuterRules::AVERAGE,
-            rotate_every: 0,
-        };
         let mut coord = Coordinator::new(
             layout.clone(),
             scope.clone(),
-            rules,
-            global
-                .iter()
-                .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                .collect(),
-            0,
-            Default::default(),
+            sync,
+            Some(1.0),
+            Start {
+                global: global
+                    .iter()
+                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                    .collect(),
+                published: 0,
+                gone: Default::default(),
+            },
             0.0,
         );
         let mut times = Vec::new();

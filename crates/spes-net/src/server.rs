@@ -26,16 +26,12 @@ use crate::proto::{
 use crate::{fault, payload, refusal};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use spes_data::shard::write_atomic;
 use spes_data::ValWindows;
 use spes_model::MoeModel;
-use spes_sync::{
-    Combine, Coordinator, Layout, MergeSchedule, Named, RoundDelta, RoundReport, RoundRules, Scope,
-    Standing,
-};
-use spes_train::trainer::MetricsLog;
-use spes_train::{AggregateRule, Mode, RunConfig, Wire};
+use spes_sync::{Coordinator, Layout, Named, RoundDelta, RoundReport, Scope, Standing, Start};
+use spes_train::metrics::{MergeRecord, MetricsLog, RoundClose, RoundRecord};
+use spes_train::RunConfig;
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -154,7 +150,7 @@ struct ServerState {
     initial_val_loss: Option<f64>,
     gone: Vec<usize>,
     /// The newest round's metrics line without its scores, to write again after a crash.
-    record: serde_json::Value,
+    record: Option<RoundRecord>,
 }
 
 const STATE_FILE: &str = "server.json";
@@ -186,7 +182,7 @@ struct Evaluator {
 
 impl Evaluator {
     /// Adds `val_loss`, `expert_load` and `tasks` to a round's record.
-    fn score(&self, global: &Named, step: u64, record: &mut serde_json::Value) -> Result<()> {
+    fn score(&self, global: &Named, step: u64, record: &mut RoundRecord) -> Result<()> {
         self.model.load(global, "published model")?;
         let (val_loss, expert_load) = spes_train::validation_stats(
             &self.model,
@@ -195,10 +191,10 @@ impl Evaluator {
             self.max_batches,
             self.device,
         );
-        record["val_loss"] = json!(val_loss);
-        record["expert_load"] = json!(expert_load);
+        record.val_loss = Some(val_loss);
+        record.expert_load = Some(expert_load);
         if let Some(t) = self.tasks.as_ref().filter(|t| t.due(step)) {
-            record["tasks"] = t.score(&self.model)?;
+            record.tasks = Some(t.score(&self.model)?);
         }
         Ok(())
     }
@@ -208,7 +204,7 @@ impl Evaluator {
 struct ScoreJob {
     step: u64,
     global: Named,
-    record: serde_json::Value,
+    record: RoundRecord,
 }
 
 /// Traffic and events since the last round line.
@@ -246,7 +242,7 @@ struct Publication<'a> {
     next: &'a Scope,
     tokens: u64,
     gone: &'a BTreeSet<usize>,
-    record: serde_json::Value,
+    record: RoundRecord,
     /// Delta wire: what the round publishes (none for round 0).
     delta: Option<&'a RoundDelta>,
     /// [`Coordinator::carried`] after the round.
@@ -317,7 +313,7 @@ impl State {
             let excess = st.rounds.len().saturating_sub(2);
             st.rounds.drain(..excess);
             st.gone = p.gone.iter().copied().collect();
-            st.record = p.record.clone();
+            st.record = Some(p.record.clone());
             st.save(&self.out)?;
         }
         if p.round >= 2 {
@@ -450,40 +446,13 @@ impl State {
             .entries
             .iter()
             .filter(|(_, role, _)| scope.uploads(peer, *role))
-            .flat_map(|(n, _, s)| wire_entries(&self.cfg, n, s))
+            .flat_map(|(n, _, s)| spes_sync::delta::wire_entries(&self.cfg.sync, n, s))
             .collect();
         payload::expected_size(
             entries
                 .iter()
                 .map(|(n, s, k)| (n.as_str(), s.as_slice(), *k)),
         )
-    }
-}
-
-/// The wire tensors (name, shape, kind) that carry a parameter's upload: the fp32 value, its
-/// bf16 delta, a sparse delta's int32 indices and bf16 values, or a quantized delta's codes
-/// and scales.
-fn wire_entries(cfg: &RunConfig, name: &str, shape: &[i64]) -> Vec<(String, Vec<i64>, tch::Kind)> {
-    use tch::Kind;
-    match cfg.sync.wire {
-        Wire::Fp32 => vec![(name.to_owned(), shape.to_vec(), Kind::Float)],
-        Wire::Bf16Delta => vec![(name.to_owned(), shape.to_vec(), Kind::BFloat16)],
-        Wire::SparseDelta => {
-            let k = spes_sync::delta::sparse_k(shape.iter().product(), cfg.sync.sparse_density);
-            vec![
-                (spes_sync::delta::idx_name(name), vec![k], Kind::Int),
-                (spes_sync::delta::val_name(name), vec![k], Kind::BFloat16),
-            ]
-        }
-        Wire::Int8Delta | Wire::Int4Delta | Wire::Int2Delta => {
-            use spes_sync::delta::{quantized_sizes, WirePart};
-            let bits = cfg.sync.wire.quantized_bits().unwrap_or(8);
-            let (groups, bytes) = quantized_sizes(shape.iter().product(), bits);
-            vec![
-                (WirePart::Codes.name(name), vec![bytes], Kind::Uint8),
-                (WirePart::Scale.name(name), vec![groups], Kind::BFloat16),
-            ]
-        }
     }
 }
 
@@ -861,7 +830,7 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
                 });
             }
             st.rounds.pop();
-            st.record = json!({});
+            st.record = None;
             tracing::error!(
                 "{} or its carried state is missing or corrupt; falling back to the round before it",
                 path.display()
@@ -887,7 +856,7 @@ fn open_state(opts: &ServerOptions) -> Result<Opened> {
         rounds: Vec::new(),
         initial_val_loss: None,
         gone: Vec::new(),
-        record: json!({}),
+        record: None,
     };
     Ok(Opened {
         model,
@@ -938,60 +907,45 @@ fn shallow(named: &Named) -> Named {
         .collect()
 }
 
-fn rules_of(cfg: &RunConfig) -> RoundRules {
-    let s = &cfg.sync;
-    RoundRules {
-        sync_steps: s.sync_steps,
-        timeout_s: s.round_timeout_s,
-        lease_s: s.lease_s,
-        evict_after_s: s.evict_after_s,
-        merge: (s.mode == Mode::Spes).then_some(MergeSchedule {
-            every: s.merge_every,
-            alpha0: s.merge_alpha,
-            until: s.merge_until,
-            top_k: s.merge_top_k,
-        }),
-        combine: match s.aggregate {
-            AggregateRule::Mean => Combine::Mean,
-            AggregateRule::TrimmedMean => Combine::TrimmedMean {
-                fraction: s.trim_fraction,
-            },
-            AggregateRule::Median => Combine::Median,
-        },
-        // The fastest-moving tensors bound the check: experts step at lr · expert_lr_scale.
-        max_update_rms: (s.max_update_factor > 0.0).then_some(
-            s.max_update_factor
-                * s.sync_steps as f64
-                * cfg.train.lr
-                * cfg.train.expert_lr_scale.max(1.0),
-        ),
-        wire: crate::wire_form(s),
-        outer: crate::outer_rules(s),
-        rotate_every: s.rotate_every_rounds,
-    }
-}
-
 /// The metrics line of a closed round, before scoring.
 fn round_record(
     r: &RoundReport,
     tokens: u64,
-    io: &RoundIo,
+    io: RoundIo,
     aggregation_s: f64,
     round_s: f64,
-) -> serde_json::Value {
-    let merges: Vec<_> = r
-        .merges
-        .iter()
-        .map(|m| json!({"layer": m.layer, "expert": m.expert, "neighbours": m.neighbours}))
-        .collect();
-    json!({
-        "round": r.round, "step": r.step, "tokens": tokens, "peers": r.peers,
-        "missing": r.missing, "members": r.members, "owners": r.owners,
-        "evicted": r.evicted, "joined": r.joined, "discarded": r.discarded,
-        "bytes_in": io.bytes_in, "bytes_out": io.bytes_out,
-        "aggregation_s": aggregation_s, "round_s": round_s, "merge_alpha": r.merge_alpha,
-        "merges": merges, "rejected": io.rejected, "outer_scale": r.outer_scale,
-    })
+) -> RoundRecord {
+    RoundRecord {
+        round: r.round,
+        step: r.step,
+        tokens,
+        members: r.members.clone(),
+        owners: r.owners.clone(),
+        close: Some(RoundClose {
+            peers: r.peers.clone(),
+            missing: r.missing.clone(),
+            evicted: r.evicted.clone(),
+            joined: r.joined.clone(),
+            discarded: r.discarded.clone(),
+            bytes_in: io.bytes_in,
+            bytes_out: io.bytes_out,
+            aggregation_s,
+            round_s,
+            merge_alpha: r.merge_alpha,
+            merges: r
+                .merges
+                .iter()
+                .map(|m| MergeRecord {
+                    layer: m.layer,
+                    expert: m.expert,
+                    neighbours: m.neighbours.clone(),
+                })
+                .collect(),
+            rejected: io.rejected,
+            outer_scale: r.outer_scale,
+        }),
+        ..RoundRecord::default()
+    }
 }
 
 /// The round closer: closes ready rounds, publishes them (retrying until it works), announces
@@ -1051,7 +1005,7 @@ fn run_closer(
                 io.done = done;
                 taken
             };
-            let record = round_record(&report, tokens, &io, aggregation_s, now - opened_at);
+            let record = round_record(&report, tokens, io, aggregation_s, now - opened_at);
             let publication = Publication {
                 round: report.round,
                 global: &global,
@@ -1125,16 +1079,16 @@ fn run_scorer(
     for mut job in jobs {
         if let Some(e) = &eval {
             if let Err(err) = e.score(&job.global, job.step, &mut job.record) {
-                tracing::error!("scoring round {} failed: {err:#}", job.record["round"]);
+                tracing::error!("scoring round {} failed: {err:#}", job.record.round);
             }
         }
-        if let Some(v) = job.record["val_loss"].as_f64() {
+        if let Some(v) = job.record.val_loss {
             *s.last_val_loss.lock().unwrap() = Some(v);
-            if job.record["round"] == 0 {
+            if job.record.round == 0 {
                 s.progress.lock().unwrap().initial_val_loss = Some(v);
             }
         }
-        if let Err(e) = metrics.write(job.record) {
+        if let Err(e) = metrics.write(&job.record) {
             tracing::error!("cannot write metrics.jsonl: {e:#}");
         }
     }
@@ -1156,7 +1110,7 @@ pub async fn serve(
             newest.round,
             opened.progress.gone.iter().copied().collect(),
         ),
-        None => (crate::scope_of(&cfg)?, 0, BTreeSet::new()),
+        None => (cfg.sync.scope(cfg.model.n_experts)?, 0, BTreeSet::new()),
     };
     let eval = match ValWindows::open(&cfg.data.path, cfg.train.seq_len) {
         // A shard holds part of the model; score with `spes eval` on a node's checkpoint.
@@ -1186,13 +1140,18 @@ pub async fn serve(
     if progress.initial_val_loss.is_none() {
         progress.initial_val_loss = logged.as_ref().and_then(|l| l.initial_val_loss);
     }
+    // The fastest-moving tensors bound the check: experts step at lr · expert_lr_scale.
+    let peak_lr = cfg.train.lr * cfg.train.expert_lr_scale.max(1.0);
     let mut coord = Coordinator::new(
         layout.clone(),
         scope.clone(),
-        rules_of(&cfg),
-        shallow(&opened.global),
-        published_round,
-        gone,
+        cfg.sync.clone(),
+        cfg.sync.max_update_rms(peak_lr),
+        Start {
+            global: shallow(&opened.global),
+            published: published_round,
+            gone,
+        },
         0.0,
     );
     coord
@@ -1216,8 +1175,11 @@ pub async fn serve(
     });
     let (score_tx, score_rx) = mpsc::channel();
     if opened.fresh {
-        let record = json!({"round": 0, "step": 0, "tokens": 0,
-            "members": scope.members(), "owners": scope.owners()});
+        let record = RoundRecord {
+            members: scope.members().into_iter().collect(),
+            owners: scope.owners(),
+            ..RoundRecord::default()
+        };
         state.publish(&Publication {
             round: 0,
             global: &opened.global,
@@ -1236,7 +1198,7 @@ pub async fn serve(
     } else if logged.as_ref().is_none_or(|l| l.round < published_round) {
         // Crashed after publishing, before logging: log the round again from the restart point.
         let record = state.progress.lock().unwrap().record.clone();
-        if record["round"] == published_round {
+        if let Some(record) = record.filter(|r| r.round == published_round) {
             let _ = score_tx.send(ScoreJob {
                 step: published_round * cfg.sync.sync_steps,
                 global: opened.global,
@@ -1321,19 +1283,12 @@ struct Logged {
 }
 
 fn last_logged_round(out: &Path) -> Option<Logged> {
-    let text = std::fs::read_to_string(out.join("metrics.jsonl")).ok()?;
-    let lines: Vec<serde_json::Value> = text
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let lines: Vec<RoundRecord> = spes_train::metrics::read(&out.join("metrics.jsonl"));
     let last = lines.last()?;
     Some(Logged {
-        round: last["round"].as_u64()?,
-        val_loss: lines.iter().rev().find_map(|v| v["val_loss"].as_f64()),
-        initial_val_loss: lines
-            .iter()
-            .find(|v| v["round"] == 0)
-            .and_then(|v| v["val_loss"].as_f64()),
+        round: last.round,
+        val_loss: lines.iter().rev().find_map(|r| r.val_loss),
+        initial_val_loss: lines.iter().find(|r| r.round == 0).and_then(|r| r.val_loss),
     })
 }
 

@@ -247,10 +247,13 @@ fn the_payload_decoder_and_validator_never_panic() {
         .into_iter()
         .map(|p| (p.name, p.tensor.detach()))
         .collect();
-    let scope = spes_net::scope_of(&cfg).unwrap();
+    let scope = cfg.sync.scope(cfg.model.n_experts).unwrap();
+    // What the coordinator does with an upload's payload: decode the wire tensors, validate.
     let check = |bytes: &[u8]| {
         if let Ok(named) = payload::decode(bytes) {
-            let _ = spes_sync::validate(&layout, &scope, 0, &named, &global, Some(0.1));
+            if let Ok(d) = spes_sync::delta::decode(named, &cfg.sync, |n| layout.shape_of(n)) {
+                let _ = spes_sync::validate(&layout, &scope, 0, &d, &global, Some(0.1));
+            }
         }
     };
     assert!(payload::decode(&valid).is_ok());

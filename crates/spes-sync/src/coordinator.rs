@@ -8,44 +8,17 @@
 //! has been expired for `evict_after_s` are evicted and nodes that asked to join are admitted;
 //! the next round's ownership is rebalanced over the new members ([`Scope::with_members`]).
 
-use crate::delta::{self, RoundDelta, WireForm};
-use crate::outer::{norm_preserving_scale, OuterRules, OuterState, Source};
-use crate::round::{
-    all_finite, merge_experts, validate, validate_compressed, validate_delta, Aggregator, Combine,
-    Combined, Layout, MergeEvent, MergeSchedule, Named, Scope,
-};
-use serde::Serialize;
+use crate::config::SyncConfig;
+use crate::delta::{self, Delta, RoundDelta};
+use crate::named::{Layout, Named};
+use crate::outer::{norm_preserving_scale, OuterState, Source};
+use crate::round::{all_finite, merge_experts, validate, Aggregator, Combined, MergeEvent, Scope};
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::collections::{BTreeMap, BTreeSet};
 use tch::Kind;
 use tch::Tensor;
 use thiserror::Error;
-
-/// When rounds close, who stays a member, and what happens at closing.
-#[derive(Clone, Copy, Debug)]
-pub struct RoundRules {
-    /// Local steps per round (H): round r ends at sync step r·H.
-    pub sync_steps: u64,
-    /// Seconds after a round opened (its predecessor was published) to close it with whoever
-    /// uploaded.
-    pub timeout_s: f64,
-    /// A node is live while its newest heartbeat is younger than this.
-    pub lease_s: f64,
-    /// A member whose lease has been expired this long is evicted at the next close.
-    pub evict_after_s: f64,
-    /// Expert merging; `None` for DiLoCo.
-    pub merge: Option<MergeSchedule>,
-    /// How averaged (shared) parameters are combined.
-    pub combine: Combine,
-    /// Largest RMS change of an uploaded tensor from the global model; `None`: unchecked.
-    pub max_update_rms: Option<f64>,
-    /// What uploads and published rounds carry ([`crate::delta`]).
-    pub wire: WireForm,
-    /// The outer optimizer applied to each round's change ([`crate::outer`]).
-    pub outer: OuterRules,
-    /// Rotate expert ownership ([`Scope::rotated`]) after every this many rounds; 0: never.
-    pub rotate_every: u64,
-}
 
 /// Why the coordinator refused a call. The server maps each to one gRPC status whose details
 /// carry the variant and its round, so nodes act on those, never on the text.
@@ -90,7 +63,7 @@ pub enum Standing {
 }
 
 /// What closing a round did.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct RoundReport {
     pub round: u64,
     pub step: u64,
@@ -121,10 +94,20 @@ struct Lease {
     renewed: f64,
 }
 
+/// Where a coordinator starts: the model published last, its round (0: θ⁰), and the peers
+/// evicted so far.
+pub struct Start {
+    pub global: Named,
+    pub published: u64,
+    pub gone: BTreeSet<usize>,
+}
+
 /// Collects round `round()` on top of the model published at `round() - 1` (round 0 = θ⁰).
 pub struct Coordinator {
     layout: Layout,
-    rules: RoundRules,
+    cfg: SyncConfig,
+    /// Largest RMS change of an uploaded tensor from the global model; `None`: unchecked.
+    max_update_rms: Option<f64>,
     round: u64,
     global: Named,
     agg: Aggregator,
@@ -140,6 +123,15 @@ pub struct Coordinator {
     outer: OuterState,
 }
 
+/// A tensor's fate in a round's close.
+enum Next {
+    Unchanged,
+    /// Its next value: the combined value (fp32 wire), or an owner's expert published as sent.
+    Value(Tensor),
+    /// Its change from the base, still to encode for the wire (delta wires).
+    Change(Tensor),
+}
+
 /// What a close computes before it is accepted.
 struct Closing {
     global: Named,
@@ -152,29 +144,34 @@ struct Closing {
     outer_scale: Option<f64>,
 }
 
-/// A round's aggregator under `rules`: it measures the uploads' spread when the outer step
+/// A round's aggregator under `cfg`: it measures the uploads' spread when the outer step
 /// needs it (norm-preserving scale, delta wires).
-fn aggregator(rules: &RoundRules, scope: Scope) -> Aggregator {
-    let spread = rules.outer.norm_preserving && rules.wire != WireForm::Values;
-    Aggregator::new(scope, rules.combine).with_spread(spread)
+fn aggregator(cfg: &SyncConfig, scope: Scope) -> Aggregator {
+    let spread = cfg.outer_norm_preserving && cfg.wire.is_delta();
+    Aggregator::new(scope, cfg).with_spread(spread)
 }
 
 const MOMENTUM: &str = "momentum/";
 const RESIDUAL: &str = "residual/";
 
 impl Coordinator {
-    /// Starts after `published` rounds, with `global` the model published last and `scope` the
-    /// open round's members. Every member gets a fresh lease of unknown session, so a restarted
-    /// server waits for its nodes to report instead of declaring them dead.
+    /// Starts after `start.published` rounds, with `scope` the open round's members, under the
+    /// run's `[sync]` rules and the upload bound `max_update_rms`
+    /// ([`SyncConfig::max_update_rms`]). Every member gets a fresh lease of unknown session, so a
+    /// restarted server waits for its nodes to report instead of declaring them dead.
     pub fn new(
         layout: Layout,
         scope: Scope,
-        rules: RoundRules,
-        global: Named,
-        published: u64,
-        gone: BTreeSet<usize>,
+        cfg: SyncConfig,
+        max_update_rms: Option<f64>,
+        start: Start,
         now: f64,
     ) -> Self {
+        let Start {
+            global,
+            published,
+            gone,
+        } = start;
         let leases = scope
             .members()
             .into_iter()
@@ -189,12 +186,13 @@ impl Coordinator {
             })
             .collect();
         Coordinator {
-            agg: aggregator(&rules, scope),
+            agg: aggregator(&cfg, scope),
             last_delta: None,
             residual: HashMap::new(),
             outer: OuterState::default(),
             layout,
-            rules,
+            cfg,
+            max_update_rms,
             round: published + 1,
             global,
             opened_at: now,
@@ -202,6 +200,16 @@ impl Coordinator {
             joining: BTreeSet::new(),
             gone,
         }
+    }
+
+    /// The model's layout (this server shard's part of it).
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The run's `[sync]` rules.
+    pub fn cfg(&self) -> &SyncConfig {
+        &self.cfg
     }
 
     /// The round being collected.
@@ -293,7 +301,7 @@ impl Coordinator {
     fn is_live(&self, peer: usize, now: f64) -> bool {
         self.leases
             .get(&peer)
-            .is_some_and(|l| now - l.renewed < self.rules.lease_s)
+            .is_some_and(|l| now - l.renewed < self.cfg.lease_s)
     }
 
     /// Takes or renews `peer`'s lease for process `session` and says where it stands. A member
@@ -344,11 +352,11 @@ impl Coordinator {
         if let Some(l) = self.leases.get(&peer) {
             let age_s = now - l.renewed;
             let other = l.session != 0 && l.session != session;
-            if other && age_s < self.rules.lease_s {
+            if other && age_s < self.cfg.lease_s {
                 return Err(RoundError::PeerTaken {
                     peer,
                     age_s,
-                    wait_s: self.rules.lease_s - age_s,
+                    wait_s: self.cfg.lease_s - age_s,
                 });
             }
         }
@@ -372,7 +380,7 @@ impl Coordinator {
             .scope()
             .with_members(&members)
             .expect("join() keeps members within the expert count");
-        self.agg = aggregator(&self.rules, scope);
+        self.agg = aggregator(&self.cfg, scope);
     }
 
     /// The checks an upload's header allows, before its body is read: peer, round, membership,
@@ -419,22 +427,19 @@ impl Coordinator {
     ) -> Result<(), RoundError> {
         self.check_upload(peer, session, round, now)?;
         let invalid = |reason| RoundError::Invalid { peer, reason };
-        let (layout, scope, bound) = (&self.layout, self.scope(), self.rules.max_update_rms);
-        match self.rules.wire {
-            WireForm::Values => validate(layout, scope, peer, &tensors, &self.global, bound),
-            WireForm::Bf16Delta => validate_delta(layout, scope, peer, &tensors, bound),
-            form @ (WireForm::Sparse { .. } | WireForm::Quantized { .. }) => {
-                let deltas = validate_compressed(layout, scope, peer, tensors, form, bound)
-                    .map_err(invalid)?;
-                return self
-                    .agg
-                    .add_compressed(&self.layout, peer, deltas)
-                    .map_err(|e| invalid(e.to_string()));
-            }
-        }
+        let layout = &self.layout;
+        let deltas = delta::decode(tensors, &self.cfg, |n| layout.shape_of(n)).map_err(invalid)?;
+        validate(
+            layout,
+            self.scope(),
+            peer,
+            &deltas,
+            &self.global,
+            self.max_update_rms,
+        )
         .map_err(invalid)?;
         self.agg
-            .add(&self.layout, peer, tensors)
+            .add(&self.layout, peer, deltas)
             .map_err(|e| invalid(e.to_string()))
     }
 
@@ -445,7 +450,7 @@ impl Coordinator {
 
     /// When the open round closes by timeout (if anyone uploaded by then).
     pub fn deadline(&self) -> f64 {
-        self.opened_at + self.rules.timeout_s
+        self.opened_at + self.cfg.round_timeout_s
     }
 
     /// Whether the round can close: someone uploaded, and every live member did or the
@@ -460,7 +465,7 @@ impl Coordinator {
     /// rounds, publishes, evicts and admits members, and opens the next round at `now`.
     pub fn close(&mut self, now: f64) -> RoundReport {
         let scope = self.scope().clone();
-        let agg = std::mem::replace(&mut self.agg, aggregator(&self.rules, scope.clone()));
+        let agg = std::mem::replace(&mut self.agg, aggregator(&self.cfg, scope.clone()));
         let peers: Vec<usize> = agg.uploaded().iter().copied().collect();
         let members = scope.members();
         let missing = members
@@ -468,31 +473,15 @@ impl Coordinator {
             .filter(|p| !peers.contains(p))
             .copied()
             .collect();
-        let step = self.round * self.rules.sync_steps;
-        let mut merge_alpha = self.rules.merge.and_then(|m| m.alpha(step));
+        let step = self.round * self.cfg.sync_steps;
+        let mut merge_alpha = self.cfg.merge_alpha_at(step);
         let Closing {
             global,
             mut merges,
             published,
             momenta,
             outer_scale,
-        } = if self.rules.wire != WireForm::Values {
-            self.close_deltas(agg.finish_deltas(), merge_alpha)
-        } else {
-            let mut global = agg.finish(&self.layout, &self.global);
-            let momenta = self.outer_values(&mut global, &scope);
-            let merges = match (merge_alpha, self.rules.merge) {
-                (Some(a), Some(m)) => merge_experts(&mut global, &self.layout, m.top_k, a),
-                _ => Vec::new(),
-            };
-            Closing {
-                global,
-                merges,
-                published: None,
-                momenta,
-                outer_scale: None,
-            }
-        };
+        } = self.next_model(agg.finish(), merge_alpha);
         // The published delta decides the model (base + delta, base finite): check it alone.
         let changed = published.as_ref().map_or(&global, |p| &p.delta);
         let discarded = first_non_finite(changed).map(|name| {
@@ -501,7 +490,7 @@ impl Coordinator {
         if discarded.is_some() {
             merge_alpha = None;
             merges.clear();
-            self.last_delta = (self.rules.wire != WireForm::Values).then(RoundDelta::default);
+            self.last_delta = self.cfg.wire.is_delta().then(RoundDelta::default);
         } else {
             self.global = global;
             self.last_delta = published;
@@ -511,7 +500,7 @@ impl Coordinator {
         let expired = |p: &usize| {
             self.leases
                 .get(p)
-                .is_none_or(|l| now - l.renewed >= self.rules.lease_s + self.rules.evict_after_s)
+                .is_none_or(|l| now - l.renewed >= self.cfg.lease_s + self.cfg.evict_after_s)
         };
         let mut evicted: Vec<usize> = members.iter().filter(|p| expired(p)).copied().collect();
         if evicted.len() == members.len() {
@@ -542,12 +531,12 @@ impl Coordinator {
         } else {
             scope.clone()
         };
-        let every = self.rules.rotate_every;
+        let every = self.cfg.rotate_every_rounds;
         if every > 0 && self.round.is_multiple_of(every) {
             next_scope = next_scope.rotated();
         }
         if next_scope != scope {
-            self.agg = aggregator(&self.rules, next_scope);
+            self.agg = aggregator(&self.cfg, next_scope);
         }
         let report = RoundReport {
             round: self.round,
@@ -569,157 +558,145 @@ impl Coordinator {
     }
 }
 
-/// The name of the first tensor holding a NaN or infinity.
 impl Coordinator {
-    /// The delta wire's next global model, merges and published delta. Without a merge, each
-    /// owned expert's delta is its owner's upload verbatim. Every other changed tensor's delta
-    /// is its change encoded for the wire: the combined delta, or, on merge rounds, the merged
-    /// value minus the base. Either way the model is the base plus the published delta, computed
-    /// as every node computes it.
-    fn close_deltas(&mut self, combined: Combined, merge_alpha: Option<f64>) -> Closing {
+    /// The next global model, its merges and (delta wires) what the round publishes. Each
+    /// combined tensor gets its outer step, then merge rounds mix the experts. On the fp32 wire
+    /// the result is the model. On the delta wires, an owned expert on a round without a merge
+    /// is published as its owner's upload, verbatim; every other changed tensor's delta is its
+    /// change encoded for the wire (lossy wires add the residual of earlier rounds and keep
+    /// what they leave out), and the model is the base plus the published delta, computed as
+    /// every node computes it.
+    fn next_model(&mut self, combined: Combined, merge_alpha: Option<f64>) -> Closing {
         let Combined {
             mut averaged,
             spread,
             uploads,
             mut owned,
-            mut owned_compressed,
         } = combined;
+        let delta_wire = self.cfg.wire.is_delta();
         // Σ scale·numel and Σ numel over the averaged changes, for the report.
         let mut scaled = (0.0, 0.0);
-        let merge = merge_alpha.zip(self.rules.merge);
-        // An owner's expert is published as sent unless the server changes it.
-        let verbatim = merge.is_none() && self.rules.outer.owned.is_average();
+        let verbatim =
+            delta_wire && merge_alpha.is_none() && self.cfg.outer_rule(Source::Owned).is_average();
         let mut out = RoundDelta::default();
         let mut momenta = Vec::new();
-        // The next model, starting from the base, and each tensor's fp32 change still to encode.
-        let mut next: Named = Vec::with_capacity(self.global.len());
-        let mut changes: Vec<Option<Tensor>> = Vec::with_capacity(self.global.len());
+        let mut next: Vec<Next> = Vec::with_capacity(self.global.len());
         for (name, base) in &self.global {
-            let mut value = base.shallow_clone();
-            let mut change = averaged.remove(name).map(|c| (Source::Averaged, c));
+            let mut combined = averaged.remove(name).map(|t| (Source::Averaged, t));
             if let Some((peer, d)) = owned.remove(name) {
                 if verbatim {
-                    value = delta::apply(base, &d);
-                    out.verbatim.entry(peer).or_default().push(name.clone());
-                    out.delta.push((name.clone(), d));
-                } else {
-                    change = Some((Source::Owned, d.to_kind(Kind::Float)));
-                }
-            } else if let Some((peer, c)) = owned_compressed.remove(name) {
-                if verbatim {
-                    value = base.copy();
-                    c.apply_(&mut value);
-                    let wire = c.into_wire(name);
+                    let mut value = base.copy();
+                    d.apply_(&mut value);
+                    let wire = d.into_wire(name);
                     let names = wire.iter().map(|(n, _)| n.clone());
                     out.verbatim.entry(peer).or_default().extend(names);
                     out.delta.extend(wire);
-                } else {
-                    change = Some((Source::Owned, c.dense(base)));
+                    next.push(Next::Value(value));
+                    continue;
                 }
+                let t = match d {
+                    Delta::Value(t) => t.to_kind(Kind::Float),
+                    d => d.to_f32(base),
+                };
+                combined = Some((Source::Owned, t));
             }
-            let change = change.map(|(source, mut c)| {
-                if let (Source::Averaged, Some(&mean_sq)) = (source, spread.get(name)) {
-                    let norm = c.norm_scalaropt_dtype(2, Kind::Float).double_value(&[]);
-                    let scale = norm_preserving_scale(mean_sq, norm * norm, uploads);
-                    if scale != 1.0 {
-                        c *= scale;
-                    }
-                    scaled.0 += scale * c.numel() as f64;
-                    scaled.1 += c.numel() as f64;
+            let Some((source, t)) = combined else {
+                next.push(Next::Unchanged);
+                continue;
+            };
+            let rule = self.cfg.outer_rule(source);
+            if !delta_wire {
+                // The combined value itself, or the base plus the outer step on its change.
+                next.push(Next::Value(if rule.is_average() {
+                    t
+                } else {
+                    let step = self.outer.step(name, rule, &t - base);
+                    momenta.extend(step.momentum.map(|m| (name.clone(), m)));
+                    base + step.change
+                }));
+                continue;
+            }
+            let mut c = t;
+            if let (Source::Averaged, Some(&mean_sq)) = (source, spread.get(name)) {
+                let norm = c.norm_scalaropt_dtype(2, Kind::Float).double_value(&[]);
+                let scale = norm_preserving_scale(mean_sq, norm * norm, uploads);
+                if scale != 1.0 {
+                    c *= scale;
                 }
-                let rule = self.rules.outer.of(source);
-                if rule.is_average() {
-                    return c;
-                }
+                scaled.0 += scale * c.numel() as f64;
+                scaled.1 += c.numel() as f64;
+            }
+            if !rule.is_average() {
                 let step = self.outer.step(name, rule, c);
                 momenta.extend(step.momentum.map(|m| (name.clone(), m)));
-                step.change
-            });
-            next.push((name.clone(), value));
-            changes.push(change);
+                c = step.change;
+            }
+            next.push(Next::Change(c));
         }
-        let merges = match merge {
-            Some((alpha, m)) => {
+        let merges = match merge_alpha {
+            Some(alpha) => {
                 let mut values: Named = next
                     .iter()
-                    .zip(&changes)
-                    .map(|((n, b), c)| {
-                        (
-                            n.clone(),
-                            c.as_ref().map_or_else(|| b.shallow_clone(), |c| b + c),
-                        )
+                    .zip(&self.global)
+                    .map(|(n, (name, b))| {
+                        let v = match n {
+                            Next::Unchanged => b.shallow_clone(),
+                            Next::Value(v) => v.shallow_clone(),
+                            Next::Change(c) => b + c,
+                        };
+                        (name.clone(), v)
                     })
                     .collect();
-                let merges = merge_experts(&mut values, &self.layout, m.top_k, alpha);
-                // The merge replaces every expert it touches: its change is now from the base.
-                for (((_, value), change), (_, base)) in
-                    values.iter().zip(&mut changes).zip(&self.global)
-                {
+                let merges = merge_experts(&mut values, &self.layout, self.cfg.merge_top_k, alpha);
+                // The merge replaced every expert it touched: its change is now from the base.
+                for ((n, (_, value)), (_, base)) in next.iter_mut().zip(values).zip(&self.global) {
                     if value.data_ptr() != base.data_ptr() {
-                        *change = Some(value - base);
+                        *n = if delta_wire {
+                            Next::Change(value - base)
+                        } else {
+                            Next::Value(value)
+                        };
                     }
                 }
                 merges
             }
             None => Vec::new(),
         };
-        for (((name, value), change), (_, base)) in next.iter_mut().zip(changes).zip(&self.global) {
-            let Some(change) = change else {
-                continue;
-            };
-            *value = match self.rules.wire {
-                form if form.is_lossy() => {
-                    let mut v = change;
+        let mut global: Named = Vec::with_capacity(self.global.len());
+        for (n, (name, base)) in next.into_iter().zip(&self.global) {
+            let value = match n {
+                Next::Unchanged => base.shallow_clone(),
+                Next::Value(v) => v,
+                Next::Change(mut v) if self.cfg.wire.is_lossy() => {
                     if let Some(r) = self.residual.get(name) {
                         v += r;
                     }
-                    let c = delta::compress(&v, form);
+                    let d = Delta::of_change(&v, &self.cfg);
                     let mut value = base.copy();
-                    c.apply_(&mut value);
-                    self.residual.insert(name.clone(), c.subtract_from(&v));
-                    out.delta.extend(c.into_wire(name));
+                    d.apply_(&mut value);
+                    self.residual.insert(name.clone(), d.subtract_from(&v));
+                    out.delta.extend(d.into_wire(name));
                     value
                 }
-                _ => {
-                    let (d, value) = delta::encode_into(base, change);
-                    out.delta.push((name.clone(), d));
+                Next::Change(c) => {
+                    let (d, value) = delta::encode_into(base, c);
+                    out.delta.extend(d.into_wire(name));
                     value
                 }
             };
+            global.push((name.clone(), value));
         }
         Closing {
-            global: next,
+            global,
             merges,
-            published: Some(out),
+            published: delta_wire.then_some(out),
             momenta,
             outer_scale: (scaled.1 > 0.0).then(|| scaled.0 / scaled.1),
         }
     }
-
-    /// The fp32 wire's outer step: every tensor the round changed becomes the base plus its
-    /// outer step; returns the new momenta.
-    fn outer_values(&self, global: &mut Named, scope: &Scope) -> Named {
-        let mut momenta = Vec::new();
-        for (((name, role, _), (_, value)), (_, base)) in
-            self.layout.entries.iter().zip(global).zip(&self.global)
-        {
-            let source = if scope.averaged(*role) {
-                Source::Averaged
-            } else {
-                Source::Owned
-            };
-            let rule = self.rules.outer.of(source);
-            if rule.is_average() || value.data_ptr() == base.data_ptr() {
-                continue;
-            }
-            let step = self.outer.step(name, rule, &*value - base);
-            *value = base + step.change;
-            momenta.extend(step.momentum.map(|m| (name.clone(), m)));
-        }
-        momenta
-    }
 }
 
+/// The name of the first tensor holding a NaN or infinity.
 fn first_non_finite(named: &Named) -> Option<String> {
     named
         .iter()

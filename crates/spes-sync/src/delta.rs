@@ -1,55 +1,379 @@
-//! Exact bf16 deltas (the `sync.wire = "bf16_delta"` protocol). Everybody keeps the last
-//! published global model θ_r in fp32. A node uploads `bf16(θ_node − θ_r)`; the server rebuilds
-//! each upload as `θ_r + f32(delta)`, aggregates and merges in fp32 as before, then publishes
-//! `Δ = bf16(θ_ideal − θ_r)` and sets `θ_{r+1} = θ_r + f32(Δ)`. Every node computes the same
-//! `θ_r + f32(Δ)` with [`apply`]: bf16→f32 is exact and one fp32 addition is correctly
-//! rounded on every device, so server and nodes hold bit-identical fp32 models, and no fp32
-//! master is ever rounded to bf16 wholesale — only each round's *change* is (relative error
-//! 2⁻⁹ of the change, not of the weight).
+//! What a round's changes travel as: one [`Delta`] per tensor, in the wire form of the run's
+//! `sync.wire` (docs/design/wire-formats.md).
+//!
+//! On the delta wires everybody keeps the last published global model θ_r in fp32. A node
+//! uploads its change `θ_node − θ_r`; the server folds the uploads into fp32 sums, merges in
+//! fp32 as before, then publishes each tensor's change Δ in the same wire form and sets
+//! `θ_{r+1} = θ_r + f32(Δ)`. Every node computes the same `θ_r + f32(Δ)` with
+//! [`Delta::apply_`]: decoding a bf16 value, a sparse entry or a quantized code is exact, and one
+//! fp32 addition is correctly rounded on every device, so server and nodes hold bit-identical
+//! fp32 models, and no fp32 master is ever rounded to bf16 wholesale — only each round's
+//! *change* is (relative error 2⁻⁹ of the change, not of the weight).
 //!
 //! An expert taken from its owner on a round without a merge is published as the owner's own
 //! upload, bit for bit, so the owner need not download it back ([`RoundDelta::verbatim`]); a
 //! tensor that did not change is not published at all (a missing tensor is a zero delta).
 //!
-//! For slow links, deltas can also travel in part ([`Compressed`]: sparse or quantized), the
-//! rest carried over to later rounds; the same invariant holds.
+//! The lossy forms (sparse, quantized) send a change in part; what they leave out is carried
+//! over to later rounds (error feedback) in the node's weights and the server's residual, and
+//! the same invariant holds.
+//!
+//! A delta travels as one wire tensor (`name`) or as two parts (`name#idx` and `name#val`, or
+//! `name#q` and `name#scale`); [`Delta::into_wire`] makes them and [`decode`] — the one place
+//! that pairs and checks them — turns them back.
 
-use crate::round::Named;
-use std::collections::BTreeMap;
+use crate::config::{SyncConfig, Wire};
+use crate::named::Named;
+use std::collections::{BTreeMap, HashMap};
 use tch::{Kind, Tensor};
 
-/// The wire form of `value − base`.
-pub fn encode(value: &Tensor, base: &Tensor) -> Tensor {
-    tch::no_grad(|| (value - base).to_kind(Kind::BFloat16))
+/// One tensor's round change as it travels, in one of the wire forms of [`Wire`].
+#[derive(Debug)]
+pub enum Delta {
+    /// `wire = "fp32"`: the new value itself (fp32, or bf16 from a node that rounds), not a
+    /// difference.
+    Value(Tensor),
+    /// `wire = "bf16_delta"`: the whole change in bf16.
+    Dense(Tensor),
+    /// `wire = "sparse_delta"`: the largest entries of the change.
+    Sparse(Sparse),
+    /// `wire = "int8_delta" | "int4_delta" | "int2_delta"`: the change quantized.
+    Quantized(Quantized),
 }
 
-/// `base + f32(delta)` on `base`'s device: the one formula the server and every node use.
-pub fn apply(base: &Tensor, delta: &Tensor) -> Tensor {
-    tch::no_grad(|| {
-        // IEEE addition commutes, so adding `base` into a fresh f32 copy gives the bits of
-        // `base + f32(delta)` with one allocation instead of two.
-        let mut out = delta.to_device_(base.device(), Kind::Float, false, true);
-        out += base;
-        out
-    })
+impl Delta {
+    /// The change `change` (fp32) in the wire form of `cfg.wire` (not `fp32`, which sends
+    /// values: [`Delta::Value`]).
+    pub fn of_change(change: &Tensor, cfg: &SyncConfig) -> Delta {
+        match cfg.wire {
+            Wire::Fp32 => unreachable!("the fp32 wire sends values, not changes"),
+            Wire::Bf16Delta => Delta::Dense(tch::no_grad(|| change.to_kind(Kind::BFloat16))),
+            Wire::SparseDelta => Delta::Sparse(top_k(
+                change,
+                sparse_k(change.numel() as i64, cfg.sparse_density),
+            )),
+            wire => Delta::Quantized(quantize(
+                change,
+                wire.quantized_bits().expect("a quantized wire"),
+            )),
+        }
+    }
+
+    /// In place: `base ← base + f32(self)` (a value replaces `base`), the one formula the server
+    /// and every node use.
+    pub fn apply_(&self, base: &mut Tensor) {
+        tch::no_grad(|| match self {
+            Delta::Value(v) => {
+                base.copy_(v);
+            }
+            Delta::Dense(d) => {
+                let _ = base.g_add_(&d.to_device(base.device()).to_kind(Kind::Float));
+            }
+            Delta::Sparse(s) => apply_sparse_(base, s),
+            Delta::Quantized(q) => {
+                let d = q.on(base.device()).dequantize(base.numel() as i64);
+                let _ = base.g_add_(&d.view(base.size().as_slice()));
+            }
+        })
+    }
+
+    /// `f32(self)` as a dense tensor shaped like `like`, on its device.
+    pub fn to_f32(&self, like: &Tensor) -> Tensor {
+        tch::no_grad(|| match self {
+            Delta::Value(t) | Delta::Dense(t) => t.to_device(like.device()).to_kind(Kind::Float),
+            Delta::Sparse(s) => dense(s, like),
+            Delta::Quantized(q) => q
+                .on(like.device())
+                .dequantize(like.numel() as i64)
+                .view(like.size().as_slice()),
+        })
+    }
+
+    /// `x − f32(self)`.
+    pub fn subtract_from(&self, x: &Tensor) -> Tensor {
+        tch::no_grad(|| match self {
+            Delta::Sparse(s) => {
+                let mut out = x.copy();
+                let neg = Sparse {
+                    idx: s.idx.shallow_clone(),
+                    val: -&s.val,
+                };
+                apply_sparse_(&mut out, &neg);
+                out
+            }
+            _ => x - self.to_f32(x),
+        })
+    }
+
+    /// The L2 norm of `f32(self)` (fp32 scalar), without decoding a compressed delta.
+    pub fn norm(&self) -> Tensor {
+        match self {
+            Delta::Value(t) | Delta::Dense(t) => t.norm(),
+            Delta::Sparse(s) => s.val.norm(),
+            Delta::Quantized(q) => q.norm(),
+        }
+    }
+
+    fn map(&self, f: impl Fn(&Tensor) -> Tensor) -> Delta {
+        match self {
+            Delta::Value(t) => Delta::Value(f(t)),
+            Delta::Dense(t) => Delta::Dense(f(t)),
+            Delta::Sparse(s) => Delta::Sparse(s.map(f)),
+            Delta::Quantized(q) => Delta::Quantized(q.map(f)),
+        }
+    }
+
+    /// A shallow copy (the same storage).
+    pub fn share(&self) -> Delta {
+        self.map(Tensor::shallow_clone)
+    }
+
+    /// A deep copy (its own storage).
+    pub fn copy(&self) -> Delta {
+        self.map(Tensor::copy)
+    }
+
+    /// The device its tensors are on.
+    pub fn device(&self) -> tch::Device {
+        match self {
+            Delta::Value(t) | Delta::Dense(t) => t.device(),
+            Delta::Sparse(s) => s.val.device(),
+            Delta::Quantized(q) => q.codes.device(),
+        }
+    }
+
+    /// The wire tensors of tensor `name`: itself, or its two parts.
+    pub fn into_wire(self, name: &str) -> Vec<(String, Tensor)> {
+        match self {
+            Delta::Value(t) | Delta::Dense(t) => vec![(name.to_owned(), t)],
+            Delta::Sparse(s) => vec![
+                (WirePart::Idx.name(name), s.idx),
+                (WirePart::Val.name(name), s.val),
+            ],
+            Delta::Quantized(q) => vec![
+                (WirePart::Codes.name(name), q.codes),
+                (WirePart::Scale.name(name), q.scale),
+            ],
+        }
+    }
 }
 
-/// Publishes an fp32 `change`: returns its wire form `bf16(change)` and `base + f32(that)`,
-/// the latter written into `change`'s own storage (the server's sums are not needed after).
-pub fn encode_into(base: &Tensor, mut change: Tensor) -> (Tensor, Tensor) {
+/// Deltas by tensor name, in the order they were given.
+pub type Deltas = Vec<(String, Delta)>;
+
+/// Wire tensors of `deltas`, in order.
+pub fn to_wire(deltas: Deltas) -> Named {
+    deltas
+        .into_iter()
+        .flat_map(|(name, d)| d.into_wire(&name))
+        .collect()
+}
+
+/// The float kind a payload of wire form `wire` stores: fp32 values, else bf16 (integer parts
+/// keep their own kinds).
+pub fn payload_kind(wire: Wire) -> Kind {
+    if wire.is_delta() {
+        Kind::BFloat16
+    } else {
+        Kind::Float
+    }
+}
+
+/// The wire tensors (name, shape, kind) that carry tensor `name` of `shape` in `cfg.wire`:
+/// what an upload or a published round of it takes, exactly.
+pub fn wire_entries(cfg: &SyncConfig, name: &str, shape: &[i64]) -> Vec<(String, Vec<i64>, Kind)> {
+    let numel = shape.iter().product();
+    match cfg.wire {
+        Wire::Fp32 => vec![(name.to_owned(), shape.to_vec(), Kind::Float)],
+        Wire::Bf16Delta => vec![(name.to_owned(), shape.to_vec(), Kind::BFloat16)],
+        Wire::SparseDelta => {
+            let k = sparse_k(numel, cfg.sparse_density);
+            vec![
+                (WirePart::Idx.name(name), vec![k], Kind::Int),
+                (WirePart::Val.name(name), vec![k], Kind::BFloat16),
+            ]
+        }
+        wire => {
+            let bits = wire.quantized_bits().expect("a quantized wire");
+            let (groups, bytes) = quantized_sizes(numel, bits);
+            vec![
+                (WirePart::Codes.name(name), vec![bytes], Kind::Uint8),
+                (WirePart::Scale.name(name), vec![groups], Kind::BFloat16),
+            ]
+        }
+    }
+}
+
+/// The deltas a payload of `cfg.wire` carries, each checked: tensors the layout of `shape_of`
+/// knows, each once, the kind and shape of its wire form; compressed parts paired (`name#…`)
+/// with their sizes, sparse indices unique and in range, quantized scales not negative. Says
+/// what is wrong otherwise. The one place that turns wire tensors back into deltas, for the
+/// server's uploads and the node's published rounds alike.
+pub fn decode<'a>(
+    named: Named,
+    cfg: &SyncConfig,
+    shape_of: impl Fn(&str) -> Option<&'a [i64]>,
+) -> Result<Deltas, String> {
+    let unknown = |name: &str| format!("holds unknown tensor `{name}`");
+    let Some((first, second)) = parts_of(cfg.wire) else {
+        let mut seen = std::collections::HashSet::new();
+        let mut out = Vec::with_capacity(named.len());
+        for (name, t) in named {
+            let shape = shape_of(&name).ok_or_else(|| unknown(&name))?;
+            if !seen.insert(name.clone()) {
+                return Err(format!("holds tensor `{name}` twice"));
+            }
+            let d = match (cfg.wire, t.kind()) {
+                (Wire::Fp32, Kind::Float | Kind::BFloat16) => Delta::Value(t),
+                (Wire::Bf16Delta, Kind::BFloat16) => Delta::Dense(t),
+                (Wire::Fp32, k) => {
+                    return Err(format!("tensor `{name}` is {k:?}, expected f32 or bf16"))
+                }
+                (_, k) => {
+                    return Err(format!(
+                    "tensor `{name}` is {k:?}, expected a bf16 delta (sync.wire = \"bf16_delta\")"
+                ))
+                }
+            };
+            if t_size(&d) != shape {
+                return Err(format!(
+                    "tensor `{name}` has shape {:?}, expected {shape:?}",
+                    t_size(&d)
+                ));
+            }
+            out.push((name, d));
+        }
+        return Ok(out);
+    };
+    let mut order: Vec<String> = Vec::new();
+    let mut parts: HashMap<String, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
+    for (wire, t) in named {
+        let Some((name, part)) =
+            split_wire_name(&wire).filter(|(_, p)| *p == first || *p == second)
+        else {
+            return Err(format!(
+                "holds `{wire}`, expected `<tensor>{}` and `<tensor>{}` pairs ({:?})",
+                first.name(""),
+                second.name(""),
+                cfg.wire
+            ));
+        };
+        if shape_of(name).is_none() {
+            return Err(unknown(name));
+        }
+        let slot = parts.entry(name.to_owned()).or_insert_with(|| {
+            order.push(name.to_owned());
+            (None, None)
+        });
+        let place = if part == first {
+            &mut slot.0
+        } else {
+            &mut slot.1
+        };
+        if place.replace(t).is_some() {
+            return Err(format!("holds tensor `{wire}` twice"));
+        }
+    }
+    order
+        .into_iter()
+        .map(|name| {
+            let (a, b) = parts.remove(&name).expect("every name has a slot");
+            let (Some(a), Some(b)) = (a, b) else {
+                return Err(format!(
+                    "tensor `{name}` lacks its {} or {} part",
+                    first.name(""),
+                    second.name("")
+                ));
+            };
+            let numel: i64 = shape_of(&name).expect("checked").iter().product();
+            let d = from_parts(cfg, numel, a, b).map_err(|e| format!("tensor `{name}`: {e}"))?;
+            Ok((name, d))
+        })
+        .collect()
+}
+
+fn t_size(d: &Delta) -> Vec<i64> {
+    match d {
+        Delta::Value(t) | Delta::Dense(t) => t.size(),
+        _ => unreachable!("only whole tensors have the model's shape"),
+    }
+}
+
+/// The two wire parts a lossy form sends per tensor, in [`from_parts`] order.
+fn parts_of(wire: Wire) -> Option<(WirePart, WirePart)> {
+    match wire {
+        Wire::SparseDelta => Some((WirePart::Idx, WirePart::Val)),
+        w if w.quantized_bits().is_some() => Some((WirePart::Codes, WirePart::Scale)),
+        _ => None,
+    }
+}
+
+/// The delta of a tensor of `numel` values from its two wire parts, checked.
+fn from_parts(
+    cfg: &SyncConfig,
+    numel: i64,
+    first: Tensor,
+    second: Tensor,
+) -> Result<Delta, String> {
+    if let Some(bits) = cfg.wire.quantized_bits() {
+        let (codes, scale) = (first, second);
+        let (groups, bytes) = quantized_sizes(numel, bits);
+        if codes.kind() != Kind::Uint8
+            || codes.size() != [bytes]
+            || scale.kind() != Kind::BFloat16
+            || scale.size() != [groups]
+        {
+            return Err(format!(
+                "expected {bytes} uint8 codes and {groups} bf16 scales ({bits}-bit), got {:?} {:?} and {:?} {:?}",
+                codes.kind(), codes.size(), scale.kind(), scale.size()
+            ));
+        }
+        // Negative scales would let one code mean two values; a NaN shows in the norm.
+        if groups > 0 && scale.min().double_value(&[]) < 0.0 {
+            return Err("has a negative scale".into());
+        }
+        return Ok(Delta::Quantized(Quantized { codes, scale, bits }));
+    }
+    let (idx, val) = (first, second);
+    let k = sparse_k(numel, cfg.sparse_density);
+    if idx.kind() != Kind::Int
+        || idx.size() != [k]
+        || val.kind() != Kind::BFloat16
+        || val.size() != [k]
+    {
+        return Err(format!(
+            "expected {k} int32 indices and {k} bf16 values, got {:?} {:?} and {:?} {:?}",
+            idx.kind(),
+            idx.size(),
+            val.kind(),
+            val.size()
+        ));
+    }
+    let (sorted, _) = idx.sort(0, false);
+    let (lo, hi) = (sorted.int64_value(&[0]), sorted.int64_value(&[k - 1]));
+    let unique = k == 1
+        || bool::try_from(
+            sorted
+                .diff(1, 0, None::<Tensor>, None::<Tensor>)
+                .gt(0)
+                .all(),
+        )
+        .unwrap_or(false);
+    if lo < 0 || hi >= numel || !unique {
+        return Err(format!("indices must be unique and in 0..{numel}"));
+    }
+    Ok(Delta::Sparse(Sparse { idx, val }))
+}
+
+/// Publishes an fp32 `change` on the bf16 wire: returns its delta and `base + f32(delta)`, the
+/// latter written into `change`'s own storage (the server's sums are not needed after).
+pub fn encode_into(base: &Tensor, mut change: Tensor) -> (Delta, Tensor) {
     tch::no_grad(|| {
         let d = change.to_kind(Kind::BFloat16);
         change.copy_(&d);
         change += base;
-        (d, change)
+        (Delta::Dense(d), change)
     })
-}
-
-/// In place: `base ← base + f32(delta)`, with the same bits as [`apply`].
-pub fn apply_(base: &mut Tensor, delta: &Tensor) {
-    tch::no_grad(|| {
-        let _ = base.g_add_(&delta.to_device(base.device()).to_kind(Kind::Float));
-    });
 }
 
 /// What a round publishes in delta mode.
@@ -69,14 +393,25 @@ impl RoundDelta {
             .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
             .sum()
     }
+
+    /// What peer `peer` fetches of it: everything, or (`skip_own`) everything but its own
+    /// experts published verbatim; and whether any were left out.
+    pub fn for_peer(&self, peer: usize, skip_own: bool) -> (Named, bool) {
+        let own = self.verbatim.get(&peer).filter(|_| skip_own);
+        let sent = self
+            .delta
+            .iter()
+            .filter(|(n, _)| own.is_none_or(|o| !o.contains(n)))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        (sent, own.is_some_and(|o| !o.is_empty()))
+    }
 }
 
 /// Sparse deltas (`sync.wire = "sparse_delta"`): per tensor, the `k = ⌈density·n⌉` entries of
-/// largest magnitude as (int32 flat index, bf16 value) pairs, 6 bytes each; everything else
-/// stays where it was and is sent in later rounds (error feedback): a node keeps what it has
-/// not sent in its own weights, the server keeps it in a residual. Applying is an in-place
-/// `index_add_` of unique indices, one correctly rounded addition per entry, so server and
-/// nodes still hold bit-identical fp32 global models.
+/// largest magnitude as (int32 flat index, bf16 value) pairs, 6 bytes each. Applying is an
+/// in-place `index_add_` of unique indices, one correctly rounded addition per entry.
+#[derive(Debug)]
 pub struct Sparse {
     /// Flat indices (int32), unique.
     pub idx: Tensor,
@@ -91,16 +426,6 @@ impl Sparse {
             idx: f(&self.idx),
             val: f(&self.val),
         }
-    }
-
-    /// The shallow copy of both parts.
-    pub fn share(&self) -> Sparse {
-        self.map(Tensor::shallow_clone)
-    }
-
-    /// The two wire tensors of tensor `name`.
-    pub fn into_wire(self, name: &str) -> [(String, Tensor); 2] {
-        [(idx_name(name), self.idx), (val_name(name), self.val)]
     }
 }
 
@@ -140,21 +465,16 @@ impl WirePart {
     }
 }
 
-/// Wire name of a sparse delta's indices.
-pub fn idx_name(name: &str) -> String {
-    WirePart::Idx.name(name)
-}
-
-/// Wire name of a sparse delta's values.
-pub fn val_name(name: &str) -> String {
-    WirePart::Val.name(name)
-}
-
 /// The tensor a compressed delta's wire name belongs to, and which part it names.
 pub fn split_wire_name(wire: &str) -> Option<(&str, WirePart)> {
     WirePart::ALL
         .into_iter()
         .find_map(|p| wire.strip_suffix(p.suffix()).map(|n| (n, p)))
+}
+
+/// The tensor a wire tensor belongs to: its name without a part suffix.
+pub fn tensor_of(wire: &str) -> &str {
+    split_wire_name(wire).map_or(wire, |(n, _)| n)
 }
 
 /// Entries a tensor of `numel` values sends per round.
@@ -163,7 +483,7 @@ pub fn sparse_k(numel: i64, density: f64) -> i64 {
 }
 
 /// The `k` largest-magnitude entries of `v` (fp32), values rounded to bf16.
-pub fn top_k(v: &Tensor, k: i64) -> Sparse {
+fn top_k(v: &Tensor, k: i64) -> Sparse {
     tch::no_grad(|| {
         let flat = v.reshape([-1]);
         let (_, idx) = flat.abs().topk(k, 0, true, false);
@@ -176,7 +496,7 @@ pub fn top_k(v: &Tensor, k: i64) -> Sparse {
 }
 
 /// In place: `base ← base + f32(s)` at `s`'s indices.
-pub fn apply_sparse_(base: &mut Tensor, s: &Sparse) {
+fn apply_sparse_(base: &mut Tensor, s: &Sparse) {
     tch::no_grad(|| {
         let dev = base.device();
         let _ = base.view([-1]).index_add_(
@@ -188,39 +508,10 @@ pub fn apply_sparse_(base: &mut Tensor, s: &Sparse) {
 }
 
 /// `f32(s)` as a dense tensor shaped like `like`.
-pub fn dense(s: &Sparse, like: &Tensor) -> Tensor {
+fn dense(s: &Sparse, like: &Tensor) -> Tensor {
     let mut out = Tensor::zeros_like(like).to_kind(Kind::Float);
     apply_sparse_(&mut out, s);
     out
-}
-
-/// What uploads and published rounds carry.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum WireForm {
-    /// Whole fp32 tensors.
-    Values,
-    /// Dense bf16 deltas.
-    Bf16Delta,
-    /// Sparse deltas of `density` of each tensor's entries.
-    Sparse { density: f64 },
-    /// Deltas quantized to `bits` (8, 4 or 2) per value, see [`Quantized`].
-    Quantized { bits: u8 },
-}
-
-impl WireForm {
-    /// Whether a round's delta is sent only in part, the rest carried over (error feedback).
-    pub fn is_lossy(self) -> bool {
-        self.parts().is_some()
-    }
-
-    /// The two wire parts a lossy form sends per tensor, in [`Compressed::from_parts`] order.
-    pub fn parts(self) -> Option<(WirePart, WirePart)> {
-        match self {
-            WireForm::Sparse { .. } => Some((WirePart::Idx, WirePart::Val)),
-            WireForm::Quantized { .. } => Some((WirePart::Codes, WirePart::Scale)),
-            WireForm::Values | WireForm::Bf16Delta => None,
-        }
-    }
 }
 
 /// Quantized deltas (`sync.wire = "int8_delta" | "int4_delta" | "int2_delta"`): a tensor's
@@ -231,6 +522,7 @@ impl WireForm {
 /// change than the largest would. A code times a bf16 scale needs at most 15 significant bits,
 /// so dequantizing is exact and the global model stays bit-identical everywhere; what a round
 /// leaves out is carried over (error feedback) as on the sparse wire.
+#[derive(Debug)]
 pub struct Quantized {
     /// Packed codes (uint8), `groups · GROUP · bits / 8` bytes.
     pub codes: Tensor,
@@ -346,175 +638,6 @@ impl Quantized {
     fn on(&self, device: tch::Device) -> Quantized {
         self.map(|t| t.to_device(device))
     }
-
-    /// The two wire tensors of tensor `name`.
-    pub fn into_wire(self, name: &str) -> [(String, Tensor); 2] {
-        [
-            (WirePart::Codes.name(name), self.codes),
-            (WirePart::Scale.name(name), self.scale),
-        ]
-    }
-}
-
-/// A delta sent in part: sparse or quantized.
-pub enum Compressed {
-    Sparse(Sparse),
-    Quantized(Quantized),
-}
-
-/// `v` (fp32) in the lossy wire form `form` (sparse or quantized).
-pub fn compress(v: &Tensor, form: WireForm) -> Compressed {
-    match form {
-        WireForm::Quantized { bits } => Compressed::Quantized(quantize(v, bits)),
-        WireForm::Sparse { density } => {
-            Compressed::Sparse(top_k(v, sparse_k(v.numel() as i64, density)))
-        }
-        _ => unreachable!("compress is called for lossy wires only"),
-    }
-}
-
-impl Compressed {
-    /// The delta of a tensor of `numel` values from its two wire parts in `form` (in
-    /// [`WireForm::parts`] order), checked: kinds and sizes, sparse indices unique and in range,
-    /// quantized scales not negative. Says what is wrong otherwise.
-    pub fn from_parts(
-        form: WireForm,
-        numel: i64,
-        first: Tensor,
-        second: Tensor,
-    ) -> Result<Compressed, String> {
-        match form {
-            WireForm::Sparse { density } => {
-                let (idx, val) = (first, second);
-                let k = sparse_k(numel, density);
-                if idx.kind() != Kind::Int
-                    || idx.size() != [k]
-                    || val.kind() != Kind::BFloat16
-                    || val.size() != [k]
-                {
-                    return Err(format!(
-                        "expected {k} int32 indices and {k} bf16 values, got {:?} {:?} and {:?} {:?}",
-                        idx.kind(), idx.size(), val.kind(), val.size()
-                    ));
-                }
-                let (sorted, _) = idx.sort(0, false);
-                let (lo, hi) = (sorted.int64_value(&[0]), sorted.int64_value(&[k - 1]));
-                let unique = k == 1
-                    || bool::try_from(
-                        sorted
-                            .diff(1, 0, None::<Tensor>, None::<Tensor>)
-                            .gt(0)
-                            .all(),
-                    )
-                    .unwrap_or(false);
-                if lo < 0 || hi >= numel || !unique {
-                    return Err(format!("indices must be unique and in 0..{numel}"));
-                }
-                Ok(Compressed::Sparse(Sparse { idx, val }))
-            }
-            WireForm::Quantized { bits } => {
-                let (codes, scale) = (first, second);
-                let (groups, bytes) = quantized_sizes(numel, bits);
-                if codes.kind() != Kind::Uint8
-                    || codes.size() != [bytes]
-                    || scale.kind() != Kind::BFloat16
-                    || scale.size() != [groups]
-                {
-                    return Err(format!(
-                        "expected {bytes} uint8 codes and {groups} bf16 scales ({bits}-bit), got {:?} {:?} and {:?} {:?}",
-                        codes.kind(), codes.size(), scale.kind(), scale.size()
-                    ));
-                }
-                // Negative scales would let one code mean two values; a NaN shows in the norm.
-                if groups > 0 && scale.min().double_value(&[]) < 0.0 {
-                    return Err("has a negative scale".into());
-                }
-                Ok(Compressed::Quantized(Quantized { codes, scale, bits }))
-            }
-            WireForm::Values | WireForm::Bf16Delta => {
-                Err(format!("{form:?} sends no compressed deltas"))
-            }
-        }
-    }
-
-    /// The L2 norm of `f32(self)` (fp32 scalar), without decoding it.
-    pub fn norm(&self) -> Tensor {
-        match self {
-            Compressed::Sparse(s) => s.val.norm(),
-            Compressed::Quantized(q) => q.norm(),
-        }
-    }
-
-    fn map(&self, f: impl Fn(&Tensor) -> Tensor) -> Compressed {
-        match self {
-            Compressed::Sparse(s) => Compressed::Sparse(s.map(f)),
-            Compressed::Quantized(q) => Compressed::Quantized(q.map(f)),
-        }
-    }
-
-    /// A shallow copy (the same storage).
-    pub fn share(&self) -> Compressed {
-        self.map(Tensor::shallow_clone)
-    }
-
-    /// The device its tensors are on.
-    pub fn device(&self) -> tch::Device {
-        match self {
-            Compressed::Sparse(s) => s.val.device(),
-            Compressed::Quantized(q) => q.codes.device(),
-        }
-    }
-
-    /// A deep copy (its own storage).
-    pub fn copy(&self) -> Compressed {
-        self.map(Tensor::copy)
-    }
-
-    /// In place: `base ← base + f32(self)`, the one formula the server and every node use.
-    pub fn apply_(&self, base: &mut Tensor) {
-        match self {
-            Compressed::Sparse(s) => apply_sparse_(base, s),
-            Compressed::Quantized(q) => tch::no_grad(|| {
-                let d = q.on(base.device()).dequantize(base.numel() as i64);
-                let _ = base.g_add_(&d.view(base.size().as_slice()));
-            }),
-        }
-    }
-
-    /// `f32(self)` as a dense tensor shaped like `like`.
-    pub fn dense(&self, like: &Tensor) -> Tensor {
-        match self {
-            Compressed::Sparse(s) => dense(s, like),
-            Compressed::Quantized(q) => q
-                .on(like.device())
-                .dequantize(like.numel() as i64)
-                .view(like.size().as_slice()),
-        }
-    }
-
-    /// `x − f32(self)`.
-    pub fn subtract_from(&self, x: &Tensor) -> Tensor {
-        tch::no_grad(|| match self {
-            Compressed::Sparse(s) => {
-                let mut out = x.copy();
-                let neg = Sparse {
-                    idx: s.idx.shallow_clone(),
-                    val: -&s.val,
-                };
-                apply_sparse_(&mut out, &neg);
-                out
-            }
-            Compressed::Quantized(_) => x - self.dense(x),
-        })
-    }
-
-    /// The wire tensors of tensor `name`.
-    pub fn into_wire(self, name: &str) -> [(String, Tensor); 2] {
-        match self {
-            Compressed::Sparse(s) => s.into_wire(name),
-            Compressed::Quantized(q) => q.into_wire(name),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -589,16 +712,62 @@ mod tests {
     fn compressed_deltas_apply_exactly_as_their_dense_form() {
         let v = sample();
         let base = Tensor::randn([10, 100], (Kind::Float, tch::Device::Cpu));
-        for form in [
-            WireForm::Quantized { bits: 4 },
-            WireForm::Quantized { bits: 2 },
-            WireForm::Sparse { density: 0.1 },
+        for wire in [
+            Wire::Int4Delta,
+            Wire::Int2Delta,
+            Wire::SparseDelta,
+            Wire::Bf16Delta,
         ] {
-            let c = compress(&v, form);
+            let cfg = SyncConfig {
+                wire,
+                sparse_density: 0.1,
+                ..SyncConfig::default()
+            };
+            let c = Delta::of_change(&v, &cfg);
             let mut applied = base.copy();
             c.apply_(&mut applied);
-            assert!(applied.equal(&(&base + c.dense(&base))), "{form:?}");
-            assert!(c.subtract_from(&v).equal(&(&v - c.dense(&v))), "{form:?}");
+            assert!(applied.equal(&(&base + c.to_f32(&base))), "{wire:?}");
+            assert!(c.subtract_from(&v).equal(&(&v - c.to_f32(&v))), "{wire:?}");
+            // Norms of bf16 parts are bf16 (8 significant bits); quantized ones fp32.
+            let n = (
+                c.norm().double_value(&[]),
+                c.to_f32(&v).norm().double_value(&[]),
+            );
+            assert!((n.0 - n.1).abs() <= 1e-2 * n.1, "{wire:?}: {n:?}");
         }
+    }
+
+    #[test]
+    fn decode_pairs_the_parts_of_what_into_wire_made_and_refuses_strays() {
+        let v = sample();
+        let shape = [10i64, 100];
+        let shape_of = |n: &str| (n == "w").then_some(&shape[..]);
+        for wire in [Wire::Int8Delta, Wire::SparseDelta, Wire::Bf16Delta] {
+            let cfg = SyncConfig {
+                wire,
+                ..SyncConfig::default()
+            };
+            let named = Delta::of_change(&v, &cfg).into_wire("w");
+            let back = decode(named, &cfg, shape_of).unwrap();
+            assert_eq!(back.len(), 1);
+            let want = Delta::of_change(&v, &cfg).to_f32(&v);
+            assert!(back[0].1.to_f32(&v).equal(&want), "{wire:?}");
+            let mut twice = Delta::of_change(&v, &cfg).into_wire("w");
+            twice.extend(Delta::of_change(&v, &cfg).into_wire("w"));
+            assert!(decode(twice, &cfg, shape_of).unwrap_err().contains("twice"));
+            let stray = Delta::of_change(&v, &cfg).into_wire("x");
+            let e = decode(stray, &cfg, shape_of).unwrap_err();
+            assert!(e.contains("unknown tensor `x`"), "{e}");
+        }
+        let cfg = SyncConfig {
+            wire: Wire::Int4Delta,
+            ..SyncConfig::default()
+        };
+        let mut half = Delta::of_change(&v, &cfg).into_wire("w");
+        half.pop();
+        let e = decode(half, &cfg, shape_of).unwrap_err();
+        assert!(e.contains("lacks its #q or #scale part"), "{e}");
+        let e = decode(vec![("w".into(), v.copy())], &cfg, shape_of).unwrap_err();
+        assert!(e.contains("expected `<tensor>#q`"), "{e}");
     }
 }

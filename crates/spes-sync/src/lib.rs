@@ -1,20 +1,25 @@
-//! SPES as plain functions and a small state machine over named tensors, testable without a
-//! network: who owns which expert (`ownership`), how a round's uploads become the next global
-//! model, expert merging included (`round`), the server's optional outer optimizer (`outer`),
-//! when rounds close and who is a member (`coordinator`), and the exact bf16 deltas that travel
-//! instead of whole tensors (`delta`).
+//! SPES as plain state machines over named tensors, testable without a network. The server's
+//! half is the [`Coordinator`] (when rounds close, who is a member, how uploads become the next
+//! global model); the node's half is the [`Replica`] (what a node uploads, what it fetches, how
+//! a published round becomes its weights). Around them: the `[sync]` config both read
+//! (`config`), named tensors and the model's layout (`named`), who owns which expert
+//! (`ownership`), one round's aggregation and expert merging (`round`), the server's optional
+//! outer optimizer (`outer`), and the one delta type that travels between them (`delta`).
 
+pub mod config;
 pub mod coordinator;
 pub mod delta;
+pub mod named;
 pub mod outer;
 pub mod ownership;
+pub mod replica;
 pub mod round;
 
-pub use coordinator::{Coordinator, RoundError, RoundReport, RoundRules, Standing};
-pub use delta::{RoundDelta, Sparse, WireForm};
-pub use outer::{OuterRule, OuterRules};
+pub use config::{AggregateRule, Mode, SyncConfig, Wire};
+pub use coordinator::{Coordinator, RoundError, RoundReport, Standing, Start};
+pub use delta::{Delta, Deltas, RoundDelta};
+pub use named::{Layout, Named};
+pub use outer::OuterRule;
 pub use ownership::Ownership;
-pub use round::{
-    merge_experts, validate, validate_compressed, validate_delta, Aggregator, Combine, Combined,
-    Layout, MergeEvent, MergeSchedule, Named, Scope,
-};
+pub use replica::{Applied, FetchPlan, Follow, Published, Replica, ReplicaError, ReplicaState};
+pub use round::{merge_experts, validate, Aggregator, Combined, MergeEvent, Scope};

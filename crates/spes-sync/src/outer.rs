@@ -1,7 +1,7 @@
 //! The server's outer optimizer (DiLoCo's): a round's change of a tensor, Δ = combined − θ_r,
 //! is a negative pseudo-gradient, and SGD with (Nesterov) momentum on it gives the next model:
 //! `m ← μ·m + Δ`, then `θ_{r+1} = θ_r + lr·(Δ + μ·m)` (Nesterov) or `θ_r + lr·m`.
-//! lr 1 with μ 0 is the plain average of SPES.md §4, the default. Averaged tensors and owned
+//! lr 1 with μ 0 is the plain average of docs/design/algorithm.md §4, the default. Averaged tensors and owned
 //! experts (taken from their owner) have separate rules, since an expert's change is one
 //! node's and not a mean that averaging has shrunk.
 //!
@@ -11,7 +11,7 @@
 //! batch) with less noise. [`norm_preserving_scale`] undoes that shrinkage per tensor (a cousin
 //! of FedExP's server extrapolation, Jhunjhunwala et al., ICLR 2023).
 
-use crate::round::Named;
+use crate::named::Named;
 use std::collections::HashMap;
 use tch::{Kind, Tensor};
 
@@ -24,7 +24,7 @@ pub struct OuterRule {
 }
 
 impl OuterRule {
-    /// Take the combined value as it is (SPES.md §4).
+    /// Take the combined value as it is (docs/design/algorithm.md §4).
     pub const AVERAGE: OuterRule = OuterRule {
         lr: 1.0,
         momentum: 0.0,
@@ -44,32 +44,6 @@ pub enum Source {
     Averaged,
     /// One expert, from its owner.
     Owned,
-}
-
-/// The outer rules of averaged tensors and of owned experts.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct OuterRules {
-    pub averaged: OuterRule,
-    pub owned: OuterRule,
-    /// Scale each averaged change by [`norm_preserving_scale`] before its rule (delta wires).
-    pub norm_preserving: bool,
-}
-
-impl OuterRules {
-    /// Plain averaging and owners' experts as sent (SPES.md §4).
-    pub const AVERAGE: OuterRules = OuterRules {
-        averaged: OuterRule::AVERAGE,
-        owned: OuterRule::AVERAGE,
-        norm_preserving: false,
-    };
-
-    /// The rule for a change from `source`.
-    pub fn of(&self, source: Source) -> OuterRule {
-        match source {
-            Source::Averaged => self.averaged,
-            Source::Owned => self.owned,
-        }
-    }
 }
 
 /// The factor that gives a tensor's combined change Δ̄ of `n` uploads back the RMS size of the

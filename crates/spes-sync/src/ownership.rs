@@ -1,4 +1,4 @@
-//! Which node owns (trains) which expert. The same expert indices in every layer (SPES.md §2).
+//! Which node owns (trains) which expert. The same expert indices in every layer (docs/design/algorithm.md §2).
 //! Ownership is a per-round fact: when nodes leave or join, [`Ownership::rebalance`] moves as few
 //! experts as possible so every member owns ⌊E/N⌋ or ⌈E/N⌉ of them.
 

@@ -1,89 +1,19 @@
-//! The server's math for one round (SPES.md §4–§5): validate each node's upload, average the
-//! shared parameters over the nodes that uploaded (fp32), take each expert from its owner, then
-//! on merge rounds mix each expert with its most similar experts of the same layer.
+//! The server's math for one round (docs/design/algorithm.md §4–§5): check each node's upload,
+//! average the shared parameters over the nodes that uploaded (fp32), take each expert from its
+//! owner, then on merge rounds mix each expert with its most similar experts of the same layer.
 //!
 //! Uploads are folded into running sums as they arrive, so the server holds one model's worth of
 //! accumulators however many nodes there are.
 
-use crate::delta::{split_wire_name, Compressed, WireForm};
+use crate::config::{AggregateRule, SyncConfig};
+use crate::delta::{Delta, Deltas};
+use crate::named::{Layout, Named};
 use crate::ownership::Ownership;
 use anyhow::{bail, Result};
-use serde::Serialize;
-use spes_model::{expert_tensor_name, MoeModel, Role, EXPERT_PARTS};
+use serde::{Deserialize, Serialize};
+use spes_model::{expert_tensor_name, Role, EXPERT_PARTS};
 use std::collections::{BTreeSet, HashMap};
 use tch::{Kind, Tensor};
-
-/// Named tensors, in the model's parameter order.
-pub type Named = Vec<(String, Tensor)>;
-
-/// The model's parameter names, roles and shapes: what uploads are checked against.
-#[derive(Clone, Debug)]
-pub struct Layout {
-    pub entries: Vec<(String, Role, Vec<i64>)>,
-    pub n_layers: usize,
-    pub n_experts: usize,
-}
-
-impl Layout {
-    pub fn of(model: &MoeModel) -> Self {
-        Layout {
-            entries: model
-                .params()
-                .into_iter()
-                .map(|p| (p.name, p.role, p.tensor.size()))
-                .collect(),
-            n_layers: model.cfg.n_layers,
-            n_experts: model.cfg.n_experts,
-        }
-    }
-
-    /// The tensors server shard `i` of `k` owns (`spes server --shard i/k`): whole layers (so a
-    /// layer's experts merge on one shard) and whole other tensors, dealt largest first to the
-    /// least loaded shard, so every shard and node computes the same split.
-    pub fn shard(&self, i: usize, k: usize) -> Layout {
-        let unit_of = |name: &str| -> String {
-            name.strip_prefix("model.layers.")
-                .and_then(|rest| rest.split('.').next())
-                .map_or(name.to_owned(), |l| format!("model.layers.{l}."))
-        };
-        let mut sizes: Vec<(String, i64)> = Vec::new();
-        for (name, _, shape) in &self.entries {
-            let unit = unit_of(name);
-            let n: i64 = shape.iter().product();
-            match sizes.iter_mut().find(|(u, _)| *u == unit) {
-                Some((_, s)) => *s += n,
-                None => sizes.push((unit, n)),
-            }
-        }
-        sizes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        let mut load = vec![0i64; k.max(1)];
-        let mut mine = BTreeSet::new();
-        for (unit, n) in sizes {
-            let least = (0..load.len())
-                .min_by_key(|&s| (load[s], s))
-                .expect("k ≥ 1");
-            load[least] += n;
-            if least == i {
-                mine.insert(unit);
-            }
-        }
-        Layout {
-            entries: self
-                .entries
-                .iter()
-                .filter(|(n, _, _)| mine.contains(&unit_of(n)))
-                .cloned()
-                .collect(),
-            n_layers: self.n_layers,
-            n_experts: self.n_experts,
-        }
-    }
-
-    /// Whether this layout holds a tensor of that name.
-    pub fn holds(&self, name: &str) -> bool {
-        self.entries.iter().any(|(n, _, _)| n == name)
-    }
-}
 
 /// What each node uploads and how the server combines it, for one round's members.
 #[derive(Clone, Debug, PartialEq)]
@@ -166,27 +96,18 @@ impl Scope {
 /// Peer ids of a DiLoCo run are below this.
 pub const MAX_DILOCO_MEMBERS: usize = 1024;
 
-/// How the server combines the averaged (shared) parameters of a round's uploads.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Combine {
-    /// The plain mean, folded into running sums (one model of accumulators).
-    Mean,
-    /// Per element, drop the `⌊fraction·n⌋` largest and smallest values, average the rest.
-    TrimmedMean { fraction: f64 },
-    /// Per element, the median (the mean of the two middle values for even n).
-    Median,
-}
-
-/// Accumulates the uploads of one round: whole values, or (delta wire) bf16 deltas.
+/// Accumulates the uploads of one round, in the run's wire form: values (fp32 wire) or
+/// changes (delta wires).
 pub struct Aggregator {
     scope: Scope,
-    combine: Combine,
+    /// `sync.aggregate` and `sync.trim_fraction`.
+    rule: AggregateRule,
+    trim_fraction: f64,
     sums: HashMap<String, Tensor>,
     /// Robust rules keep every upload of an averaged tensor until the round closes.
     kept: HashMap<String, Vec<Tensor>>,
     /// Tensors taken from their owner, as uploaded, with the owner.
-    owned: HashMap<String, (usize, Tensor)>,
-    owned_compressed: HashMap<String, (usize, Compressed)>,
+    owned: HashMap<String, (usize, Delta)>,
     uploaded: BTreeSet<usize>,
     scratch: Scratch,
     /// With [`Aggregator::with_spread`]: per averaged tensor, the sum over uploads of the
@@ -213,52 +134,79 @@ impl Scratch {
     }
 }
 
-/// A delta-wire round's combined uploads, before merging.
+/// A round's combined uploads, before the outer step and merging.
 pub struct Combined {
-    /// Averaged tensors: the combined delta, fp32.
+    /// Averaged tensors: the combined value (fp32 wire) or change (delta wires), fp32.
     pub averaged: HashMap<String, Tensor>,
     /// With [`Aggregator::with_spread`]: per averaged tensor, the mean squared norm of the
     /// uploaded deltas (empty otherwise).
     pub spread: HashMap<String, f64>,
     /// How many uploads were combined.
     pub uploads: usize,
-    /// Tensors taken from their owner: the owner and its bf16 delta, as sent.
-    pub owned: HashMap<String, (usize, Tensor)>,
-    /// The same for compressed deltas.
-    pub owned_compressed: HashMap<String, (usize, Compressed)>,
+    /// Tensors taken from their owner: the owner and its delta, as sent.
+    pub owned: HashMap<String, (usize, Delta)>,
 }
 
-/// Checks an upload against the layout, the round's scope and (if given) the bound on how far
-/// each tensor may move from the current global: RMS(upload − global) ≤ `max_rms` plus the
-/// rounding of a bf16 wire copy. Says which tensor fails and why.
+/// Checks a decoded upload ([`crate::delta::decode`]) against the round's scope and the bound
+/// on how far each tensor may move in a round: exactly the tensors `peer` uploads, with finite
+/// values, and RMS change ≤ `max_rms` (a value is measured from the current `global`, with the
+/// rounding of a bf16 copy allowed; a delta by its own norm). Says which tensor fails and why.
 pub fn validate(
     layout: &Layout,
     scope: &Scope,
     peer: usize,
-    upload: &Named,
+    upload: &Deltas,
     global: &Named,
     max_rms: Option<f64>,
 ) -> std::result::Result<(), String> {
-    check_entries(layout, scope, peer, upload, |i, name, t| {
-        if !matches!(t.kind(), Kind::Float | Kind::BFloat16) {
+    let given: HashMap<&str, &Delta> = upload.iter().map(|(n, d)| (n.as_str(), d)).collect();
+    for (name, role, _) in &layout.entries {
+        match (
+            scope.uploads(peer, *role),
+            given.contains_key(name.as_str()),
+        ) {
+            (false, true) => return Err(format!("holds `{name}`, which peer {peer} does not own")),
+            (true, false) => return Err(format!("is missing tensor `{name}`")),
+            _ => {}
+        }
+    }
+    for (name, d) in upload {
+        let numel = layout
+            .shape_of(name)
+            .map_or(1, |s| s.iter().product::<i64>());
+        let (change, allowed) = match d {
+            Delta::Value(t) => {
+                if !all_finite(t) {
+                    return Err(format!("tensor `{name}` holds non-finite values"));
+                }
+                let Some(bound) = max_rms else { continue };
+                let i = layout
+                    .position(name)
+                    .expect("validated names are in the layout");
+                let current = &global[i].1;
+                (rms(&(t - current)), bound + BF16_SLACK * rms(current))
+            }
+            d => {
+                let norm = d.norm().to_kind(Kind::Double).double_value(&[]);
+                let finite = match d {
+                    Delta::Dense(t) => norm.is_finite() || all_finite(t),
+                    _ => norm.is_finite(),
+                };
+                if !finite {
+                    return Err(format!("tensor `{name}` holds non-finite values"));
+                }
+                let Some(bound) = max_rms else { continue };
+                (norm / (numel.max(1) as f64).sqrt(), bound)
+            }
+        };
+        if change.is_nan() || change > allowed {
             return Err(format!(
-                "tensor `{name}` is {:?}, expected f32 or bf16",
-                t.kind()
+                "tensor `{name}` moved by RMS {change:.3e} from the global model, more than the \
+                 {allowed:.3e} that sync.max_update_factor allows"
             ));
         }
-        if !all_finite(t) {
-            return Err(format!("tensor `{name}` holds non-finite values"));
-        }
-        if let Some(bound) = max_rms {
-            let current = &global[i].1;
-            let change = rms(&(t - current));
-            let allowed = bound + BF16_SLACK * rms(current);
-            if change.is_nan() || change > allowed {
-                return Err(too_far(name, change, allowed));
-            }
-        }
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
 /// `t` as fp32 in storage of its own (a copy even when it already is fp32).
@@ -279,114 +227,19 @@ fn rms(x: &Tensor) -> f64 {
     x.norm().double_value(&[]) / (x.numel().max(1) as f64).sqrt()
 }
 
-fn too_far(name: &str, change: f64, allowed: f64) -> String {
-    format!(
-        "tensor `{name}` moved by RMS {change:.3e} from the global model, more than the \
-         {allowed:.3e} that sync.max_update_factor allows"
-    )
-}
-
-/// [`validate`] for an upload of bf16 deltas: each must be bf16, finite, and within `max_rms`
-/// (checked in one pass over the delta: its norm).
-pub fn validate_delta(
-    layout: &Layout,
-    scope: &Scope,
-    peer: usize,
-    upload: &Named,
-    max_rms: Option<f64>,
-) -> std::result::Result<(), String> {
-    check_entries(layout, scope, peer, upload, |_, name, d| {
-        if d.kind() != Kind::BFloat16 {
-            return Err(format!(
-                "tensor `{name}` is {:?}, expected a bf16 delta (sync.wire = \"bf16_delta\")",
-                d.kind()
-            ));
-        }
-        let norm = d.norm().to_kind(Kind::Double).double_value(&[]);
-        if !norm.is_finite() && !bool::try_from(d.isfinite().all()).unwrap_or(false) {
-            return Err(format!("tensor `{name}` holds non-finite values"));
-        }
-        if let Some(bound) = max_rms {
-            let change = norm / (d.numel().max(1) as f64).sqrt();
-            if !change.is_finite() || change > bound {
-                return Err(too_far(name, change, bound));
-            }
-        }
-        Ok(())
-    })
-}
-
-/// Checks that an upload holds exactly the tensors `peer` uploads under `scope`, once each and
-/// of the layout's shapes; `check` judges each tensor's values.
-fn check_entries(
-    layout: &Layout,
-    scope: &Scope,
-    peer: usize,
-    upload: &Named,
-    mut check: impl FnMut(usize, &str, &Tensor) -> std::result::Result<(), String>,
-) -> std::result::Result<(), String> {
-    let mut given: HashMap<&str, &Tensor> = HashMap::with_capacity(upload.len());
-    for (name, t) in upload {
-        if given.insert(name.as_str(), t).is_some() {
-            return Err(format!("holds tensor `{name}` twice"));
-        }
-    }
-    check_names(
-        layout,
-        scope,
-        peer,
-        |name| given.contains_key(name),
-        given.keys().copied(),
-    )?;
-    for (i, (name, _, shape)) in layout.entries.iter().enumerate() {
-        let Some(t) = given.get(name.as_str()) else {
-            continue;
-        };
-        if t.size() != *shape {
-            return Err(format!(
-                "tensor `{name}` has shape {:?}, expected {shape:?}",
-                t.size()
-            ));
-        }
-        check(i, name, t)?;
-    }
-    Ok(())
-}
-
-/// Checks that the tensors an upload names (`holds`, listed by `names`) are exactly those
-/// `peer` uploads under `scope`.
-fn check_names<'a>(
-    layout: &Layout,
-    scope: &Scope,
-    peer: usize,
-    holds: impl Fn(&str) -> bool,
-    mut names: impl Iterator<Item = &'a str>,
-) -> std::result::Result<(), String> {
-    for (name, role, _) in &layout.entries {
-        match (scope.uploads(peer, *role), holds(name)) {
-            (false, true) => return Err(format!("holds `{name}`, which peer {peer} does not own")),
-            (true, false) => return Err(format!("is missing tensor `{name}`")),
-            _ => {}
-        }
-    }
-    match names.find(|n| !layout.holds(n)) {
-        Some(unknown) => Err(format!("holds unknown tensor `{unknown}`")),
-        None => Ok(()),
-    }
-}
-
 /// Relative rounding of a bf16 copy (8 significant bits), with room to spare.
 const BF16_SLACK: f64 = 1.0 / 128.0;
 
 impl Aggregator {
-    pub fn new(scope: Scope, combine: Combine) -> Self {
+    /// An empty round of `scope`, combining shared tensors as `cfg.aggregate` says.
+    pub fn new(scope: Scope, cfg: &SyncConfig) -> Self {
         Aggregator {
             scope,
-            combine,
+            rule: cfg.aggregate,
+            trim_fraction: cfg.trim_fraction,
             sums: HashMap::new(),
             kept: HashMap::new(),
             owned: HashMap::new(),
-            owned_compressed: HashMap::new(),
             uploaded: BTreeSet::new(),
             scratch: Scratch::default(),
             spread: None,
@@ -398,13 +251,6 @@ impl Aggregator {
     pub fn with_spread(mut self, on: bool) -> Self {
         self.spread = on.then(HashMap::new);
         self
-    }
-
-    fn add_spread(&mut self, name: &str, delta: &Tensor) {
-        if let Some(spread) = &mut self.spread {
-            let norm = delta.norm_scalaropt_dtype(2, Kind::Float).double_value(&[]);
-            *spread.entry(name.to_owned()).or_default() += norm * norm;
-        }
     }
 
     /// Peers whose upload was accepted this round.
@@ -420,38 +266,57 @@ impl Aggregator {
     /// Folds in an upload that [`validate`] accepted. A peer's second upload is refused.
     /// Keeps none of the upload's storage (copies what it keeps), so an upload may view a
     /// memory-mapped file that goes away after this call.
-    pub fn add(&mut self, layout: &Layout, peer: usize, upload: Named) -> Result<()> {
+    pub fn add(&mut self, layout: &Layout, peer: usize, upload: Deltas) -> Result<()> {
         if self.uploaded.contains(&peer) {
             bail!("peer {peer} already uploaded this round");
         }
-        let mut given: HashMap<String, Tensor> = upload.into_iter().collect();
         tch::no_grad(|| {
-            for (name, role, _) in &layout.entries {
-                let Some(t) = given.remove(name) else {
+            for (name, d) in upload {
+                let Some(i) = layout.position(&name) else {
                     continue;
                 };
+                let (_, role, shape) = &layout.entries[i];
                 if !self.scope.averaged(*role) {
-                    self.owned.insert(name.clone(), (peer, t.copy()));
+                    self.owned.insert(name, (peer, d.copy()));
                     continue;
                 }
-                self.add_spread(name, &t);
-                if self.combine == Combine::Mean {
-                    match self.sums.get_mut(name) {
-                        Some(sum) if t.kind() == Kind::Float => {
-                            let _ = sum.g_add_(&t);
-                        }
-                        // Widening into a reused buffer, then an fp32 add, beats PyTorch's
-                        // mixed-dtype add by about a quarter on CPU.
-                        Some(sum) => {
-                            let wide = self.scratch.widen(&t);
-                            let _ = sum.g_add_(&wide);
-                        }
-                        None => {
-                            self.sums.insert(name.clone(), own_f32(&t));
-                        }
+                let zeros = || Tensor::zeros(shape.as_slice(), (Kind::Float, d.device()));
+                if let Some(spread) = &mut self.spread {
+                    let norm = match &d {
+                        Delta::Value(t) | Delta::Dense(t) => t.shallow_clone(),
+                        compressed => compressed.to_f32(&zeros()),
                     }
-                } else {
-                    self.kept.entry(name.clone()).or_default().push(own_f32(&t));
+                    .norm_scalaropt_dtype(2, Kind::Float)
+                    .double_value(&[]);
+                    *spread.entry(name.clone()).or_default() += norm * norm;
+                }
+                if self.rule != AggregateRule::Mean {
+                    let all = self.kept.entry(name).or_default();
+                    all.push(match &d {
+                        Delta::Value(t) | Delta::Dense(t) => own_f32(t),
+                        compressed => compressed.to_f32(&zeros()),
+                    });
+                    continue;
+                }
+                match (self.sums.get_mut(&name), &d) {
+                    (Some(sum), Delta::Value(t) | Delta::Dense(t)) if t.kind() == Kind::Float => {
+                        let _ = sum.g_add_(t);
+                    }
+                    // Widening into a reused buffer, then an fp32 add, beats PyTorch's
+                    // mixed-dtype add by about a quarter on CPU.
+                    (Some(sum), Delta::Value(t) | Delta::Dense(t)) => {
+                        let wide = self.scratch.widen(t);
+                        let _ = sum.g_add_(&wide);
+                    }
+                    (Some(sum), compressed) => compressed.apply_(sum),
+                    (None, Delta::Value(t) | Delta::Dense(t)) => {
+                        self.sums.insert(name, own_f32(t));
+                    }
+                    (None, compressed) => {
+                        let mut sum = zeros();
+                        compressed.apply_(&mut sum);
+                        self.sums.insert(name, sum);
+                    }
                 }
             }
         });
@@ -459,35 +324,11 @@ impl Aggregator {
         Ok(())
     }
 
-    /// The new global model: combined and owners' experts where uploaded, `previous` elsewhere.
-    pub fn finish(self, layout: &Layout, previous: &Named) -> Named {
+    /// The round's combined uploads: each averaged tensor that was uploaded, combined, and the
+    /// owners' tensors as sent.
+    pub fn finish(self) -> Combined {
         let n = self.uploaded.len();
-        let (mut sums, mut kept, mut owned) = (self.sums, self.kept, self.owned);
-        let combine = self.combine;
-        layout
-            .entries
-            .iter()
-            .zip(previous)
-            .map(|((name, _, _), (_, prev))| {
-                let t = if let Some(sum) = sums.remove(name) {
-                    sum / n as f64
-                } else if let Some(all) = kept.remove(name) {
-                    robust(&all, combine)
-                } else if let Some((_, t)) = owned.remove(name) {
-                    t.to_kind(Kind::Float)
-                } else {
-                    prev.shallow_clone()
-                };
-                (name.clone(), t)
-            })
-            .collect()
-    }
-
-    /// The delta wire's close: the combined delta of every averaged tensor that was uploaded,
-    /// and the owners' deltas as sent.
-    pub fn finish_deltas(self) -> Combined {
-        let n = self.uploaded.len();
-        let combine = self.combine;
+        let (rule, trim) = (self.rule, self.trim_fraction);
         let spread = self
             .spread
             .unwrap_or_default()
@@ -505,143 +346,26 @@ impl Aggregator {
         averaged.extend(
             self.kept
                 .into_iter()
-                .map(|(name, all)| (name, robust(&all, combine))),
+                .map(|(name, all)| (name, robust(&all, rule, trim))),
         );
         Combined {
             averaged,
             spread,
             uploads: n,
             owned: self.owned,
-            owned_compressed: self.owned_compressed,
         }
     }
-
-    /// Folds in compressed deltas that [`validate_compressed`] accepted; keeps none of their
-    /// storage, as [`Aggregator::add`].
-    pub fn add_compressed(
-        &mut self,
-        layout: &Layout,
-        peer: usize,
-        upload: Vec<(String, Compressed)>,
-    ) -> Result<()> {
-        if self.uploaded.contains(&peer) {
-            bail!("peer {peer} already uploaded this round");
-        }
-        let mut given: HashMap<String, Compressed> = upload.into_iter().collect();
-        tch::no_grad(|| {
-            for (name, role, shape) in &layout.entries {
-                let Some(c) = given.remove(name) else {
-                    continue;
-                };
-                if !self.scope.averaged(*role) {
-                    self.owned_compressed.insert(name.clone(), (peer, c.copy()));
-                    continue;
-                }
-                let zeros = || Tensor::zeros(shape.as_slice(), (Kind::Float, c.device()));
-                if self.spread.is_some() {
-                    self.add_spread(name, &c.dense(&zeros()));
-                }
-                if self.combine == Combine::Mean {
-                    let sum = self.sums.entry(name.clone()).or_insert_with(zeros);
-                    c.apply_(sum);
-                } else {
-                    self.kept
-                        .entry(name.clone())
-                        .or_default()
-                        .push(c.dense(&zeros()));
-                }
-            }
-        });
-        self.uploaded.insert(peer);
-        Ok(())
-    }
-}
-
-/// Checks an upload of compressed deltas as [`validate`] checks values: exactly the tensors
-/// `peer` uploads, each as its two parts in `form`, with finite values within `max_rms` (RMS
-/// over the whole tensor). Sparse: `name#idx` (int32) and `name#val` (bf16), exactly
-/// `⌈density·n⌉` unique in-range indices. Quantized: `name#q` (uint8) and `name#scale` (bf16)
-/// of the sizes `bits` implies, scales finite and ≥ 0. Returns the deltas by tensor name.
-pub fn validate_compressed(
-    layout: &Layout,
-    scope: &Scope,
-    peer: usize,
-    upload: Named,
-    form: WireForm,
-    max_rms: Option<f64>,
-) -> std::result::Result<Vec<(String, Compressed)>, String> {
-    let (first, second) = form
-        .parts()
-        .expect("validate_compressed is called for lossy wires only");
-    let mut parts: HashMap<String, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
-    for (wire, t) in upload {
-        let place = match split_wire_name(&wire) {
-            Some((name, part)) if part == first || part == second => {
-                let slot = parts.entry(name.to_owned()).or_default();
-                if part == first {
-                    &mut slot.0
-                } else {
-                    &mut slot.1
-                }
-            }
-            _ => {
-                return Err(format!(
-                    "holds `{wire}`, expected `<tensor>{}` and `<tensor>{}` pairs ({form:?})",
-                    first.name(""),
-                    second.name("")
-                ))
-            }
-        };
-        if place.replace(t).is_some() {
-            return Err(format!("holds tensor `{wire}` twice"));
-        }
-    }
-    check_names(
-        layout,
-        scope,
-        peer,
-        |name| parts.contains_key(name),
-        parts.keys().map(String::as_str),
-    )?;
-    let mut out = Vec::with_capacity(parts.len());
-    for (name, _, shape) in &layout.entries {
-        let Some(pair) = parts.remove(name) else {
-            continue;
-        };
-        let (Some(a), Some(b)) = pair else {
-            return Err(format!(
-                "tensor `{name}` lacks its {} or {} part",
-                first.name(""),
-                second.name("")
-            ));
-        };
-        let numel: i64 = shape.iter().product();
-        let c = Compressed::from_parts(form, numel, a, b)
-            .map_err(|e| format!("tensor `{name}`: {e}"))?;
-        let norm = c.norm().to_kind(Kind::Double).double_value(&[]);
-        if !norm.is_finite() {
-            return Err(format!("tensor `{name}` holds non-finite values"));
-        }
-        if let Some(bound) = max_rms {
-            let change = norm / (numel.max(1) as f64).sqrt();
-            if change > bound {
-                return Err(too_far(name, change, bound));
-            }
-        }
-        out.push((name.clone(), c));
-    }
-    Ok(out)
 }
 
 /// Trimmed mean or median of equally shaped tensors, per element.
-fn robust(all: &[Tensor], combine: Combine) -> Tensor {
+fn robust(all: &[Tensor], rule: AggregateRule, trim_fraction: f64) -> Tensor {
     let n = all.len();
-    let trim = match combine {
-        Combine::Mean => 0,
-        Combine::TrimmedMean { fraction } => {
-            ((fraction * n as f64).floor() as usize).min((n - 1) / 2)
+    let trim = match rule {
+        AggregateRule::Mean => 0,
+        AggregateRule::TrimmedMean => {
+            ((trim_fraction * n as f64).floor() as usize).min((n - 1) / 2)
         }
-        Combine::Median => (n - 1) / 2,
+        AggregateRule::Median => (n - 1) / 2,
     };
     tch::no_grad(|| {
         let (sorted, _) = Tensor::stack(all, 0).sort(0, false);
@@ -651,31 +375,8 @@ fn robust(all: &[Tensor], combine: Combine) -> Tensor {
     })
 }
 
-/// The expert-merging warm-up schedule (SPES.md §5).
-#[derive(Clone, Copy, Debug)]
-pub struct MergeSchedule {
-    /// Merge at sync steps that are multiples of this (M); 0 disables merging.
-    pub every: u64,
-    pub alpha0: f64,
-    /// α reaches 0 at this step (T).
-    pub until: u64,
-    /// Neighbours per expert (K).
-    pub top_k: usize,
-}
-
-impl MergeSchedule {
-    /// α at sync step `s` if `s` is a merge step with α > 0.
-    pub fn alpha(&self, s: u64) -> Option<f64> {
-        if self.every == 0 || !s.is_multiple_of(self.every) || self.until == 0 {
-            return None;
-        }
-        let a = self.alpha0 * (1.0 - (s as f64 / self.until as f64).min(1.0));
-        (a > 0.0).then_some(a)
-    }
-}
-
 /// One expert's merge: its layer, index, the neighbours it was mixed with, and α.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct MergeEvent {
     pub layer: usize,
     pub expert: usize,

@@ -1,8 +1,10 @@
-//! The run configuration: TOML sections `[model]`, `[data]`, `[train]`, with `--set` overrides.
+//! The run configuration: TOML sections `[model]`, `[data]`, `[train]` and `[sync]` (whose
+//! types live in spes-sync, which reads them), with `--set` overrides.
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use spes_model::ModelConfig;
+pub use spes_sync::config::{AggregateRule, Mode, SyncConfig, Wire};
 use std::path::{Path, PathBuf};
 
 /// A whole run. `model` is fully resolved (a preset plus any overridden fields).
@@ -14,196 +16,6 @@ pub struct RunConfig {
     pub train: TrainConfig,
     #[serde(default)]
     pub sync: SyncConfig,
-}
-
-/// How the run is distributed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    /// One process trains every parameter (`spes train`).
-    Centralized,
-    /// Nodes train the shared parameters and their own experts; the server averages the shared
-    /// ones and takes each expert from its owner (SPES.md §2–§5).
-    Spes,
-    /// FedAvg/DiLoCo baseline: nodes train everything; the server averages everything.
-    Diloco,
-}
-
-/// What travels between nodes and the server. The server always aggregates in fp32.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Wire {
-    /// Whole fp32 tensors both ways.
-    Fp32,
-    /// bf16 deltas from the last published model both ways, applied to an fp32 copy that the
-    /// server and every node keep bit-identical (spes-sync's `delta` module): half the bytes
-    /// of fp32, and fp32 master weights are never rounded.
-    Bf16Delta,
-    /// Each round sends only the `sync.sparse_density` largest entries of each tensor's delta
-    /// (6 bytes each) and carries the rest over to later rounds (error feedback); the global
-    /// model stays bit-identical everywhere. For slow links (README: sync cost).
-    SparseDelta,
-    /// Deltas in 8 bits per value plus a bf16 scale per 64 values (0.53× the bytes of
-    /// `bf16_delta`), the rounding carried over to later rounds (error feedback); bit-identical.
-    Int8Delta,
-    /// As `int8_delta` with 4 bits per value (0.27× the bytes of `bf16_delta`).
-    Int4Delta,
-    /// As `int8_delta` with 2 bits per value, sending −1, 0 or +1 times a group's mean
-    /// magnitude (0.14× the bytes of `bf16_delta`).
-    Int2Delta,
-}
-
-impl Wire {
-    /// Bits per code of a quantized wire.
-    pub fn quantized_bits(self) -> Option<u8> {
-        match self {
-            Wire::Int8Delta => Some(8),
-            Wire::Int4Delta => Some(4),
-            Wire::Int2Delta => Some(2),
-            _ => None,
-        }
-    }
-
-    /// Whether a round sends only part of each delta and carries the rest over.
-    pub fn is_lossy(self) -> bool {
-        self == Wire::SparseDelta || self.quantized_bits().is_some()
-    }
-}
-
-/// How the server combines the averaged (shared) parameters of a round's uploads.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AggregateRule {
-    /// The plain mean (cheapest: one model of running sums).
-    Mean,
-    /// Per element, drop the `sync.trim_fraction` largest and smallest values, average the rest.
-    TrimmedMean,
-    /// Per element, the median: for runs with nodes that may lie.
-    Median,
-}
-
-/// `[sync]`: the decentralized run (ignored by `spes train`, which is centralized).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SyncConfig {
-    pub mode: Mode,
-    /// Number of nodes (peers `0..nodes`).
-    pub nodes: usize,
-    /// Local optimizer steps between synchronisations (H).
-    pub sync_steps: u64,
-    /// Explicit expert ownership: `ownership[p]` lists node p's expert indices (the same in every
-    /// layer). Empty: contiguous blocks, node p owns `p·E/N .. (p+1)·E/N`.
-    pub ownership: Vec<Vec<usize>>,
-    /// "bf16_delta" (default), "int8_delta", "int4_delta", "int2_delta", "sparse_delta" or
-    /// "fp32" (README: sync cost).
-    pub wire: Wire,
-    /// Sparse wire: the fraction of each tensor's entries a round sends, in (0, 0.3].
-    pub sparse_density: f64,
-    /// Delta wire: a node does not download back its own experts on rounds without a merge
-    /// (the server publishes them as the node sent them).
-    pub skip_own_experts: bool,
-    /// Keep training while a round is aggregated and downloaded, then apply the new global
-    /// model while keeping the progress made since the upload. Applies to the delta wires;
-    /// `wire = "fp32"` always waits ([`SyncConfig::overlaps`]).
-    pub overlap: bool,
-    /// Close a round this long after it opened with whoever uploaded (never with nobody).
-    pub round_timeout_s: f64,
-    /// A node is live while its newest heartbeat is younger than this; rounds do not wait for
-    /// nodes that are not live. Nodes heartbeat every `lease_s / 4`.
-    pub lease_s: f64,
-    /// A node whose lease has been expired this long is declared gone at the next round's
-    /// close: its experts go to the live nodes, which start fresh AdamW moments for them.
-    pub evict_after_s: f64,
-    /// How the shared parameters are combined: "mean", "trimmed_mean" or "median".
-    pub aggregate: AggregateRule,
-    /// Fraction of the values trimmed at each end by `aggregate = "trimmed_mean"`.
-    pub trim_fraction: f64,
-    /// An upload is refused if a tensor's RMS change from the global model exceeds
-    /// `max_update_factor · sync_steps · train.lr` (times `train.expert_lr_scale` when above
-    /// 1). AdamW moves a weight by about `lr` per step (RMS), so honest nodes stay far below
-    /// the default; 0 disables the check.
-    pub max_update_factor: f64,
-    /// Checkpoint the global model every this many rounds (and at the final round).
-    pub checkpoint_every_rounds: u64,
-    /// Newest server checkpoints kept; older ones are deleted. 0 keeps every one.
-    pub keep_checkpoints: usize,
-    /// Expert-merging warm-up (SPES.md §5): merge at sync steps `s % merge_every == 0` while
-    /// `α_s = merge_alpha·(1 − min(s/merge_until, 1)) > 0`, each expert with its
-    /// `merge_top_k` most similar experts of the layer. `merge_every = 0` disables merging.
-    pub merge_every: u64,
-    pub merge_alpha: f64,
-    pub merge_until: u64,
-    pub merge_top_k: usize,
-    /// The server's outer optimizer on each round's change of the averaged (shared) tensors,
-    /// DiLoCo's `θ ← θ + lr·(Δ + μ·m)` with `m ← μ·m + Δ` (spes-sync's `outer`): learning rate,
-    /// momentum μ in [0, 1), and Nesterov (else heavy-ball `θ ← θ + lr·m`). lr 1 with μ 0 is
-    /// the plain average of the published algorithm.
-    pub outer_lr: f64,
-    pub outer_momentum: f64,
-    pub outer_nesterov: bool,
-    /// The same for each expert's change, taken from its owner (SPES mode; DiLoCo averages
-    /// experts under the `outer_*` rule). Anything but lr 1 with μ 0 makes every owner download
-    /// its experts back, since the server changes them.
-    pub expert_outer_lr: f64,
-    pub expert_outer_momentum: f64,
-    /// Before the outer rule, scale each averaged tensor's change back toward the RMS size of
-    /// the nodes' own changes, by √(mean ‖Δᵢ‖² / ‖Δ̄‖²) clamped to [1, √n] (spes-sync's
-    /// `outer::norm_preserving_scale`): averaging cancels part of n nodes' noise and so moves
-    /// less than a centralized step on the n-fold batch. Delta wires only.
-    pub outer_norm_preserving: bool,
-    /// SPES: after every this many rounds each expert passes to the next node (peer order), so
-    /// every expert trains on every node's data; a node starts fresh AdamW moments for the
-    /// experts it receives. 0: fixed ownership (the published algorithm).
-    pub rotate_every_rounds: u64,
-    /// Decayed load balancing (SPES.md §6): a node scales its own experts' counts by γ rising
-    /// linearly from `decayed_lb_start` to 1 over the first `decayed_lb_fraction` of training.
-    pub decayed_lb: bool,
-    pub decayed_lb_start: f64,
-    pub decayed_lb_fraction: f64,
-}
-
-impl SyncConfig {
-    /// Whether nodes train on while a round is exchanged: `overlap` on a delta wire.
-    pub fn overlaps(&self) -> bool {
-        self.overlap && self.wire != Wire::Fp32
-    }
-}
-
-impl Default for SyncConfig {
-    fn default() -> Self {
-        SyncConfig {
-            mode: Mode::Centralized,
-            nodes: 4,
-            sync_steps: 100,
-            ownership: Vec::new(),
-            wire: Wire::Bf16Delta,
-            sparse_density: 0.03,
-            skip_own_experts: true,
-            overlap: true,
-            round_timeout_s: 600.0,
-            lease_s: 30.0,
-            evict_after_s: 300.0,
-            aggregate: AggregateRule::Mean,
-            trim_fraction: 0.25,
-            max_update_factor: 10.0,
-            checkpoint_every_rounds: 1,
-            keep_checkpoints: 3,
-            merge_every: 500,
-            merge_alpha: 0.01,
-            merge_until: 10_000,
-            merge_top_k: 4,
-            outer_lr: 1.0,
-            outer_momentum: 0.0,
-            outer_nesterov: true,
-            expert_outer_lr: 1.0,
-            expert_outer_momentum: 0.0,
-            outer_norm_preserving: false,
-            rotate_every_rounds: 0,
-            decayed_lb: false,
-            decayed_lb_start: 0.7,
-            decayed_lb_fraction: 0.2,
-        }
-    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -330,7 +142,73 @@ impl Default for TrainConfig {
     }
 }
 
+/// Declares the `[train]` keys a node sets for itself, once: the list the config check skips
+/// and the copy that takes them from the node's own config are both made from it.
+macro_rules! node_local_train_keys {
+    ($($key:ident),* $(,)?) => {
+        impl TrainConfig {
+            /// `[train]` keys that may differ between a node and the server: how a node logs,
+            /// evaluates, checkpoints and computes is its own affair.
+            pub const NODE_LOCAL: &'static [&'static str] = &[$(stringify!($key)),*];
+
+            /// Takes the node-local keys from `mine`.
+            fn take_node_local(&mut self, mine: &TrainConfig) {
+                $(self.$key = mine.$key.clone();)*
+            }
+        }
+    };
+}
+
+node_local_train_keys!(
+    log_every,
+    eval_every,
+    eval_batches,
+    checkpoint_every,
+    keep_checkpoints,
+    activation_checkpointing,
+    moe_kernel,
+    frozen_experts_bf16,
+);
+
 impl RunConfig {
+    /// The config node `peer` runs with: the server's, with the node's own `[data]` and
+    /// node-local `[train]` keys ([`TrainConfig::NODE_LOCAL`]) and a seed of its own. Refuses a
+    /// node config whose other `[model]`, `[sync]` or `[train]` keys differ from the server's
+    /// (`[sync]` keys only the server reads excepted), naming the key.
+    pub fn for_node(server: RunConfig, local: &RunConfig, peer: usize) -> Result<RunConfig> {
+        let (l, s) = (
+            toml::Value::try_from(local)?,
+            toml::Value::try_from(&server)?,
+        );
+        for section in ["model", "sync", "train"] {
+            let Some(table) = s.get(section).and_then(|t| t.as_table()) else {
+                continue;
+            };
+            let own = match section {
+                "train" => TrainConfig::NODE_LOCAL,
+                "sync" => SyncConfig::SERVER_ONLY,
+                _ => &[],
+            };
+            for (key, sv) in table {
+                if own.contains(&key.as_str()) {
+                    continue;
+                }
+                let lv = l.get(section).and_then(|t| t.get(key));
+                if lv != Some(sv) {
+                    let shown = lv
+                        .map(|v| v.to_string())
+                        .unwrap_or_else(|| "nothing".into());
+                    bail!("config key `{section}.{key}` differs: this node has {shown}, the server has {sv}");
+                }
+            }
+        }
+        let mut cfg = server;
+        cfg.data = local.data.clone();
+        cfg.train.take_node_local(&local.train);
+        cfg.train.seed += 1000 * peer as u64;
+        Ok(cfg)
+    }
+
     /// Reads a TOML file and applies `section.key=value` overrides.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
         let text = std::fs::read_to_string(path)
@@ -564,6 +442,39 @@ mod tests {
         .unwrap();
         assert_eq!(c.sync.mode, Mode::Spes);
         assert_eq!(c.sync.ownership, vec![vec![0, 1], vec![2]]);
+    }
+
+    #[test]
+    fn a_node_keeps_its_local_keys_and_must_match_the_server_elsewhere() {
+        let spes = ["sync.mode=spes".to_string(), "sync.sync_steps=5".into()];
+        let server = RunConfig::parse(BASE, &spes).unwrap();
+        let mut o = spes.to_vec();
+        o.extend([
+            "train.log_every=3".into(),
+            "sync.keep_checkpoints=9".into(),
+            "data.path=mine".into(),
+        ]);
+        let local = RunConfig::parse(BASE, &o).unwrap();
+        let cfg = RunConfig::for_node(server.clone(), &local, 2).unwrap();
+        assert_eq!(cfg.train.log_every, 3);
+        assert_eq!(cfg.data.path, PathBuf::from("mine"));
+        assert_eq!(cfg.train.seed, server.train.seed + 2000);
+        assert_eq!(cfg.sync.keep_checkpoints, server.sync.keep_checkpoints);
+        o.push("train.lr=1e-2".into());
+        let local = RunConfig::parse(BASE, &o).unwrap();
+        let e = RunConfig::for_node(server, &local, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`train.lr` differs"), "{e}");
+        // Every declared key is a key of the config.
+        let train = toml::Value::try_from(TrainConfig::default()).unwrap();
+        let sync = toml::Value::try_from(SyncConfig::default()).unwrap();
+        for k in TrainConfig::NODE_LOCAL {
+            assert!(train.get(k).is_some() || *k == "frozen_experts_bf16", "{k}");
+        }
+        for k in SyncConfig::SERVER_ONLY {
+            assert!(sync.get(k).is_some(), "{k}");
+        }
     }
 
     #[test]

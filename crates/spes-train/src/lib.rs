@@ -1,6 +1,6 @@
 //! spes training: the run configuration, AdamW over the trainable tensors only, the training
-//! step and loop (centralized mode), checkpoints, metrics, in-training task scoring and the
-//! step benchmark.
+//! step and loop (centralized mode), checkpoints, the typed metrics records every role writes,
+//! in-training task scoring and the step benchmark.
 
 pub mod bench;
 pub mod checkpoint;
@@ -8,6 +8,7 @@ pub mod config;
 pub mod data_parallel;
 pub mod lead;
 pub mod memory_plan;
+pub mod metrics;
 pub mod optim;
 pub mod task_hook;
 pub mod trainer;

@@ -2,8 +2,8 @@
 //! `spes train` and the SPES server (which scores each published model).
 
 use crate::config::RunConfig;
+use crate::metrics::{TaskScore, Tasks};
 use anyhow::{Context, Result};
-use serde_json::{json, Value};
 use spes_eval::{Scoring, Task};
 use spes_model::MoeModel;
 use tch::Device;
@@ -52,16 +52,20 @@ impl TaskHook {
         step.is_multiple_of(self.every)
     }
 
-    /// `{task: {acc_raw, acc_per_char, docs}}` for the model as it is now.
-    pub fn score(&self, model: &MoeModel) -> Result<Value> {
-        let mut out = serde_json::Map::new();
+    /// Each task's scores for the model as it is now.
+    pub fn score(&self, model: &MoeModel) -> Result<Tasks> {
+        let mut out = Tasks::new();
         for task in &self.tasks {
             let s = spes_eval::score_task(model, &self.scoring, task, Some(self.docs), false)?;
             out.insert(
                 s.task.clone(),
-                json!({"acc_raw": s.acc_raw, "acc_per_char": s.acc_per_char, "docs": s.docs}),
+                TaskScore {
+                    acc_raw: s.acc_raw,
+                    acc_per_char: s.acc_per_char,
+                    docs: s.docs,
+                },
             );
         }
-        Ok(Value::Object(out))
+        Ok(out)
     }
 }

@@ -4,13 +4,12 @@ use crate::checkpoint::{self, TrainState};
 use crate::config::{MoeKernelChoice, Precision, RunConfig};
 use crate::data_parallel::DataParallel;
 use crate::lead::Op;
+use crate::metrics::{MetricsLog, StepLosses, StepRecord};
 use crate::optim::{lr_at, AdamW, Retarget};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use serde_json::json;
 use spes_data::{Loader, ValWindows};
 use spes_model::{LossWeights, MoeKernel, MoeModel, Role};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
@@ -31,12 +30,22 @@ pub struct StepStats {
 
 impl StepStats {
     /// The `metrics.jsonl` record of this step: `tokens` so far and the measured `tokens_per_s`.
-    pub fn record(&self, step: u64, tokens: u64, tokens_per_s: f64) -> serde_json::Value {
-        json!({
-            "step": step, "loss": self.loss, "ce": self.ce, "z_loss": self.z_loss,
-            "lb_loss": self.lb_loss, "router_z_loss": self.router_z_loss, "grad_norm": self.grad_norm,
-            "lr": self.lr, "tokens": tokens, "tokens_per_s": tokens_per_s,
-        })
+    pub fn record(&self, step: u64, tokens: u64, tokens_per_s: f64) -> StepRecord {
+        StepRecord {
+            step,
+            losses: Some(StepLosses {
+                loss: self.loss,
+                ce: self.ce,
+                z_loss: self.z_loss,
+                lb_loss: self.lb_loss,
+                router_z_loss: self.router_z_loss,
+                grad_norm: self.grad_norm,
+                lr: self.lr,
+            }),
+            tokens,
+            tokens_per_s: Some(tokens_per_s),
+            ..StepRecord::default()
+        }
     }
 }
 
@@ -526,42 +535,6 @@ pub struct RunSummary {
     pub optimizer_state_bytes: u64,
 }
 
-/// Appends JSON lines to `<out>/metrics.jsonl`.
-pub struct MetricsLog {
-    file: std::fs::File,
-}
-
-impl MetricsLog {
-    /// Opens the log, dropping entries after `keep_through_step` (left by a crashed run).
-    pub fn open(out: &Path, keep_through_step: Option<u64>) -> Result<Self> {
-        let path = out.join("metrics.jsonl");
-        let kept: String = match (keep_through_step, std::fs::read_to_string(&path)) {
-            (Some(step), Ok(text)) => text
-                .lines()
-                .filter(|l| {
-                    serde_json::from_str::<serde_json::Value>(l)
-                        .ok()
-                        .and_then(|v| v["step"].as_u64())
-                        .is_some_and(|s| s <= step)
-                })
-                .map(|l| format!("{l}\n"))
-                .collect(),
-            _ => String::new(),
-        };
-        spes_data::shard::write_atomic(&path, kept.as_bytes())?;
-        let file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(MetricsLog { file })
-    }
-
-    pub fn write(&mut self, value: serde_json::Value) -> Result<()> {
-        writeln!(self.file, "{value}")?;
-        Ok(())
-    }
-}
-
 /// `spes train`: centralized training of every parameter, resumable from `<out>/checkpoints`.
 /// A fresh run starts from `init` (a checkpoint directory or model.safetensors) when given.
 /// With `dp`, this process is one rank of a data-parallel node: every rank trains, rank 0
@@ -618,9 +591,9 @@ pub fn run(
         spes_data::shard::write_atomic(&out.join("config.toml"), config.as_bytes())?;
         log = Some(MetricsLog::open(out, latest.as_ref().map(|_| tr.step))?);
     }
-    let mut write = |record: serde_json::Value| -> Result<()> {
+    let mut write = |record: StepRecord| -> Result<()> {
         match &mut log {
-            Some(log) => log.write(record),
+            Some(log) => log.write(&record),
             None => Ok(()),
         }
     };
@@ -628,7 +601,10 @@ pub fn run(
     let start = Instant::now();
     let initial_val_loss = if tr.step == 0 {
         let v = tr.evaluate();
-        write(json!({"step": 0, "tokens": 0, "val_loss": v}))?;
+        write(StepRecord {
+            val_loss: Some(v),
+            ..StepRecord::default()
+        })?;
         Some(v)
     } else {
         None
@@ -658,14 +634,14 @@ pub fn run(
         }
         if tr.step % t.eval_every == 0 || tr.step == t.max_steps {
             final_val_loss = tr.evaluate();
-            let r = record.get_or_insert_with(|| json!({"step": tr.step, "tokens": tr.tokens}));
-            r["val_loss"] = json!(final_val_loss);
+            let r = record.get_or_insert_with(|| eval_record(tr.step, tr.tokens));
+            r.val_loss = Some(final_val_loss);
             bar.println(format!("step {:>6}  val_loss {final_val_loss:.4}", tr.step));
         }
         if let Some(hook) = tasks.as_ref().filter(|h| h.due(tr.step)) {
             let scores = hook.score(&tr.model)?;
-            let r = record.get_or_insert_with(|| json!({"step": tr.step, "tokens": tr.tokens}));
-            r["tasks"] = scores;
+            let r = record.get_or_insert_with(|| eval_record(tr.step, tr.tokens));
+            r.tasks = Some(scores);
         }
         if let Some(r) = record {
             write(r)?;
@@ -687,6 +663,15 @@ pub fn run(
         tokens_per_s: trained as f64 / wall_s.max(1e-9),
         optimizer_state_bytes: tr.opt.state_bytes(),
     })
+}
+
+/// A line for evaluations at a step that logged no losses.
+fn eval_record(step: u64, tokens: u64) -> StepRecord {
+    StepRecord {
+        step,
+        tokens,
+        ..StepRecord::default()
+    }
 }
 
 fn progress_bar(show: bool, max_steps: u64, at: u64) -> ProgressBar {

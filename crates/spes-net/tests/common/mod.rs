@@ -226,7 +226,7 @@ pub fn upload_of(
     f: impl Fn(&tch::Tensor) -> tch::Tensor,
 ) -> spes_sync::Named {
     let model = spes_model::MoeModel::new(&cfg.model, Device::Cpu).unwrap();
-    let scope = spes_net::scope_of(cfg).unwrap();
+    let scope = cfg.sync.scope(cfg.model.n_experts).unwrap();
     model
         .params()
         .into_iter()

@@ -1,0 +1,216 @@
+//! A node's side of a round's exchange: its upload written for the wire, the upload and fetch
+//! (waited for, or run on another thread with overlap), what the server's answer or refusal
+//! means, the fetched round applied, and the sync's checkpoint and record.
+
+use super::transport::{explain, Exchange, UploadFile};
+use super::{Node, Pending, LOADED_ROUND};
+use crate::proto::refusal::Kind as Refused;
+use crate::proto::PayloadHeader;
+use crate::refusal;
+use anyhow::{Context, Result};
+use spes_sync::{delta, Named, Published};
+use spes_train::metrics::{Event, SyncRecord};
+use std::time::Instant;
+use tonic::Code;
+
+impl Node {
+    /// Encodes `upload` for the wire and writes it per server shard: the round that ends now.
+    pub(super) fn prepare_upload(&mut self, upload: &Named) -> Result<(u64, Vec<UploadFile>)> {
+        self.session.check_lost()?;
+        let round = self.trainer.step / self.trainer.cfg.sync.sync_steps;
+        let wire = self.replica.upload(upload)?;
+        let kind = delta::payload_kind(self.trainer.cfg.sync.wire);
+        Ok((round, self.link.write_upload(wire, kind)?))
+    }
+
+    /// Overlap: uploads and fetches the round that ends now on another thread while this one
+    /// trains on; the result is applied when it is in ([`Node::train_round`]).
+    pub(super) fn start_sync(&mut self, upload: &Named) -> Result<()> {
+        let (round, files) = self.prepare_upload(upload)?;
+        let plan = self.replica.fetch_plan(Some(round), true);
+        let link = self.link.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("sync-{round}"))
+            .spawn(move || link.exchange(round, files, plan))?;
+        self.pending = Some(Pending {
+            thread,
+            started: Instant::now(),
+            round,
+        });
+        Ok(())
+    }
+
+    /// Waits for the overlapped exchange (if still running) and applies it.
+    pub(super) fn settle_pending(&mut self) -> Result<()> {
+        let Some(p) = self.pending.take() else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        let exchange = p
+            .thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("node {}: the sync thread panicked", self.peer()))?;
+        self.settle(exchange, p.round, p.started, t)?;
+        Ok(())
+    }
+
+    /// Uploads `upload` for the round that ends at the current step, then loads the aggregate
+    /// (or whatever round the server says to load). Returns the round now loaded.
+    pub fn sync(&mut self, upload: &Named) -> Result<u64> {
+        let t0 = Instant::now();
+        let (round, files) = self.prepare_upload(upload)?;
+        let plan = self.replica.fetch_plan(Some(round), true);
+        let exchange = self.link.exchange(round, files, plan);
+        self.settle(exchange, round, t0, t0)
+    }
+
+    /// Acts on how an upload and fetch went: loads the fetched round, or whatever round the
+    /// server's refusal names; then follows the round's ownership and checkpoints.
+    pub(super) fn settle(
+        &mut self,
+        exchange: Exchange,
+        round: u64,
+        t0: Instant,
+        idle_from: Instant,
+    ) -> Result<u64> {
+        let peer = self.peer();
+        let (up, target) = match exchange {
+            Exchange::Fetched { fetched, up } => {
+                self.meter.bytes_up += up;
+                let header = fetched.header.clone();
+                self.load(&header, fetched.read()?, true)?;
+                self.follow(&header)?;
+                return self.finish_sync(t0, idle_from, up, header.total_bytes);
+            }
+            Exchange::FetchFailed { status, up } => {
+                self.meter.bytes_up += up;
+                if status.code() != Code::NotFound {
+                    return Err(explain(status, "the server"));
+                }
+                tracing::warn!("node {peer}: {}; taking the newest model", status.message());
+                (up, None)
+            }
+            Exchange::UploadRefused(s) => match (refusal::kind(&s), refusal::of_status(&s)) {
+                (Some(Refused::Duplicate), _) => (0, Some(round)),
+                (Some(Refused::Closed), Some(r)) => {
+                    tracing::warn!("node {peer}: {}; loading round {}", s.message(), r.round);
+                    (0, Some(r.round))
+                }
+                (Some(Refused::NotOpen), Some(r)) if r.round <= round => {
+                    tracing::warn!(
+                        "node {peer}: the server is collecting round {} (it lost newer rounds); taking its newest model",
+                        r.round
+                    );
+                    (0, None)
+                }
+                (Some(Refused::NotMember), _) => {
+                    tracing::warn!("node {peer}: {}", s.message());
+                    self.rejoin()?;
+                    return self.finish_sync(t0, idle_from, 0, 0);
+                }
+                _ => return Err(explain(s, "the server")),
+            },
+        };
+        let header = self.fetch_and_load(target)?;
+        self.follow(&header)?;
+        self.finish_sync(t0, idle_from, up, header.total_bytes)
+    }
+
+    /// Checkpoints and logs a sync: `sync_s` from the upload to the loaded model, `idle_s` the
+    /// time training stood still for it (checkpoint included), `compute_s` the round's steps.
+    pub(super) fn finish_sync(
+        &mut self,
+        t0: Instant,
+        idle_from: Instant,
+        up: u64,
+        down: u64,
+    ) -> Result<u64> {
+        let sync_s = t0.elapsed().as_secs_f64();
+        let h = self.trainer.cfg.sync.sync_steps;
+        let loaded = self.replica.base_round().unwrap_or(self.trainer.step / h);
+        // Written on a thread while the next round trains; the one before must be done, so
+        // at most one copy of the state is in flight.
+        self.finish_checkpoint()?;
+        // With overlap the step does not say which round the weights hold; this file does.
+        let snapshot = self
+            .trainer
+            .snapshot(&self.session.out.join("checkpoints"))?
+            .context("rank 0 holds the node's checkpoint")?
+            .with_file(LOADED_ROUND, loaded.to_string().into_bytes());
+        self.checkpointing = Some(std::thread::spawn(move || snapshot.write()));
+        let compute_s = self.meter.take_round_compute_s();
+        self.meter.log_sync(SyncRecord {
+            event: Event::Sync,
+            step: self.trainer.step,
+            round: loaded,
+            bytes_up: up,
+            bytes_down: down,
+            sync_s,
+            idle_s: idle_from.elapsed().as_secs_f64(),
+            compute_s,
+        })?;
+        Ok(loaded)
+    }
+
+    /// Fetches round `round` (waiting for it) or the newest and loads it; without overlap the
+    /// trainer's step becomes that round's last step. Returns the payload's header (with the
+    /// next round's ownership).
+    pub(super) fn fetch_and_load(&mut self, round: Option<u64>) -> Result<PayloadHeader> {
+        // No upload of this node counted for this round: its own experts come back too.
+        let plan = self.replica.fetch_plan(round, false);
+        let fetched = match self.link.fetch(&plan) {
+            Ok(f) => f,
+            // The server keeps only recent rounds; a node that fell behind takes the newest.
+            Err(s) if s.code() == Code::NotFound && round.is_some() => {
+                tracing::warn!(
+                    "node {}: {}; taking the newest model",
+                    self.peer(),
+                    s.message()
+                );
+                return self.fetch_and_load(None);
+            }
+            Err(s) => return Err(explain(s, "the server")),
+        };
+        let header = fetched.header.clone();
+        self.load(&header, fetched.read()?, false)?;
+        Ok(header)
+    }
+
+    /// Loads a fetched payload: a whole model, or a delta the replica applies (keeping the
+    /// progress made since this node's upload, when its upload counted: `after_upload`).
+    pub(super) fn load(
+        &mut self,
+        header: &PayloadHeader,
+        named: Named,
+        after_upload: bool,
+    ) -> Result<()> {
+        let h = self.trainer.cfg.sync.sync_steps;
+        let weights = self.weights();
+        let kept_progress = if header.delta {
+            let applied = self.replica.apply(
+                Published {
+                    round: header.round,
+                    tensors: named,
+                    skipped_own: header.skipped_own,
+                    after_upload,
+                    trained_since_upload: self.trainer.step > header.round * h,
+                },
+                &weights,
+            )?;
+            // In place, unlike `MoeModel::load`, which refreshes the copies itself.
+            self.trainer.model.refresh_resident();
+            applied.kept_progress
+        } else {
+            let source = format!("round {} from the server", header.round);
+            self.trainer.model.load(&named, &source)?;
+            drop(named);
+            self.replica.hold(header.round, &weights);
+            false
+        };
+        if !kept_progress {
+            self.trainer.step = header.round * h;
+        }
+        self.meter.bytes_down += header.total_bytes;
+        self.trainer.publish_weights()
+    }
+}

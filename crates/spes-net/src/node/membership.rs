@@ -1,0 +1,167 @@
+//! How a node becomes and stays a member: entering the run after a join (fresh, resumed, or
+//! admitted from a later round), taking a round as its delta base, following each round's
+//! ownership into the trainer, and asking to join again after an eviction.
+
+use super::transport::explain;
+use super::Node;
+use crate::proto::{JoinReply, PayloadHeader};
+use anyhow::Result;
+use spes_sync::{FetchPlan, Follow};
+use tonic::Code;
+
+impl Node {
+    /// Brings the node to the model it trains next, after a join.
+    /// `loaded`: the round a resumed checkpoint's weights hold, if it says.
+    pub(super) fn enter(
+        &mut self,
+        reply: &JoinReply,
+        resumed: bool,
+        loaded: Option<u64>,
+    ) -> Result<()> {
+        if reply.member_from > 0 {
+            return self.wait_for_membership(reply.member_from);
+        }
+        let sync = &self.trainer.cfg.sync;
+        let (h, keeps_progress, delta_wire) =
+            (sync.sync_steps, sync.keeps_progress(), sync.wire.is_delta());
+        // Without overlap a checkpoint is taken right after loading round step / h.
+        let at = match loaded {
+            Some(r) => Some(r),
+            None if !keeps_progress => Some(self.trainer.step / h),
+            None => None,
+        };
+        let Some(at) = at.filter(|&r| resumed && reply.published_round == r) else {
+            // Fresh: start from θ⁰ (or the newest model when starting late); resumed but
+            // behind (or ahead of a server that rolled back): take the newest model.
+            let newest = resumed || reply.published_round > 0;
+            let header = self.fetch_and_load(if newest { None } else { Some(0) })?;
+            return self.follow(&header);
+        };
+        let owners = self.owners_from_join(reply);
+        let members = [self.peer()];
+        let weights = self.weights();
+        self.replica.follow(&owners, &members, &weights);
+        self.trainer
+            .set_trainable(|role| self.replica.trains(role))?;
+        if delta_wire {
+            if !keeps_progress && self.trainer.step.is_multiple_of(h) {
+                // Saved right after loading round `at`: the trained tensors are that round's.
+                self.replica.hold(at, &weights);
+            } else {
+                self.fetch_base(at)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The owners a join reply implies for this node's experts (others' unknown until the
+    /// first fetch).
+    fn owners_from_join(&self, reply: &JoinReply) -> Vec<usize> {
+        let n = self.trainer.cfg.model.n_experts;
+        (0..n)
+            .map(|e| {
+                if reply.owned_experts.contains(&(e as u32)) {
+                    self.peer()
+                } else {
+                    usize::MAX
+                }
+            })
+            .collect()
+    }
+
+    /// Takes round `round`'s trained tensors as the delta base, keeping the weights (which
+    /// hold progress made since that round).
+    fn fetch_base(&mut self, round: u64) -> Result<()> {
+        let plan = FetchPlan {
+            round: Some(round),
+            have_previous: false,
+            skip_own: false,
+        };
+        let fetched = match self.link.fetch(&plan) {
+            Ok(f) => f,
+            Err(s) if s.code() == Code::NotFound => {
+                tracing::warn!(
+                    "node {}: {}; taking the newest model",
+                    self.peer(),
+                    s.message()
+                );
+                let header = self.fetch_and_load(None)?;
+                return self.follow(&header);
+            }
+            Err(s) => return Err(explain(s, "the server")),
+        };
+        let weights = self.weights();
+        self.replica.take_base(round, fetched.read()?, &weights)?;
+        Ok(())
+    }
+
+    /// Takes the ownership a fetched round announces for the next round; waits to be admitted
+    /// again if this node is not a member of it.
+    pub(super) fn follow(&mut self, header: &PayloadHeader) -> Result<()> {
+        let owners: Vec<usize> = header.owners.iter().map(|&o| o as usize).collect();
+        let members: Vec<usize> = header.members.iter().map(|&m| m as usize).collect();
+        let weights = self.weights();
+        let untrained = self.trainer.opt.param_names().next().is_none();
+        match self.replica.follow(&owners, &members, &weights) {
+            Follow::NotMember => {
+                tracing::warn!(
+                    "node {}: not a member of round {}; asking to join again",
+                    self.peer(),
+                    header.round + 1
+                );
+                self.rejoin()
+            }
+            Follow::Member {
+                changed,
+                reset,
+                experts,
+            } => {
+                if !(changed || untrained) {
+                    return Ok(());
+                }
+                let r = self
+                    .trainer
+                    .set_trainable(|role| self.replica.trains(role))?;
+                if !r.fresh.is_empty() || !r.dropped.is_empty() {
+                    tracing::info!(
+                        "node {}: trains experts {experts:?} from step {}: {} tensors start fresh AdamW moments, {} dropped",
+                        self.peer(),
+                        self.trainer.step,
+                        r.fresh.len(),
+                        r.dropped.len()
+                    );
+                }
+                if reset {
+                    self.trainer.model.refresh_resident();
+                    self.trainer.publish_weights()?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Joins again (after an eviction) and waits until this node is a member.
+    pub(super) fn rejoin(&mut self) -> Result<()> {
+        let reply = self
+            .link
+            .join(false)
+            .map_err(|e| explain(e, "the server"))?;
+        let from = if reply.member_from > 0 {
+            reply.member_from
+        } else {
+            reply.published_round + 1
+        };
+        self.wait_for_membership(from)
+    }
+
+    /// Loads round `from - 1` (waiting for it) and follows its ownership.
+    fn wait_for_membership(&mut self, from: u64) -> Result<()> {
+        tracing::info!(
+            "node {}: member from round {from}; waiting for round {}",
+            self.peer(),
+            from - 1
+        );
+        let header = self.fetch_and_load(Some(from - 1))?;
+        self.follow(&header)
+    }
+}

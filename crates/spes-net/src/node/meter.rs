@@ -1,0 +1,125 @@
+//! What a node shows and records: its progress (a bar, JSON lines for `spes demo`, or nothing),
+//! its `metrics.jsonl` (a [`StepRecord`] per logged step, a [`SyncRecord`] per sync) and its
+//! running totals for the summary.
+
+use super::Progress;
+use anyhow::Result;
+use indicatif::{ProgressBar, ProgressStyle};
+use spes_train::metrics::{MetricsLog, NodeLine, ProgressLine, StepRecord, SyncRecord};
+use spes_train::StepStats;
+use std::path::Path;
+use std::time::Instant;
+
+/// A node's progress display, metrics log and counters.
+pub(super) struct Meter {
+    peer: usize,
+    max_steps: u64,
+    progress: Progress,
+    bar: ProgressBar,
+    log: MetricsLog,
+    pub bytes_up: u64,
+    pub bytes_down: u64,
+    /// Tokens and seconds of the steps since the last logged one.
+    window: (u64, f64),
+    /// Seconds of the steps of the round in progress.
+    round_compute_s: f64,
+    pub started: Instant,
+}
+
+impl Meter {
+    /// Opens `<out>/metrics.jsonl`, keeping the lines through `resumed_step` of a resumed run.
+    pub fn open(
+        out: &Path,
+        peer: usize,
+        max_steps: u64,
+        progress: Progress,
+        resumed_step: Option<u64>,
+    ) -> Result<Meter> {
+        let bar = match progress {
+            Progress::Bar => {
+                let bar = ProgressBar::new(max_steps);
+                bar.set_style(
+                    ProgressStyle::with_template(
+                        "node {prefix} step {pos}/{len} [{bar:25}] {msg} | eta {eta}",
+                    )
+                    .expect("valid template")
+                    .progress_chars("=> "),
+                );
+                bar.set_prefix(peer.to_string());
+                bar
+            }
+            _ => ProgressBar::hidden(),
+        };
+        Ok(Meter {
+            peer,
+            max_steps,
+            progress,
+            bar,
+            log: MetricsLog::open(out, resumed_step)?,
+            bytes_up: 0,
+            bytes_down: 0,
+            window: (0, 0.0),
+            round_compute_s: 0.0,
+            started: Instant::now(),
+        })
+    }
+
+    /// Counts a step's tokens and time.
+    pub fn count(&mut self, s: &StepStats, step: u64) {
+        self.window.0 += s.tokens;
+        self.window.1 += s.seconds;
+        self.round_compute_s += s.seconds;
+        self.bar.set_position(step);
+    }
+
+    /// Logs step `step` of round `round` (`tokens` so far), with the rate since the last one.
+    pub fn log_step(&mut self, s: &StepStats, step: u64, tokens: u64, round: u64) -> Result<()> {
+        let tps = self.window.0 as f64 / self.window.1.max(1e-9);
+        self.window = (0, 0.0);
+        let record = StepRecord {
+            round: Some(round),
+            ..s.record(step, tokens, tps)
+        };
+        self.log.write(&record)?;
+        self.show(
+            NodeLine::Step(record),
+            format!("loss {:.3} | {tps:.0} tok/s", s.loss),
+        );
+        Ok(())
+    }
+
+    /// The round's compute seconds so far, resetting them for the next round.
+    pub fn take_round_compute_s(&mut self) -> f64 {
+        std::mem::take(&mut self.round_compute_s)
+    }
+
+    /// Logs a sync and counts its bytes.
+    pub fn log_sync(&mut self, record: SyncRecord) -> Result<()> {
+        self.log.write(&record)?;
+        let message = format!("synced round {}", record.round);
+        self.show(NodeLine::Sync(record), message);
+        Ok(())
+    }
+
+    fn show(&self, line: NodeLine, message: String) {
+        match self.progress {
+            Progress::Bar => self.bar.set_message(message),
+            Progress::Json => {
+                let line = ProgressLine {
+                    line,
+                    peer: self.peer,
+                    max_steps: self.max_steps,
+                };
+                if let Ok(text) = serde_json::to_string(&line) {
+                    println!("{text}");
+                }
+            }
+            Progress::Quiet => {}
+        }
+    }
+
+    /// Clears the progress bar at the end.
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}

@@ -1,0 +1,291 @@
+//! `spes node`: trains the shared parameters and its own experts (all others frozen: no
+//! gradient, no optimizer state), and every `sync_steps` uploads exactly those tensors, then
+//! applies the round's aggregate and goes on with its AdamW state and LR schedule. With
+//! `sync.overlap` the upload and download run on another thread while training goes on. It
+//! checkpoints after each round (recording the round its weights hold), so a restarted node
+//! resumes where it was.
+//!
+//! This module is the driver: the SPES state and math are spes-sync's [`Replica`] (what to
+//! upload, what to fetch, how a round becomes the weights, whose experts to train), the calls
+//! to the server are `transport`'s, the node's identity is `session`'s, and what it shows and
+//! records is `meter`'s. Refusals are decided on their typed kind ([`crate::refusal`]): a
+//! closed round names the round to load, and the node loads exactly it.
+
+mod exchange;
+mod membership;
+mod meter;
+mod session;
+mod transport;
+
+use crate::fault;
+use anyhow::{bail, Result};
+use meter::Meter;
+use session::Session;
+use spes_model::MoeModel;
+use spes_sync::{Named, Replica};
+use spes_train::data_parallel::DataParallel;
+use spes_train::{checkpoint, RunConfig, Trainer};
+use std::path::PathBuf;
+use std::time::Instant;
+use tch::Device;
+use transport::{explain, Exchange, Link};
+
+pub use spes_train::metrics::NodeSummary;
+
+/// How a node shows its progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// A live progress bar on the terminal.
+    Bar,
+    /// One JSON object per logged step and per sync on stdout (for `spes demo`).
+    Json,
+    Quiet,
+}
+
+/// How to run a node.
+pub struct NodeOptions {
+    /// The node's own config: its `data.path` is used; model, sync and training keys must
+    /// match the server's.
+    pub cfg: RunConfig,
+    /// `http://host:port` or `https://host:port`.
+    pub server: String,
+    pub peer: usize,
+    pub out: PathBuf,
+    /// This peer's credential (`spes credential`); `None` for a server run with `--no-auth`.
+    pub credential: Option<String>,
+    /// PEM CA certificate to trust for `https` (else the web PKI roots).
+    pub tls_ca: Option<Vec<u8>>,
+    pub device: Device,
+    pub progress: Progress,
+    /// Keep retrying an unreachable server (or waiting for a round) this many seconds.
+    pub patience_s: f64,
+    /// Become a member if this peer id is not one yet (a new node joining a running run).
+    pub join: bool,
+    /// Allow sending the credential in plaintext to a host that is not loopback.
+    pub insecure: bool,
+    /// A node of several ranks: this process is rank 0 of this group; the other ranks run
+    /// [`spes_train::follow`].
+    pub data_parallel: Option<DataParallel>,
+}
+
+/// An upload and fetch running on another thread (overlap), and when it started.
+struct Pending {
+    thread: std::thread::JoinHandle<Exchange>,
+    started: Instant,
+    round: u64,
+}
+
+/// A connected node and its local trainer.
+pub struct Node {
+    session: Session,
+    link: Link,
+    pub trainer: Trainer,
+    replica: Replica,
+    /// Overlap: the upload and fetch running while training goes on.
+    pending: Option<Pending>,
+    meter: Meter,
+    /// The checkpoint being written while training goes on.
+    checkpointing: Option<std::thread::JoinHandle<Result<PathBuf>>>,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        // A checkpoint is renamed into place whole or not at all; finishing it keeps the work.
+        if let Err(e) = self.finish_checkpoint() {
+            tracing::warn!("{e:#}");
+        }
+    }
+}
+
+/// In a node checkpoint: the round whose global model its weights were loaded from.
+const LOADED_ROUND: &str = "loaded-round";
+
+impl Node {
+    /// Connects, joins, and brings a fresh or resumed trainer to the newest published model
+    /// (or, for a node joining a running run, to the round it becomes a member from).
+    pub fn connect(opts: NodeOptions) -> Result<Node> {
+        let session = Session::open(&opts)?;
+        let mut link = Link::open(&opts, &session.rt, session.id)?;
+        let reply = link.join(opts.join).map_err(|e| explain(e, &opts.server))?;
+        let cfg = session.config(&opts.cfg, &reply.config_toml)?;
+        let resumed = checkpoint::latest(&opts.out.join("checkpoints"))?;
+        let mut trainer = match &resumed {
+            Some(dir) => Trainer::resume_as_saved(cfg.clone(), opts.device, dir)?,
+            None => {
+                let model = {
+                    let _rng = crate::INIT_RNG.lock().unwrap_or_else(|e| e.into_inner());
+                    MoeModel::new(&cfg.model, opts.device)?
+                };
+                Trainer::with_model(cfg.clone(), opts.device, model, |_| false, 0)?
+            }
+        };
+        if let Some(dp) = opts.data_parallel {
+            trainer.lead(dp)?;
+        }
+        let meter = Meter::open(
+            &opts.out,
+            opts.peer,
+            cfg.train.max_steps,
+            opts.progress,
+            resumed.as_ref().map(|_| trainer.step),
+        )?;
+        let layout = spes_sync::Layout::of(&trainer.model);
+        link.set_layout(&layout);
+        session.start_heartbeat(&link, reply.lease_ms);
+        let loaded = resumed.as_ref().and_then(|dir| {
+            std::fs::read_to_string(dir.join(LOADED_ROUND))
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+        });
+        let mut node = Node {
+            replica: Replica::new(opts.peer, cfg.sync.clone(), layout),
+            session,
+            link,
+            trainer,
+            pending: None,
+            meter,
+            checkpointing: None,
+        };
+        node.enter(&reply, resumed.is_some(), loaded)?;
+        Ok(node)
+    }
+
+    fn peer(&self) -> usize {
+        self.session.peer
+    }
+
+    /// Every tensor of the model by name, sharing the model's storage.
+    fn weights(&self) -> Named {
+        self.trainer
+            .model
+            .params()
+            .into_iter()
+            .map(|p| (p.name, p.tensor.detach()))
+            .collect()
+    }
+
+    /// The tensors this node trains and uploads, in the model's order (sharing storage).
+    pub fn upload_tensors(&self) -> Named {
+        self.trainer
+            .model
+            .params()
+            .into_iter()
+            .filter(|p| self.replica.trains(p.role))
+            .map(|p| (p.name, p.tensor.detach()))
+            .collect()
+    }
+
+    /// Trains until the next sync step and returns the tensors to upload.
+    pub fn train_round(&mut self) -> Result<Named> {
+        let cfg = &self.trainer.cfg;
+        let (h, log_every, max_steps) = (
+            cfg.sync.sync_steps,
+            cfg.train.log_every,
+            cfg.train.max_steps,
+        );
+        loop {
+            let scale = self
+                .replica
+                .lb_scale(self.trainer.step, max_steps, self.trainer.device);
+            if scale.is_some() {
+                self.trainer.model.set_lb_count_scale(scale);
+            }
+            let s = self.trainer.train_step()?;
+            let step = self.trainer.step;
+            if !s.loss.is_finite() {
+                bail!(
+                    "node {}: loss became {} at step {step}",
+                    self.peer(),
+                    s.loss
+                );
+            }
+            self.meter.count(&s, step);
+            fault::point("train", step);
+            if step.is_multiple_of(log_every) || step.is_multiple_of(h) {
+                self.trainer.check_ranks_in_sync()?;
+                let tokens = self.trainer.tokens;
+                self.meter.log_step(&s, step, tokens, step.div_ceil(h))?;
+            }
+            if self
+                .pending
+                .as_ref()
+                .is_some_and(|p| p.thread.is_finished())
+            {
+                self.settle_pending()?;
+            }
+            if self.trainer.step.is_multiple_of(h) {
+                // The previous round must be in before this one's delta is taken from it.
+                let before = self.trainer.step;
+                if self.pending.is_some() {
+                    self.settle_pending()?;
+                }
+                if self.trainer.step == before {
+                    return Ok(self.upload_tensors());
+                }
+            }
+        }
+    }
+
+    /// Trains and syncs until `max_steps`, tells the server, then writes `<out>/summary.json`.
+    pub fn run(mut self) -> Result<NodeSummary> {
+        let (max, overlap) = (
+            self.trainer.cfg.train.max_steps,
+            self.trainer.cfg.sync.overlaps(),
+        );
+        while self.trainer.step < max {
+            let upload = self.train_round()?;
+            // The last round is always waited for, so every node ends on the final model.
+            if overlap && self.trainer.step < max {
+                self.start_sync(&upload)?;
+            } else {
+                self.sync(&upload)?;
+            }
+        }
+        // Every rank of this node must end on the final model too.
+        self.trainer.check_ranks_in_sync()?;
+        self.finish_checkpoint()?;
+        self.trainer.release_followers()?;
+        self.meter.finish();
+        self.link.done();
+        let summary = self.summary();
+        spes_data::shard::write_atomic(
+            &self.session.out.join("summary.json"),
+            serde_json::to_string_pretty(&summary)?.as_bytes(),
+        )?;
+        Ok(summary)
+    }
+
+    /// Waits for the checkpoint being written, if any.
+    fn finish_checkpoint(&mut self) -> Result<()> {
+        match self.checkpointing.take() {
+            Some(writing) => writing
+                .join()
+                .map_err(|_| {
+                    anyhow::anyhow!("node {}: the checkpoint writer panicked", self.peer())
+                })?
+                .map(drop),
+            None => Ok(()),
+        }
+    }
+
+    /// What the node did so far.
+    pub fn summary(&self) -> NodeSummary {
+        NodeSummary {
+            peer: self.peer(),
+            steps: self.trainer.step,
+            tokens: self.trainer.tokens,
+            bytes_up: self.meter.bytes_up,
+            bytes_down: self.meter.bytes_down,
+            trainable_params: self
+                .trainer
+                .model
+                .trainable_params()
+                .iter()
+                .map(|p| p.tensor.numel() as u64)
+                .sum(),
+            optimizer_state_bytes: self.trainer.opt.state_bytes(),
+            peak_rss_mb: spes_train::bench::peak_rss_mb(),
+            wall_s: self.meter.started.elapsed().as_secs_f64(),
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Who this node is: its peer id and credential, its output directory (held by a lock file, so
+//! two nodes never share one), its process identity (`<out>/session`, so a restarted node takes
+//! its peer id back at once while any other process is refused until the lease expires), the
+//! flag the heartbeat raises when another process took the peer id, and the config it runs
+//! with (the server's, checked against its own).
+
+use super::transport::Link;
+use super::NodeOptions;
+use crate::auth::credential_peer;
+use crate::proto::refusal::Kind as Refused;
+use crate::proto::JoinRequest;
+use crate::refusal;
+use anyhow::{bail, Context, Result};
+use spes_train::RunConfig;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tonic::Request;
+
+/// A node's identity and what holds it.
+pub(super) struct Session {
+    pub peer: usize,
+    /// Process identity, sent with every lease-taking call.
+    pub id: u64,
+    pub out: PathBuf,
+    /// Set by the heartbeat when another process took this peer id.
+    pub lost: Arc<Mutex<Option<String>>>,
+    /// Owns the runtime that the link and the heartbeat run on.
+    pub rt: tokio::runtime::Runtime,
+    _lock: std::fs::File,
+}
+
+impl Session {
+    /// Checks the credential is this peer's, takes `<out>` and the process identity.
+    pub fn open(opts: &NodeOptions) -> Result<Session> {
+        let peer = opts.peer;
+        if let Some(c) = &opts.credential {
+            match credential_peer(c) {
+                Some(p) if p == peer => {}
+                Some(p) => bail!("this credential is for peer {p}, but --peer is {peer}"),
+                None => bail!("the credential file does not hold a spes peer credential (spes credential makes one)"),
+            }
+        }
+        std::fs::create_dir_all(&opts.out)
+            .with_context(|| format!("cannot create {}", opts.out.display()))?;
+        let lock = lock_out(&opts.out)?;
+        Ok(Session {
+            peer,
+            id: session_of(&opts.out)?,
+            out: opts.out.clone(),
+            lost: Arc::new(Mutex::new(None)),
+            rt: tokio::runtime::Runtime::new()?,
+            _lock: lock,
+        })
+    }
+
+    /// Renews the lease at every shard every `lease/4` on the runtime's worker threads; sets
+    /// [`Session::lost`] when another process took this peer id.
+    pub fn start_heartbeat(&self, link: &Link, lease_ms: u64) {
+        let every = Duration::from_millis((lease_ms / 4).max(50));
+        for shard in &link.shards {
+            let (peer, session, client, lost) = (
+                self.peer as u32,
+                self.id,
+                shard.client.clone(),
+                self.lost.clone(),
+            );
+            link.handle.spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    let mut c = client.clone();
+                    let mut req = Request::new(JoinRequest {
+                        peer,
+                        session,
+                        join: false,
+                    });
+                    req.set_timeout(every.max(Duration::from_secs(2)));
+                    match c.heartbeat(req).await {
+                        Ok(_) => {}
+                        Err(s) if refusal::kind(&s) == Some(Refused::PeerTaken) => {
+                            *lost.lock().unwrap() = Some(s.message().to_owned());
+                            return;
+                        }
+                        Err(s) => tracing::debug!("heartbeat: {}", s.message()),
+                    }
+                }
+            });
+        }
+    }
+
+    /// Fails once another process took this peer id.
+    pub fn check_lost(&self) -> Result<()> {
+        if let Some(why) = self.lost.lock().unwrap().clone() {
+            bail!(
+                "node {}: another process took this peer id: {why}",
+                self.peer
+            );
+        }
+        Ok(())
+    }
+
+    /// The config this node runs: the server's (as its join reply sends it), with this node's
+    /// own data and node-local keys ([`RunConfig::for_node`]).
+    pub fn config(&self, local: &RunConfig, server_toml: &str) -> Result<RunConfig> {
+        let server = RunConfig::parse(server_toml, &[]).context("the server's config")?;
+        RunConfig::for_node(server, local, self.peer)
+    }
+}
+
+/// The node's process identity, kept in `<out>/session`.
+fn session_of(out: &Path) -> Result<u64> {
+    let path = out.join("session");
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        if let Ok(s) = u64::from_str_radix(text.trim(), 16) {
+            return Ok(s);
+        }
+    }
+    let s = rand::random::<u64>() | 1;
+    spes_data::shard::write_secret(&path, format!("{s:016x}\n").as_bytes())?;
+    Ok(s)
+}
+
+/// Holds `<out>/lock` exclusively, so two nodes never share an output directory.
+fn lock_out(out: &Path) -> Result<std::fs::File> {
+    let path = out.join("lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    f.try_lock().map_err(|_| {
+        anyhow::anyhow!(
+            "another spes node is running with --out {}: give each node its own directory",
+            out.display()
+        )
+    })?;
+    Ok(f)
+}

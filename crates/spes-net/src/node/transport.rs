@@ -1,0 +1,491 @@
+//! The node's calls to the server and their retries: one [`Link`] over every server shard
+//! (`spes server --shard i/k`; one shard when unsharded), talked to in parallel. Uploads and
+//! fetches stream payload files ([`crate::payload`]); a failed call is retried while it may
+//! still succeed ([`transient`]) and the node's patience lasts.
+
+use super::NodeOptions;
+use crate::auth::{is_loopback_url, AddToken};
+use crate::proto::refusal::Kind as Refused;
+use crate::proto::spes_client::SpesClient;
+use crate::proto::{DoneRequest, FetchRequest, JoinReply, JoinRequest, PayloadHeader};
+use crate::{fault, payload, refusal};
+use anyhow::{bail, Context, Result};
+use spes_sync::delta::tensor_of;
+use spes_sync::{FetchPlan, Named};
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tonic::codegen::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::{Code, Request, Status};
+
+pub(super) type Client = SpesClient<InterceptedService<Channel, AddToken>>;
+
+/// How long a stream may stay silent, and how long unary calls may take.
+const IDLE: Duration = Duration::from_secs(20);
+const CALL_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a fetch asks the server to wait for an unpublished round.
+const FETCH_WAIT: Duration = Duration::from_secs(20);
+
+pub(super) async fn connect_client(opts: &NodeOptions, url: &str) -> Result<Client> {
+    if url.starts_with("http://")
+        && opts.credential.is_some()
+        && !opts.insecure
+        && !is_loopback_url(url)
+    {
+        bail!(
+            "refusing to send this node's credential in plaintext to {url}: use https:// (the \
+             server needs --tls-cert/--tls-key), or pass --insecure on a network you trust"
+        );
+    }
+    // Keepalive pings find a black-holed connection within ~15 s; the channel then reconnects.
+    let mut endpoint = Endpoint::from_shared(url.to_owned())
+        .with_context(|| format!("--server `{url}` is not a valid URL"))?
+        .connect_timeout(Duration::from_secs(10))
+        .http2_keep_alive_interval(Duration::from_secs(5))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true)
+        .tcp_keepalive(Some(Duration::from_secs(30)));
+    if url.starts_with("https://") {
+        let mut tls = ClientTlsConfig::new();
+        tls = match &opts.tls_ca {
+            Some(ca) => tls.ca_certificate(Certificate::from_pem(ca)),
+            None => tls.with_webpki_roots(),
+        };
+        endpoint = endpoint
+            .tls_config(tls)
+            .context("invalid TLS configuration")?;
+    }
+    let channel = endpoint.connect_lazy();
+    Ok(
+        SpesClient::with_interceptor(channel, AddToken::new(opts.credential.as_deref())?)
+            .max_decoding_message_size(payload::MAX_MESSAGE_BYTES),
+    )
+}
+
+/// Whether a failed call may succeed later (server restarting or busy, round not published).
+pub(super) fn transient(s: &Status) -> bool {
+    match refusal::kind(s) {
+        Some(k) => k == Refused::Retry,
+        None => matches!(
+            s.code(),
+            Code::Unavailable
+                | Code::Unknown
+                | Code::Cancelled
+                | Code::DeadlineExceeded
+                | Code::Aborted
+                | Code::Internal
+                | Code::ResourceExhausted
+        ),
+    }
+}
+
+/// A unary request with a deadline.
+pub(super) fn call<T>(msg: T) -> Request<T> {
+    let mut req = Request::new(msg);
+    req.set_timeout(CALL_TIMEOUT);
+    req
+}
+
+/// Joins (or rejoins) the run as `peer`, retrying through outages.
+pub(super) fn join_run(
+    rt: &tokio::runtime::Handle,
+    client: &Client,
+    patience: Duration,
+    peer: usize,
+    session: u64,
+    join: bool,
+) -> Result<JoinReply, Status> {
+    retry(rt, patience, "join", || {
+        let mut c = client.clone();
+        let req = JoinRequest {
+            peer: peer as u32,
+            session,
+            join,
+        };
+        async move { c.join(call(req)).await }
+    })
+    .map(|r| r.into_inner())
+}
+
+/// The upload for one server shard: its file, size and checksum.
+pub(super) struct UploadFile {
+    pub path: PathBuf,
+    pub size: u64,
+    pub xxh3: u64,
+}
+
+/// One round from every server shard: the merged header (shard 0's, with every shard's total
+/// and whether any left this node's own experts out) and each shard's header and file.
+pub(super) struct Fetched {
+    pub header: PayloadHeader,
+    files: Vec<(PayloadHeader, PathBuf)>,
+}
+
+impl Fetched {
+    /// Every shard's tensors (memory-mapped reads); the files are removed.
+    pub fn read(&self) -> Result<Named> {
+        let mut out = Vec::new();
+        for (h, path) in &self.files {
+            let named = payload::read_parts(path, &h.parts);
+            let _ = std::fs::remove_file(path);
+            out.extend(named?);
+        }
+        Ok(out)
+    }
+}
+
+/// How an upload and the fetch after it went.
+pub(super) enum Exchange {
+    Fetched { fetched: Fetched, up: u64 },
+    UploadRefused(Status),
+    FetchFailed { status: Status, up: u64 },
+}
+
+/// One server shard (`spes server --shard i/k`; the whole model when unsharded).
+#[derive(Clone)]
+pub(super) struct Shard {
+    pub client: Client,
+    /// The tensors it owns; `None`: all of them.
+    pub names: Option<Arc<HashSet<String>>>,
+    /// The exact size of its whole fp32 slice on the wire; another announced size is refused.
+    pub full_bytes: u64,
+    /// The most a delta of its slice may take: every tensor in bf16 (sparse and quantized
+    /// deltas take less), with room for the parts' headers.
+    pub delta_max: u64,
+}
+
+/// The node's side of the network: the server shards and what calls need. Cloneable, so the
+/// overlap thread can run an exchange while the node trains.
+#[derive(Clone)]
+pub(super) struct Link {
+    pub handle: tokio::runtime::Handle,
+    pub shards: Vec<Shard>,
+    pub peer: usize,
+    pub session: u64,
+    pub patience: Duration,
+    pub out: PathBuf,
+}
+
+impl Link {
+    /// The shard that owns a tensor (or a sparse delta's part of it).
+    pub fn shard_of(&self, wire_name: &str) -> usize {
+        let name = tensor_of(wire_name);
+        self.shards
+            .iter()
+            .position(|s| s.names.as_ref().is_none_or(|n| n.contains(name)))
+            .unwrap_or(0)
+    }
+
+    /// Runs `f` for every shard at once, results in shard order.
+    pub fn on_all<T: Send>(
+        &self,
+        f: impl Fn(usize, &Shard) -> Result<T, Status> + Sync,
+    ) -> Vec<Result<T, Status>> {
+        if self.shards.len() == 1 {
+            return vec![f(0, &self.shards[0])];
+        }
+        std::thread::scope(|scope| {
+            let f = &f;
+            let running: Vec<_> = self
+                .shards
+                .iter()
+                .enumerate()
+                .map(|(i, s)| scope.spawn(move || f(i, s)))
+                .collect();
+            running
+                .into_iter()
+                .map(|t| {
+                    t.join()
+                        .unwrap_or_else(|_| Err(Status::internal("a shard call panicked")))
+                })
+                .collect()
+        })
+    }
+
+    /// Joins (or renews) at every shard; returns shard 0's reply after checking each shard
+    /// sits where `--server` lists it.
+    pub fn join(&self, join: bool) -> Result<JoinReply, Status> {
+        let k = self.shards.len();
+        let replies = self.on_all(|i, s| {
+            let reply = join_run(&self.handle, &s.client, self.patience, self.peer, self.session, join)?;
+            let (shard, shards) = (reply.shard as usize, (reply.shards as usize).max(1));
+            if (shard, shards) != (i, k) {
+                return Err(Status::failed_precondition(format!(
+                    "server {} of --server is shard {shard} of {shards}; list all {shards} shards' URLs in shard order",
+                    i + 1
+                )));
+            }
+            Ok(reply)
+        });
+        let mut replies = replies.into_iter().collect::<Result<Vec<_>, _>>()?;
+        Ok(replies.swap_remove(0))
+    }
+
+    /// Uploads every shard's file for `round`; the first refusal (in shard order) wins.
+    pub fn upload(&self, round: u64, files: &[UploadFile]) -> Result<(), Status> {
+        let results = self.on_all(|i, s| {
+            let f = &files[i];
+            let header = PayloadHeader {
+                peer: self.peer as u32,
+                round,
+                total_bytes: f.size,
+                parts: vec![payload::part(f.size, f.xxh3)],
+                session: self.session,
+                ..Default::default()
+            };
+            retry(&self.handle, self.patience, "upload", || {
+                let (mut c, path, header) = (s.client.clone(), f.path.clone(), header.clone());
+                async move {
+                    let stream = payload::send(vec![path], header, move |i| {
+                        if i == 0 {
+                            fault::point("upload", round);
+                        }
+                    });
+                    let stream = tokio_stream::StreamExt::filter_map(stream, |r| r.ok());
+                    c.upload(stream).await
+                }
+            })
+            .map(|_| ())
+        });
+        results.into_iter().collect()
+    }
+
+    /// Fetches a round from shard `i` (waiting for it) into `<out>/global-<i>.part`.
+    pub fn fetch_one(&self, i: usize, ask: &FetchPlan) -> Result<(PayloadHeader, PathBuf), Status> {
+        let s = &self.shards[i];
+        let dest = self.out.join(format!("global-{i}.part"));
+        let (peer, full, delta_max) = (self.peer, s.full_bytes, s.delta_max);
+        let ask = *ask;
+        let header = retry(&self.handle, self.patience, "fetch", || {
+            let mut c = s.client.clone();
+            let d = dest.clone();
+            async move {
+                let mut req = Request::new(FetchRequest {
+                    peer: peer as u32,
+                    round: ask.round.unwrap_or(0),
+                    newest: ask.round.is_none(),
+                    wait_ms: FETCH_WAIT.as_millis() as u32,
+                    have_previous: ask.have_previous,
+                    skip_own: ask.skip_own,
+                });
+                req.set_timeout(FETCH_WAIT + CALL_TIMEOUT);
+                let mut stream = c.fetch(req).await?.into_inner();
+                let header = payload::read_header(&mut stream, IDLE).await?;
+                let fits = if header.delta {
+                    ask.have_previous && header.total_bytes <= delta_max
+                } else {
+                    header.total_bytes == full
+                };
+                if !fits {
+                    return Err(Status::invalid_argument(format!(
+                        "the server announces a {}-byte {}; this model takes exactly {full} \
+                         bytes in fp32 and at most {delta_max} as a delta",
+                        header.total_bytes,
+                        if header.delta { "delta" } else { "model" },
+                    )));
+                }
+                fault::point("download", header.round);
+                payload::receive_body(&mut stream, &d, &header, IDLE).await?;
+                Ok(header)
+            }
+        })?;
+        Ok((header, dest))
+    }
+
+    /// Fetches a round from every shard: the newest means shard 0's newest, which the others
+    /// then send as well. The shards must agree on the round, its form and who trains next.
+    pub fn fetch(&self, ask: &FetchPlan) -> Result<Fetched, Status> {
+        let mut ask = *ask;
+        let first = match ask.round {
+            None if self.shards.len() > 1 => {
+                let f = self.fetch_one(0, &ask)?;
+                ask.round = Some(f.0.round);
+                Some(f)
+            }
+            _ => None,
+        };
+        let skip = usize::from(first.is_some());
+        let rest = self.on_all(|i, _| {
+            if i < skip {
+                return Err(Status::cancelled("fetched first"));
+            }
+            self.fetch_one(i, &ask)
+        });
+        let mut files: Vec<(PayloadHeader, PathBuf)> = first.into_iter().collect();
+        for r in rest.into_iter().skip(skip) {
+            files.push(r?);
+        }
+        let h0 = &files[0].0;
+        let agree = files.iter().all(|(h, _)| {
+            (h.round, h.delta, &h.owners, &h.members)
+                == (h0.round, h0.delta, &h0.owners, &h0.members)
+        });
+        if !agree {
+            return Err(Status::failed_precondition(
+                "the server shards disagree on the round, its form or its members",
+            ));
+        }
+        let header = PayloadHeader {
+            total_bytes: files.iter().map(|(h, _)| h.total_bytes).sum(),
+            skipped_own: files.iter().any(|(h, _)| h.skipped_own),
+            parts: Vec::new(),
+            ..h0.clone()
+        };
+        Ok(Fetched { header, files })
+    }
+
+    /// Uploads round `round`, then fetches it as `ask` says.
+    pub fn exchange(&self, round: u64, files: Vec<UploadFile>, ask: FetchPlan) -> Exchange {
+        let sent = self.upload(round, &files);
+        for f in &files {
+            let _ = std::fs::remove_file(&f.path);
+        }
+        let up = match sent {
+            Ok(()) => files.iter().map(|f| f.size).sum(),
+            Err(s) if refusal::kind(&s) == Some(Refused::Duplicate) => 0,
+            Err(s) => return Exchange::UploadRefused(s),
+        };
+        match self.fetch(&ask) {
+            Ok(fetched) => Exchange::Fetched { fetched, up },
+            Err(status) => Exchange::FetchFailed { status, up },
+        }
+    }
+}
+
+/// Runs `call` until it succeeds, fails for good, or `patience` ran out on transient errors.
+pub(super) fn retry<T, F, Fut>(
+    rt: &tokio::runtime::Handle,
+    patience: Duration,
+    what: &str,
+    mut call: F,
+) -> Result<T, Status>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Status>>,
+{
+    let start = Instant::now();
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match rt.block_on(call()) {
+            Ok(v) => return Ok(v),
+            Err(s) if transient(&s) && start.elapsed() < patience => {
+                tracing::debug!("{what}: {} (retrying)", s.message());
+                // The server already waited for an unpublished round; ask again at once.
+                let waited =
+                    s.code() == Code::Unavailable && refusal::kind(&s) == Some(Refused::Retry);
+                if !waited {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_secs(5));
+                }
+            }
+            Err(s) => return Err(s),
+        }
+    }
+}
+
+/// Turns a final gRPC failure into an error that says what to do.
+pub(super) fn explain(s: Status, server: &str) -> anyhow::Error {
+    match s.code() {
+        Code::Unauthenticated => anyhow::anyhow!(
+            "{server} rejected this node's credential: check --credential-file (made by `spes credential` from the run secret)"
+        ),
+        Code::Unavailable => anyhow::anyhow!("cannot reach {server}: {}", s.message()),
+        _ => anyhow::anyhow!("{server} refused: {}", s.message()),
+    }
+}
+
+impl Link {
+    /// Tells every shard this node is done (best effort: a server already gone has nothing
+    /// left to wait for).
+    pub fn done(&self) {
+        let peer = self.peer;
+        let said = self.on_all(|_, s| {
+            retry(&self.handle, Duration::from_secs(10), "done", || {
+                let mut c = s.client.clone();
+                async move { c.done(call(DoneRequest { peer: peer as u32 })).await }
+            })
+        });
+        if let Some(Err(s)) = said.into_iter().find(|r| r.is_err()) {
+            tracing::warn!(
+                "node {peer}: could not tell the server it is done: {}",
+                s.message()
+            );
+        }
+    }
+
+    /// Splits wire tensors by the shard that owns them and writes each shard's upload file
+    /// (`<out>/upload-<i>.safetensors`, floats stored as `kind`).
+    pub fn write_upload(&self, wire: Named, kind: tch::Kind) -> Result<Vec<UploadFile>> {
+        let mut per_shard: Vec<Named> = (0..self.shards.len()).map(|_| Vec::new()).collect();
+        for (name, t) in wire {
+            per_shard[self.shard_of(&name)].push((name, t));
+        }
+        per_shard
+            .into_iter()
+            .enumerate()
+            .map(|(i, named)| {
+                let path = self.out.join(format!("upload-{i}.safetensors"));
+                let (size, xxh3) = payload::write(&path, &named, kind)?;
+                Ok(UploadFile { path, size, xxh3 })
+            })
+            .collect()
+    }
+}
+
+impl Link {
+    /// Clients for every `--server` URL (comma-separated, in shard order), on `rt`; no call is
+    /// made yet.
+    pub fn open(opts: &NodeOptions, rt: &tokio::runtime::Runtime, session: u64) -> Result<Link> {
+        let urls: Vec<&str> = opts
+            .server
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .collect();
+        let shards = urls
+            .iter()
+            .map(|url| {
+                Ok(Shard {
+                    client: rt.block_on(connect_client(opts, url))?,
+                    names: None,
+                    full_bytes: 0,
+                    delta_max: 0,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if shards.is_empty() {
+            bail!("--server names no server");
+        }
+        Ok(Link {
+            handle: rt.handle().clone(),
+            shards,
+            peer: opts.peer,
+            session,
+            patience: Duration::from_secs_f64(opts.patience_s),
+            out: opts.out.clone(),
+        })
+    }
+
+    /// Learns from the model's layout which tensors each shard owns and the payload sizes it
+    /// may announce.
+    pub fn set_layout(&mut self, layout: &spes_sync::Layout) {
+        let k = self.shards.len();
+        for (i, shard) in self.shards.iter_mut().enumerate() {
+            let slice = layout.shard(i, k);
+            let entries = |kind| {
+                slice
+                    .entries
+                    .iter()
+                    .map(move |(n, _, s)| (n.as_str(), s.as_slice(), kind))
+            };
+            shard.full_bytes = payload::expected_size(entries(tch::Kind::Float));
+            // Dense bf16 deltas; sparse (density ≤ 0.3: ≤ 1.8 bytes per value) and quantized
+            // ones (≤ 1.04 bytes per value) take less.
+            shard.delta_max = 2 * payload::expected_size(entries(tch::Kind::BFloat16));
+            shard.names =
+                (k > 1).then(|| Arc::new(slice.entries.into_iter().map(|(n, _, _)| n).collect()));
+        }
+    }
+}

@@ -1,0 +1,276 @@
+//! The `[sync]` section of a run's config, in the vocabulary the coordinator and the replica
+//! use: the TOML deserializes straight into these types (spes-train's `RunConfig` holds a
+//! [`SyncConfig`]), and the rules a round follows are read off it by the methods below.
+
+use crate::outer::{OuterRule, Source};
+use crate::ownership::Ownership;
+use crate::round::Scope;
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+/// How the run is distributed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// One process trains every parameter (`spes train`).
+    Centralized,
+    /// Nodes train the shared parameters and their own experts; the server averages the shared
+    /// ones and takes each expert from its owner (docs/design/algorithm.md §2–§5).
+    Spes,
+    /// FedAvg/DiLoCo baseline: nodes train everything; the server averages everything.
+    Diloco,
+}
+
+/// What travels between nodes and the server ([`crate::delta`]). The server always aggregates
+/// in fp32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Wire {
+    /// Whole fp32 tensors both ways.
+    Fp32,
+    /// bf16 deltas from the last published model both ways, applied to an fp32 copy that the
+    /// server and every node keep bit-identical: half the bytes of fp32, and fp32 master
+    /// weights are never rounded.
+    Bf16Delta,
+    /// Each round sends only the `sync.sparse_density` largest entries of each tensor's delta
+    /// (6 bytes each) and carries the rest over to later rounds (error feedback); the global
+    /// model stays bit-identical everywhere.
+    SparseDelta,
+    /// Deltas in 8 bits per value plus a bf16 scale per 64 values (0.53× the bytes of
+    /// `bf16_delta`), the rounding carried over to later rounds (error feedback); bit-identical.
+    Int8Delta,
+    /// As `int8_delta` with 4 bits per value (0.27× the bytes of `bf16_delta`).
+    Int4Delta,
+    /// As `int8_delta` with 2 bits per value, sending −1, 0 or +1 times a group's mean
+    /// magnitude (0.14× the bytes of `bf16_delta`).
+    Int2Delta,
+}
+
+impl Wire {
+    /// Bits per code of a quantized wire.
+    pub fn quantized_bits(self) -> Option<u8> {
+        match self {
+            Wire::Int8Delta => Some(8),
+            Wire::Int4Delta => Some(4),
+            Wire::Int2Delta => Some(2),
+            _ => None,
+        }
+    }
+
+    /// Whether a round sends only part of each delta and carries the rest over.
+    pub fn is_lossy(self) -> bool {
+        self == Wire::SparseDelta || self.quantized_bits().is_some()
+    }
+
+    /// Whether uploads and published rounds are deltas from the last global model.
+    pub fn is_delta(self) -> bool {
+        self != Wire::Fp32
+    }
+}
+
+/// How the server combines the averaged (shared) parameters of a round's uploads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AggregateRule {
+    /// The plain mean (cheapest: one model of running sums).
+    Mean,
+    /// Per element, drop the `sync.trim_fraction` largest and smallest values, average the rest.
+    TrimmedMean,
+    /// Per element, the median: for runs with nodes that may lie.
+    Median,
+}
+
+/// `[sync]`: the decentralized run (ignored by `spes train`, which is centralized).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SyncConfig {
+    pub mode: Mode,
+    /// Number of nodes (peers `0..nodes`).
+    pub nodes: usize,
+    /// Local optimizer steps between synchronisations (H).
+    pub sync_steps: u64,
+    /// Explicit expert ownership: `ownership[p]` lists node p's expert indices (the same in every
+    /// layer). Empty: contiguous blocks, node p owns `p·E/N .. (p+1)·E/N`.
+    pub ownership: Vec<Vec<usize>>,
+    /// "bf16_delta" (default), "int8_delta", "int4_delta", "int2_delta", "sparse_delta" or
+    /// "fp32" (docs/design/wire-formats.md).
+    pub wire: Wire,
+    /// Sparse wire: the fraction of each tensor's entries a round sends, in (0, 0.3].
+    pub sparse_density: f64,
+    /// Delta wire: a node does not download back its own experts on rounds without a merge
+    /// (the server publishes them as the node sent them).
+    pub skip_own_experts: bool,
+    /// Keep training while a round is aggregated and downloaded, then apply the new global
+    /// model while keeping the progress made since the upload. Applies to the delta wires;
+    /// `wire = "fp32"` always waits ([`SyncConfig::overlaps`]).
+    pub overlap: bool,
+    /// Close a round this long after it opened with whoever uploaded (never with nobody).
+    pub round_timeout_s: f64,
+    /// A node is live while its newest heartbeat is younger than this; rounds do not wait for
+    /// nodes that are not live. Nodes heartbeat every `lease_s / 4`.
+    pub lease_s: f64,
+    /// A node whose lease has been expired this long is declared gone at the next round's
+    /// close: its experts go to the live nodes, which start fresh AdamW moments for them.
+    pub evict_after_s: f64,
+    /// How the shared parameters are combined: "mean", "trimmed_mean" or "median".
+    pub aggregate: AggregateRule,
+    /// Fraction of the values trimmed at each end by `aggregate = "trimmed_mean"`.
+    pub trim_fraction: f64,
+    /// An upload is refused if a tensor's RMS change from the global model exceeds
+    /// `max_update_factor · sync_steps · train.lr` (times `train.expert_lr_scale` when above
+    /// 1). AdamW moves a weight by about `lr` per step (RMS), so honest nodes stay far below
+    /// the default; 0 disables the check.
+    pub max_update_factor: f64,
+    /// Checkpoint the global model every this many rounds (and at the final round).
+    pub checkpoint_every_rounds: u64,
+    /// Newest server checkpoints kept; older ones are deleted. 0 keeps every one.
+    pub keep_checkpoints: usize,
+    /// Expert-merging warm-up (docs/design/algorithm.md §5): merge at sync steps
+    /// `s % merge_every == 0` while `α_s = merge_alpha·(1 − min(s/merge_until, 1)) > 0`, each
+    /// expert with its `merge_top_k` most similar experts of the layer. `merge_every = 0`
+    /// disables merging.
+    pub merge_every: u64,
+    pub merge_alpha: f64,
+    pub merge_until: u64,
+    pub merge_top_k: usize,
+    /// The server's outer optimizer on each round's change of the averaged (shared) tensors,
+    /// DiLoCo's `θ ← θ + lr·(Δ + μ·m)` with `m ← μ·m + Δ` ([`crate::outer`]): learning rate,
+    /// momentum μ in [0, 1), and Nesterov (else heavy-ball `θ ← θ + lr·m`). lr 1 with μ 0 is
+    /// the plain average of the published algorithm.
+    pub outer_lr: f64,
+    pub outer_momentum: f64,
+    pub outer_nesterov: bool,
+    /// The same for each expert's change, taken from its owner (SPES mode; DiLoCo averages
+    /// experts under the `outer_*` rule). Anything but lr 1 with μ 0 makes every owner download
+    /// its experts back, since the server changes them.
+    pub expert_outer_lr: f64,
+    pub expert_outer_momentum: f64,
+    /// Before the outer rule, scale each averaged tensor's change back toward the RMS size of
+    /// the nodes' own changes, by √(mean ‖Δᵢ‖² / ‖Δ̄‖²) clamped to [1, √n]
+    /// ([`crate::outer::norm_preserving_scale`]): averaging cancels part of n nodes' noise and
+    /// so moves less than a centralized step on the n-fold batch. Delta wires only.
+    pub outer_norm_preserving: bool,
+    /// SPES: after every this many rounds each expert passes to the next node (peer order), so
+    /// every expert trains on every node's data; a node starts fresh AdamW moments for the
+    /// experts it receives. 0: fixed ownership (the published algorithm).
+    pub rotate_every_rounds: u64,
+    /// Decayed load balancing (docs/design/algorithm.md §6): a node scales its own experts'
+    /// counts by γ rising linearly from `decayed_lb_start` to 1 over the first
+    /// `decayed_lb_fraction` of training.
+    pub decayed_lb: bool,
+    pub decayed_lb_start: f64,
+    pub decayed_lb_fraction: f64,
+}
+
+impl Default for SyncConfig {
+    fn default() -> Self {
+        SyncConfig {
+            mode: Mode::Centralized,
+            nodes: 4,
+            sync_steps: 100,
+            ownership: Vec::new(),
+            wire: Wire::Bf16Delta,
+            sparse_density: 0.03,
+            skip_own_experts: true,
+            overlap: true,
+            round_timeout_s: 600.0,
+            lease_s: 30.0,
+            evict_after_s: 300.0,
+            aggregate: AggregateRule::Mean,
+            trim_fraction: 0.25,
+            max_update_factor: 10.0,
+            checkpoint_every_rounds: 1,
+            keep_checkpoints: 3,
+            merge_every: 500,
+            merge_alpha: 0.01,
+            merge_until: 10_000,
+            merge_top_k: 4,
+            outer_lr: 1.0,
+            outer_momentum: 0.0,
+            outer_nesterov: true,
+            expert_outer_lr: 1.0,
+            expert_outer_momentum: 0.0,
+            outer_norm_preserving: false,
+            rotate_every_rounds: 0,
+            decayed_lb: false,
+            decayed_lb_start: 0.7,
+            decayed_lb_fraction: 0.2,
+        }
+    }
+}
+
+impl SyncConfig {
+    /// Keys only the server reads (how often it archives the model and how many it keeps): a
+    /// node's config may differ from the server's in these.
+    pub const SERVER_ONLY: &'static [&'static str] =
+        &["checkpoint_every_rounds", "keep_checkpoints"];
+
+    /// Whether nodes train on while a round is exchanged: `overlap` on a delta wire.
+    pub fn overlaps(&self) -> bool {
+        self.overlap && self.wire.is_delta()
+    }
+
+    /// Whether a node's weights carry more than the global model after a sync: steps trained
+    /// since the upload (overlap) or what a lossy wire has not sent yet.
+    pub fn keeps_progress(&self) -> bool {
+        self.overlaps() || self.wire.is_lossy()
+    }
+
+    /// What nodes upload and how the server combines it at the start of a run: the initial
+    /// members are peers `0..nodes`.
+    pub fn scope(&self, n_experts: usize) -> Result<Scope> {
+        Ok(match self.mode {
+            Mode::Spes => Scope::Spes(Ownership::resolve(&self.ownership, n_experts, self.nodes)?),
+            Mode::Diloco => Scope::Diloco {
+                members: (0..self.nodes).collect(),
+            },
+            Mode::Centralized => bail!(
+                "sync.mode = \"centralized\" trains with `spes train`; set sync.mode = \"spes\" or \"diloco\""
+            ),
+        })
+    }
+
+    /// α of the expert-merging warm-up at sync step `s`, if `s` is a merge step with α > 0
+    /// (SPES mode only).
+    pub fn merge_alpha_at(&self, s: u64) -> Option<f64> {
+        if self.mode != Mode::Spes
+            || self.merge_every == 0
+            || !s.is_multiple_of(self.merge_every)
+            || self.merge_until == 0
+        {
+            return None;
+        }
+        let a = self.merge_alpha * (1.0 - (s as f64 / self.merge_until as f64).min(1.0));
+        (a > 0.0).then_some(a)
+    }
+
+    /// The outer rule of a change from `source` (`sync.outer_*` or `sync.expert_outer_*`).
+    pub fn outer_rule(&self, source: Source) -> OuterRule {
+        let (lr, momentum) = match source {
+            Source::Averaged => (self.outer_lr, self.outer_momentum),
+            Source::Owned => (self.expert_outer_lr, self.expert_outer_momentum),
+        };
+        OuterRule {
+            lr,
+            momentum,
+            nesterov: self.outer_nesterov,
+        }
+    }
+
+    /// The largest RMS change an uploaded tensor may make in a round when the fastest tensors
+    /// step at `peak_lr` (`None`: unchecked).
+    pub fn max_update_rms(&self, peak_lr: f64) -> Option<f64> {
+        (self.max_update_factor > 0.0)
+            .then_some(self.max_update_factor * self.sync_steps as f64 * peak_lr)
+    }
+
+    /// The decayed load-balancing factor γ for a node's own experts at `step` of a
+    /// `max_steps` run, if on (SPES mode).
+    pub fn decayed_lb_gamma(&self, step: u64, max_steps: u64) -> Option<f64> {
+        if !self.decayed_lb || self.mode != Mode::Spes {
+            return None;
+        }
+        let ramp = (self.decayed_lb_fraction * max_steps as f64).max(1.0);
+        Some(self.decayed_lb_start + (1.0 - self.decayed_lb_start) * (step as f64 / ramp).min(1.0))
+    }
+}

@@ -1,0 +1,469 @@
+//! The node's half of SPES, the mirror of the server's [`crate::Coordinator`]: what a node
+//! knows of the protocol, with no network, no files and no clock of its own. Tensors go in and
+//! come out; the node (spes-net) moves them and the trainer makes them.
+//!
+//! A replica holds the node's sync state: the last global round it holds exactly (its *base*,
+//! the fp32 values of the tensors it trains, on the delta wires), the deltas it sent in its last
+//! upload, and which experts it owns. It does:
+//! - the upload: trained tensors → wire tensors ([`Replica::upload`]), remembering what was
+//!   sent;
+//! - the fetch plan: what to ask the server for ([`Replica::fetch_plan`]);
+//! - the apply: a published delta → new weights ([`Replica::apply`]), keeping what the weights
+//!   hold beyond the upload (steps trained since, with overlap; what a lossy wire did not
+//!   send) on top of the new global model;
+//! - following ownership ([`Replica::follow`]): which experts to train, and the base's
+//!   bookkeeping when that changes;
+//! - the decayed load-balancing scale of the node's own experts ([`Replica::lb_scale`]);
+//! - its state alone, for checkpoints that need not hold the whole model
+//!   ([`Replica::state`], [`Replica::restore`]).
+//!
+//! Weights are the model's tensors by name (`Named`, sharing the model's storage): the replica
+//! changes them in place and never keeps them.
+
+use crate::config::{Mode, SyncConfig};
+use crate::delta::{self, Delta};
+use crate::named::{Layout, Named};
+use spes_model::Role;
+use std::collections::HashMap;
+use tch::{Device, Kind, Tensor};
+use thiserror::Error;
+
+/// Why a replica could not do what was asked. The node maps these to what it tells the user.
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum ReplicaError {
+    #[error("round {round} from the server is a delta, but this node holds {held}")]
+    NotHeld { round: u64, held: String },
+    #[error("round {round} from the server {reason}")]
+    Malformed { round: u64, reason: String },
+    #[error("round {round} from the server lacks `{name}`")]
+    Missing { round: u64, name: String },
+    #[error("no base copy of trained `{name}`: this node holds no global round yet")]
+    NoBase { name: String },
+    #[error("round {round}: no uploaded delta of `{name}` was kept to carry progress over")]
+    NotSent { round: u64, name: String },
+    #[error("saved replica state does not fit this model: {0}")]
+    State(String),
+}
+
+type Result<T> = std::result::Result<T, ReplicaError>;
+
+/// What to ask the server for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FetchPlan {
+    /// `None`: the newest round.
+    pub round: Option<u64>,
+    /// This node holds the round before, exactly: a delta will do.
+    pub have_previous: bool,
+    /// Leave out this node's own experts that the round published as it sent them.
+    pub skip_own: bool,
+}
+
+/// A published round's delta as fetched.
+pub struct Published {
+    pub round: u64,
+    /// Its wire tensors.
+    pub tensors: Named,
+    /// The server left out this node's own experts (published as it sent them).
+    pub skipped_own: bool,
+    /// This node's upload went into this round.
+    pub after_upload: bool,
+    /// The node trained steps since its upload (overlap).
+    pub trained_since_upload: bool,
+}
+
+/// What applying a round did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Applied {
+    /// The weights kept progress beyond the round (else they are the round, exactly).
+    pub kept_progress: bool,
+}
+
+/// What following a round's ownership changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Follow {
+    /// This node is not a member of the next round: it must ask to join again.
+    NotMember,
+    Member {
+        /// The experts it owns changed: the trainer must train the new set.
+        changed: bool,
+        /// Weights of dropped experts went back to the global value (progress discarded): the
+        /// trainer must republish its weights.
+        reset: bool,
+        /// The experts it owns, ascending.
+        experts: Vec<usize>,
+    },
+}
+
+/// A replica's state on its own: enough, with the global model of `base_round`, to rebuild the
+/// node's weights (for checkpoints that do not hold the whole model).
+pub struct ReplicaState {
+    /// The global round the weights are built on.
+    pub base_round: u64,
+    /// `owned[e]`: this node trains expert e.
+    pub owned: Vec<bool>,
+    /// Trained tensors' weights minus the base (fp32), where they differ: steps since the
+    /// upload, what a lossy wire has not sent. Empty when the weights are the round exactly.
+    pub remainder: Named,
+}
+
+/// The last global round a node holds exactly: the fp32 values of the tensors it trains.
+struct Base {
+    round: u64,
+    values: HashMap<String, Tensor>,
+}
+
+/// The node's half of the protocol ([module docs](self)).
+pub struct Replica {
+    peer: usize,
+    cfg: SyncConfig,
+    layout: Layout,
+    /// `owned[e]`: this node trains expert e (every expert in DiLoCo).
+    owned: Vec<bool>,
+    /// Delta wires: the base. `None` before the first round is held, and on the fp32 wire.
+    base: Option<Base>,
+    /// Delta wires: the deltas of the last upload that the next apply needs (own experts, or
+    /// every trained tensor when progress is kept), by name.
+    sent: HashMap<String, Delta>,
+}
+
+impl Replica {
+    /// The replica of peer `peer` of a run with these `[sync]` rules and this model layout. It
+    /// owns no expert and holds no round until told ([`Replica::follow`], [`Replica::hold`]).
+    pub fn new(peer: usize, cfg: SyncConfig, layout: Layout) -> Replica {
+        Replica {
+            peer,
+            owned: vec![false; layout.n_experts],
+            cfg,
+            layout,
+            base: None,
+            sent: HashMap::new(),
+        }
+    }
+
+    /// The peer id.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// `owned()[e]`: this node trains expert e.
+    pub fn owned(&self) -> &[bool] {
+        &self.owned
+    }
+
+    /// Whether this node trains (and uploads) a parameter of this role.
+    pub fn trains(&self, role: Role) -> bool {
+        trains(&self.owned, role)
+    }
+
+    /// The global round the weights build on, once one is held (delta wires).
+    pub fn base_round(&self) -> Option<u64> {
+        self.base.as_ref().map(|b| b.round)
+    }
+
+    /// The base value of trained tensor `name`: round [`Replica::base_round`]'s, exactly.
+    pub fn base_of(&self, name: &str) -> Option<&Tensor> {
+        self.base.as_ref()?.values.get(name)
+    }
+
+    /// The weights hold round `round` exactly (a whole model was loaded into them, or they were
+    /// saved right after loading it): the trained ones become the base.
+    pub fn hold(&mut self, round: u64, weights: &Named) {
+        self.sent.clear();
+        self.base = self.cfg.wire.is_delta().then(|| Base {
+            round,
+            values: self
+                .trained(weights)
+                .map(|(n, t)| (n.clone(), tch::no_grad(|| t.detach().copy())))
+                .collect(),
+        });
+    }
+
+    /// Takes round `round`'s whole model as the base, keeping the weights (which hold
+    /// progress made since that round).
+    pub fn take_base(&mut self, round: u64, model: Named, weights: &Named) -> Result<()> {
+        let mut model: HashMap<String, Tensor> = model.into_iter().collect();
+        let mut values = HashMap::new();
+        for (name, w) in self.trained(weights) {
+            let t = model.remove(name).ok_or_else(|| ReplicaError::Missing {
+                round,
+                name: name.clone(),
+            })?;
+            values.insert(name.clone(), t.to_device(w.device()).to_kind(Kind::Float));
+        }
+        self.sent.clear();
+        self.base = Some(Base { round, values });
+        Ok(())
+    }
+
+    /// The trained tensors of `weights`, in order.
+    fn trained<'a>(&'a self, weights: &'a Named) -> impl Iterator<Item = &'a (String, Tensor)> {
+        weights.iter().filter(|(n, _)| {
+            self.layout
+                .position(n)
+                .is_some_and(|i| self.trains(self.layout.entries[i].1))
+        })
+    }
+
+    fn is_expert(&self, name: &str) -> bool {
+        self.layout
+            .position(name)
+            .is_some_and(|i| matches!(self.layout.entries[i].1, Role::Expert { .. }))
+    }
+
+    /// The upload of the round that ends now: the trained tensors of `weights` in the wire
+    /// form of `sync.wire` — whole fp32 tensors, or each one's change from the base — as wire
+    /// tensors (store their floats as [`delta::payload_kind`]). Remembers what the next
+    /// [`Replica::apply`] needs of it.
+    pub fn upload(&mut self, weights: &Named) -> Result<Named> {
+        if !self.cfg.wire.is_delta() {
+            return Ok(self
+                .trained(weights)
+                .map(|(n, t)| (n.clone(), t.detach()))
+                .collect());
+        }
+        let keep_all = self.cfg.keeps_progress();
+        let mut wire = Vec::new();
+        let mut sent = HashMap::new();
+        for (name, t) in self.trained(weights) {
+            let b = self
+                .base
+                .as_ref()
+                .and_then(|b| b.values.get(name))
+                .ok_or_else(|| ReplicaError::NoBase { name: name.clone() })?;
+            let d = Delta::of_change(&tch::no_grad(|| t - b), &self.cfg);
+            wire.extend(d.share().into_wire(name));
+            if keep_all || self.is_expert(name) {
+                sent.insert(name.clone(), d);
+            }
+        }
+        self.sent = sent;
+        Ok(wire)
+    }
+
+    /// How to fetch round `round` (`None`: the newest): as a delta if this node holds the round
+    /// before exactly, then without its own experts if this node's upload went into it (the
+    /// server published them as sent).
+    pub fn fetch_plan(&self, round: Option<u64>, after_upload: bool) -> FetchPlan {
+        let have_previous = round.is_some_and(|r| self.base_round().is_some_and(|b| b + 1 == r));
+        FetchPlan {
+            round,
+            have_previous,
+            skip_own: have_previous && after_upload && self.cfg.skip_own_experts,
+        }
+    }
+
+    /// Applies a published delta to the base and the weights: every tensor becomes the base
+    /// plus the delta (bit-identical to the server's model, see [`crate::delta`]). When this
+    /// node's upload went into the round and its weights carry more than it sent (a lossy wire,
+    /// or steps trained since, with overlap), that progress is kept on top:
+    /// `θ ← global + (θ_now − base_before − sent)`.
+    pub fn apply(&mut self, published: Published, weights: &Named) -> Result<Applied> {
+        let round = published.round;
+        let held = self.base_round();
+        let base = self
+            .base
+            .as_mut()
+            .filter(|b| b.round + 1 == round)
+            .ok_or_else(|| ReplicaError::NotHeld {
+                round,
+                held: held.map_or("no round".into(), |r| format!("round {r}")),
+            })?;
+        let layout = &self.layout;
+        let deltas = delta::decode(published.tensors, &self.cfg, |n| layout.shape_of(n))
+            .map_err(|reason| ReplicaError::Malformed { round, reason })?;
+        let mut deltas: HashMap<String, Delta> = deltas.into_iter().collect();
+        if published.skipped_own {
+            for (name, d) in &self.sent {
+                let expert = layout
+                    .position(name)
+                    .is_some_and(|i| matches!(layout.entries[i].1, Role::Expert { .. }));
+                if expert {
+                    deltas.entry(name.clone()).or_insert_with(|| d.share());
+                }
+            }
+        }
+        let keep_progress = published.after_upload
+            && (self.cfg.wire.is_lossy() || self.cfg.overlaps() && published.trained_since_upload);
+        tch::no_grad(|| -> Result<()> {
+            for (name, w) in weights {
+                let d = deltas.get(name);
+                let mut theta = w.shallow_clone();
+                match base.values.get_mut(name) {
+                    Some(b) => {
+                        let progress = if keep_progress {
+                            let sent =
+                                self.sent.get(name).ok_or_else(|| ReplicaError::NotSent {
+                                    round,
+                                    name: name.clone(),
+                                })?;
+                            Some(sent.subtract_from(&(&theta - &*b)))
+                        } else {
+                            None
+                        };
+                        if let Some(d) = d {
+                            d.apply_(b);
+                        }
+                        theta.copy_(b);
+                        if let Some(p) = progress {
+                            let _ = theta.g_add_(&p);
+                        }
+                    }
+                    None => {
+                        if let Some(d) = d {
+                            d.apply_(&mut theta);
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        base.round = round;
+        self.sent.clear();
+        Ok(Applied {
+            kept_progress: keep_progress,
+        })
+    }
+
+    /// Follows the ownership a published round announces for the next one (`owners[e]`: the
+    /// peer training expert e; empty in DiLoCo, where every member trains every expert). A
+    /// newly owned expert holds the global value, which becomes its base; a dropped one leaves
+    /// the base, and when the weights carry progress it goes back to the global value (that
+    /// progress is its new owner's to make).
+    pub fn follow(&mut self, owners: &[usize], members: &[usize], weights: &Named) -> Follow {
+        if !members.contains(&self.peer) {
+            return Follow::NotMember;
+        }
+        let owned: Vec<bool> = (0..self.owned.len())
+            .map(|e| match owners.get(e) {
+                Some(&o) => o == self.peer,
+                None => self.cfg.mode == Mode::Diloco,
+            })
+            .collect();
+        let changed = owned != self.owned;
+        let mut reset = false;
+        if changed {
+            let before = std::mem::replace(&mut self.owned, owned);
+            let keeps_progress = self.cfg.keeps_progress();
+            if let Some(base) = &mut self.base {
+                for (name, w) in weights {
+                    let Some(i) = self.layout.position(name) else {
+                        continue;
+                    };
+                    let role = self.layout.entries[i].1;
+                    match (trains(&before, role), trains(&self.owned, role)) {
+                        (false, true) => {
+                            base.values
+                                .insert(name.clone(), tch::no_grad(|| w.detach().copy()));
+                        }
+                        (true, false) => {
+                            if let Some(b) = base.values.remove(name) {
+                                if keeps_progress {
+                                    tch::no_grad(|| w.shallow_clone().copy_(&b));
+                                    reset = true;
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        Follow::Member {
+            changed,
+            reset,
+            experts: (0..self.owned.len()).filter(|&e| self.owned[e]).collect(),
+        }
+    }
+
+    /// Decayed load balancing (docs/design/algorithm.md §6): the per-expert multiplier `[E]` of
+    /// the load-balancing counts at `step` of a `max_steps` run, γ for this node's own experts
+    /// and 1 for the others; `None` when off.
+    pub fn lb_scale(&self, step: u64, max_steps: u64, device: Device) -> Option<Tensor> {
+        let gamma = self.cfg.decayed_lb_gamma(step, max_steps)?;
+        let scale: Vec<f32> = self
+            .owned
+            .iter()
+            .map(|&own| if own { gamma as f32 } else { 1.0 })
+            .collect();
+        Some(Tensor::from_slice(&scale).to_device(device))
+    }
+
+    /// The replica's state with the weights it describes, once a round is held: the base round,
+    /// ownership, and what the trained weights carry beyond the base.
+    pub fn state(&self, weights: &Named) -> Option<ReplicaState> {
+        let base = self.base.as_ref()?;
+        let remainder = if self.cfg.keeps_progress() {
+            tch::no_grad(|| {
+                self.trained(weights)
+                    .filter_map(|(n, t)| {
+                        let r = t - base.values.get(n)?;
+                        Some((n.clone(), r))
+                    })
+                    .collect()
+            })
+        } else {
+            Vec::new()
+        };
+        Some(ReplicaState {
+            base_round: base.round,
+            owned: self.owned.clone(),
+            remainder,
+        })
+    }
+
+    /// Restores a saved state on top of `global`, the whole model of `state.base_round`: the
+    /// weights become that model plus the saved remainder, and that model the base.
+    pub fn restore(&mut self, state: ReplicaState, global: Named, weights: &Named) -> Result<()> {
+        if state.owned.len() != self.owned.len() {
+            return Err(ReplicaError::State(format!(
+                "it owns {} experts' flags, the model has {}",
+                state.owned.len(),
+                self.owned.len()
+            )));
+        }
+        let mut global: HashMap<String, Tensor> = global.into_iter().collect();
+        let mut remainder: HashMap<String, Tensor> = state.remainder.into_iter().collect();
+        self.owned = state.owned;
+        let round = state.base_round;
+        tch::no_grad(|| -> Result<()> {
+            for (name, w) in weights {
+                let g = global.remove(name).ok_or_else(|| ReplicaError::Missing {
+                    round,
+                    name: name.clone(),
+                })?;
+                w.shallow_clone().copy_(&g);
+            }
+            Ok(())
+        })?;
+        self.hold(round, weights);
+        tch::no_grad(|| -> Result<()> {
+            for (name, w) in self.trained(weights) {
+                if let Some(r) = remainder.remove(name) {
+                    if r.size() != w.size() {
+                        return Err(ReplicaError::State(format!(
+                            "remainder of `{name}` has shape {:?}, expected {:?}",
+                            r.size(),
+                            w.size()
+                        )));
+                    }
+                    let _ = w.shallow_clone().g_add_(&r.to_device(w.device()));
+                }
+            }
+            Ok(())
+        })?;
+        match remainder.keys().next() {
+            Some(name) => Err(ReplicaError::State(format!(
+                "it has a remainder of `{name}`, which this node does not train"
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Whether a node owning the experts marked in `owned` trains a parameter of this role.
+fn trains(owned: &[bool], role: Role) -> bool {
+    match role {
+        Role::Shared => true,
+        Role::Expert { index, .. } => owned[index],
+    }
+}

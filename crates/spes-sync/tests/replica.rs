@@ -1,0 +1,429 @@
+//! The node's half of SPES against the server's, with no network: a `Coordinator` and several
+//! `Replica`s exchange the very tensors spes-net moves (wire tensors in, published deltas
+//! out), and every node must hold the server's global model bit for bit.
+
+mod common;
+
+use common::*;
+use spes_model::Role;
+use spes_sync::{
+    Applied, Coordinator, Follow, Layout, Named, Published, Replica, ReplicaError, SyncConfig, Wire,
+};
+use tch::Kind;
+
+/// A node as the tests drive it: its replica and its model's weights.
+struct Node {
+    replica: Replica,
+    weights: Named,
+}
+
+/// A node of peer `peer` that starts from the coordinator's θ⁰ (round 0).
+fn node(c: &Coordinator, peer: usize, cfg: &SyncConfig) -> Node {
+    let layout = Layout::new(
+        c.layout().entries.clone(),
+        c.layout().n_layers,
+        c.layout().n_experts,
+    );
+    let weights = copy(c.global().0);
+    let mut replica = Replica::new(peer, cfg.clone(), layout);
+    replica.hold(c.global().1, &weights);
+    let members: Vec<usize> = c.scope().members().into_iter().collect();
+    replica.follow(&c.scope().owners(), &members, &weights);
+    Node { replica, weights }
+}
+
+fn role_of(c: &Coordinator, name: &str) -> Role {
+    let l = c.layout();
+    l.entries[l.position(name).unwrap()].1
+}
+
+/// "Training": every tensor the node trains moves by a small random step (RMS `size`).
+fn train(c: &Coordinator, n: &mut Node, size: f64) {
+    tch::no_grad(|| {
+        for (name, w) in &n.weights {
+            if n.replica.trains(role_of(c, name)) {
+                let _ = w.shallow_clone().g_add_(&(w.randn_like() * size));
+            }
+        }
+    });
+}
+
+/// Uploads node `n`'s trained tensors for the open round, as the node would.
+fn upload(c: &mut Coordinator, n: &mut Node, now: f64) {
+    let peer = n.replica.peer();
+    let wire = n.replica.upload(&n.weights).unwrap();
+    let round = c.round();
+    c.upload(peer, 100 + peer as u64, round, wire, now).unwrap();
+}
+
+/// Brings node `n` to the round `c` published last, as the node would fetch it: a delta
+/// (without its own experts when the server published them as sent) or the whole model; then
+/// follows the next round's ownership.
+fn deliver(c: &Coordinator, n: &mut Node, after_upload: bool, trained_since: bool) -> Applied {
+    let (global, round) = c.global();
+    let applied = if c.cfg().wire.is_delta() {
+        let plan = n.replica.fetch_plan(Some(round), after_upload);
+        assert!(plan.have_previous, "round {round}: a delta will do");
+        let (tensors, skipped_own) = c.delta().unwrap().for_peer(n.replica.peer(), plan.skip_own);
+        n.replica
+            .apply(
+                Published {
+                    round,
+                    tensors,
+                    skipped_own,
+                    after_upload,
+                    trained_since_upload: trained_since,
+                },
+                &n.weights,
+            )
+            .unwrap()
+    } else {
+        for ((_, w), (_, g)) in n.weights.iter().zip(global) {
+            w.shallow_clone().copy_(g);
+        }
+        n.replica.hold(round, &n.weights);
+        Applied {
+            kept_progress: false,
+        }
+    };
+    let members: Vec<usize> = c.scope().members().into_iter().collect();
+    n.replica.follow(&c.scope().owners(), &members, &n.weights);
+    applied
+}
+
+/// The node holds the server's model exactly: its base (delta wires) everywhere it trains,
+/// its weights everywhere else and, when nothing is carried beyond the round, everywhere.
+fn assert_identical(c: &Coordinator, n: &Node, what: &str) {
+    let keeps = c.cfg().keeps_progress();
+    for ((name, w), (_, g)) in n.weights.iter().zip(c.global().0) {
+        let trained = n.replica.base_of(name).is_some();
+        if let Some(b) = n.replica.base_of(name) {
+            assert!(
+                b.equal(g),
+                "{what}: base of `{name}` differs from the server's"
+            );
+        }
+        if !(trained && keeps) {
+            assert!(w.equal(g), "{what}: `{name}` differs from the server's");
+        }
+        assert_eq!(w.kind(), Kind::Float);
+    }
+}
+
+fn wire_cfg(wire: Wire) -> SyncConfig {
+    SyncConfig {
+        wire,
+        sparse_density: 0.25,
+        overlap: false,
+        ..cfg()
+    }
+}
+
+#[test]
+fn every_wire_keeps_every_node_bit_identical_to_the_server() {
+    let m = model(2, 4);
+    for wire in [
+        Wire::Fp32,
+        Wire::Bf16Delta,
+        Wire::SparseDelta,
+        Wire::Int8Delta,
+        Wire::Int4Delta,
+        Wire::Int2Delta,
+    ] {
+        let cfg = wire_cfg(wire);
+        let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
+        let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+        tch::manual_seed(7);
+        for round in 1..=4u64 {
+            let now = round as f64;
+            for n in &mut nodes {
+                train(&c, n, 1e-3);
+                upload(&mut c, n, now);
+            }
+            let report = c.close(now + 0.5);
+            // Merges at steps 20 and 40 re-encode every expert; other rounds publish each
+            // owner's experts as it sent them, and the owner does not fetch them back.
+            let merged = !report.merges.is_empty();
+            assert_eq!(merged, round % 2 == 0, "{wire:?}");
+            if wire.is_delta() {
+                let verbatim = &c.delta().unwrap().verbatim;
+                assert_eq!(verbatim.is_empty(), merged, "{wire:?} round {round}");
+            }
+            for (peer, n) in nodes.iter_mut().enumerate() {
+                let applied = deliver(&c, n, true, false);
+                assert_eq!(applied.kept_progress, wire.is_lossy());
+                assert_identical(&c, n, &format!("{wire:?} round {round} peer {peer}"));
+            }
+        }
+        // The fp32 masters carry more than bf16 precision: rounding them would change them.
+        let embed = get(c.global().0, "model.embed_tokens.weight");
+        let rounded = embed.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+        assert!(!rounded.equal(embed), "{wire:?}");
+    }
+}
+
+/// Four rounds of 2 nodes on a lossy wire (merges on even rounds), each node checked against
+/// the server after every round. Returns, per round, how many entries of the embedding the
+/// global model has moved, and the RMS of what the embedding's global has not yet absorbed of
+/// the nodes' mean change.
+fn lossy_rounds(wire: Wire) -> (Vec<i64>, Vec<f64>) {
+    let m = model(2, 4);
+    let cfg = wire_cfg(wire);
+    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
+    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let embed = "model.embed_tokens.weight";
+    let theta0 = get(c.global().0, embed).copy();
+    // θ⁰ plus the nodes' mean change so far: where an exact wire would be.
+    let mut ideal = theta0.copy();
+    let (mut moved, mut behind) = (Vec::new(), Vec::new());
+    tch::manual_seed(3);
+    for round in 1..=4u64 {
+        let now = round as f64;
+        for n in &mut nodes {
+            let before = get(&n.weights, embed).copy();
+            train(&c, n, 1e-3);
+            ideal += (get(&n.weights, embed) - before) / 2.0;
+            upload(&mut c, n, now);
+        }
+        c.close(now + 0.5);
+        for n in &mut nodes {
+            deliver(&c, n, true, false);
+            assert_identical(&c, n, &format!("{wire:?} round {round}"));
+        }
+        let global = get(c.global().0, embed);
+        moved.push((global - &theta0).ne(0.0).sum(Kind::Int64).int64_value(&[]));
+        behind.push(
+            (global - &ideal)
+                .square()
+                .mean(Kind::Float)
+                .sqrt()
+                .double_value(&[]),
+        );
+    }
+    (moved, behind)
+}
+
+#[test]
+fn lossy_wires_carry_what_they_left_out_over() {
+    let (moved, _) = lossy_rounds(Wire::SparseDelta);
+    // Each round publishes at most a quarter of the entries, and what was held back reaches
+    // the global model in later rounds.
+    let n = get(&snapshot(&model(2, 4)), "model.embed_tokens.weight").numel() as i64;
+    assert!(moved[0] <= n / 4 + 1, "{moved:?} of {n}");
+    assert!(moved[3] > moved[0], "{moved:?}");
+    for wire in [Wire::Int8Delta, Wire::Int4Delta, Wire::Int2Delta] {
+        let (_, behind) = lossy_rounds(wire);
+        // Error feedback: the global lags the nodes' mean change by about one round's
+        // rounding, which does not grow (four rounds of steps of RMS 1e-3, averaged over two
+        // nodes, move the ideal by RMS ≈ 1.4e-3).
+        let limit = match wire {
+            Wire::Int8Delta => 2e-5,
+            Wire::Int4Delta => 2e-4,
+            _ => 1.1e-3,
+        };
+        assert!(
+            behind.iter().all(|b| *b < limit) && behind[3] < 2.0 * behind[0],
+            "{wire:?}: the global lags the nodes by {behind:?}"
+        );
+    }
+}
+
+#[test]
+fn overlap_keeps_the_progress_made_since_the_upload() {
+    let m = model(1, 4);
+    let cfg = SyncConfig {
+        overlap: true,
+        merge_every: 0,
+        ..wire_cfg(Wire::Bf16Delta)
+    };
+    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
+    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    tch::manual_seed(11);
+    for n in &mut nodes {
+        train(&c, n, 1e-3);
+        upload(&mut c, n, 1.0);
+    }
+    // Both train on while the round is aggregated: node 0 by `extra`.
+    let uploaded = copy(&nodes[0].weights);
+    train(&c, &mut nodes[0], 1e-3);
+    let extra: Named = nodes[0]
+        .weights
+        .iter()
+        .zip(&uploaded)
+        .map(|((n, a), (_, b))| (n.clone(), a - b))
+        .collect();
+    c.close(1.5);
+    // Node 0's upload counted: it lands on the global plus what it trained since (up to the
+    // bf16 rounding of what it sent, which is carried too).
+    let applied = deliver(&c, &mut nodes[0], true, true);
+    assert!(applied.kept_progress);
+    assert_identical(&c, &nodes[0], "overlap");
+    for (name, w) in &nodes[0].weights {
+        let g = get(c.global().0, name);
+        if nodes[0].replica.base_of(name).is_some() {
+            let want = g + get(&extra, name);
+            let step = get(&uploaded, name) - get(&snapshot(&m), name);
+            let slack = step.abs().max().double_value(&[]) / 128.0 + 1e-9;
+            let off = (w - want).abs().max().double_value(&[]);
+            assert!(off <= slack, "`{name}` is off by {off} (slack {slack})");
+        } else {
+            assert!(w.equal(g), "frozen `{name}` must be the global value");
+        }
+    }
+    // Node 1 had not trained since: it takes the round exactly.
+    let applied = deliver(&c, &mut nodes[1], true, false);
+    assert!(!applied.kept_progress);
+    assert_identical(&c, &nodes[1], "no progress since");
+    for ((name, w), (_, g)) in nodes[1].weights.iter().zip(c.global().0) {
+        assert!(w.equal(g), "`{name}`");
+    }
+}
+
+#[test]
+fn an_ownership_change_trains_the_new_experts_and_resets_the_dropped_ones() {
+    let m = model(2, 4);
+    // Lossy, so weights carry what was not sent, and ownership rotates after every round.
+    let cfg = SyncConfig {
+        rotate_every_rounds: 1,
+        merge_every: 0,
+        ..wire_cfg(Wire::Int4Delta)
+    };
+    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
+    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    assert_eq!(nodes[0].replica.owned(), &[true, true, false, false]);
+    tch::manual_seed(5);
+    for round in 1..=3u64 {
+        let now = round as f64;
+        for n in &mut nodes {
+            train(&c, n, 1e-3);
+            upload(&mut c, n, now);
+        }
+        c.close(now + 0.5);
+        for n in &mut nodes {
+            let before = n.replica.owned().to_vec();
+            deliver(&c, n, true, false);
+            let now_owned = n.replica.owned().to_vec();
+            assert_ne!(before, now_owned, "round {round}: the experts rotated");
+            assert_identical(&c, n, &format!("round {round}"));
+            // A dropped expert holds the global value: its progress is its new owner's.
+            for (name, w) in &n.weights {
+                if let Role::Expert { index, .. } = role_of(&c, name) {
+                    if before[index] && !now_owned[index] {
+                        assert!(w.equal(get(c.global().0, name)), "dropped `{name}`");
+                        assert!(n.replica.base_of(name).is_none());
+                    }
+                    if now_owned[index] {
+                        let b = n.replica.base_of(name).expect("a base for a new expert");
+                        assert!(b.equal(get(c.global().0, name)));
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            nodes[0].replica.owned(),
+            if round % 2 == 1 {
+                &[false, false, true, true]
+            } else {
+                &[true, true, false, false]
+            }
+        );
+    }
+    // Following the same ownership again changes nothing.
+    let (owners, members) = (c.scope().owners(), vec![0, 1]);
+    let n = &mut nodes[0];
+    let f = n.replica.follow(&owners, &members, &n.weights);
+    assert!(matches!(f, Follow::Member { changed: false, .. }), "{f:?}");
+    // Not a member of the next round: the node must ask to join again.
+    let f = n.replica.follow(&owners, &[1], &n.weights);
+    assert_eq!(f, Follow::NotMember);
+}
+
+#[test]
+fn a_node_that_rejoins_or_restores_its_state_stays_bit_identical() {
+    let m = model(1, 4);
+    let cfg = SyncConfig {
+        merge_every: 0,
+        ..wire_cfg(Wire::Int4Delta)
+    };
+    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
+    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    tch::manual_seed(9);
+    let round_of = |c: &mut Coordinator, nodes: &mut [Node], round: u64| {
+        for n in nodes.iter_mut() {
+            train(c, n, 1e-3);
+            upload(c, n, round as f64);
+        }
+        c.close(round as f64 + 0.5);
+        for n in nodes.iter_mut() {
+            deliver(c, n, true, false);
+            assert_identical(c, n, &format!("round {round}"));
+        }
+    };
+    round_of(&mut c, &mut nodes, 1);
+    round_of(&mut c, &mut nodes, 2);
+    // Node 1 restarts from nothing: it takes the newest whole model and holds that round.
+    let mut fresh = Replica::new(1, cfg.clone(), Layout::of(&m));
+    let weights = copy(c.global().0);
+    fresh.hold(c.global().1, &weights);
+    fresh.follow(&c.scope().owners(), &[0, 1], &weights);
+    assert_eq!(fresh.owned(), nodes[1].replica.owned());
+    nodes[1] = Node {
+        replica: fresh,
+        weights,
+    };
+    // Node 0 restarts from its saved state alone plus the global model of its base round.
+    let state = nodes[0].replica.state(&nodes[0].weights).unwrap();
+    assert_eq!(state.base_round, 2);
+    assert!(
+        !state.remainder.is_empty(),
+        "a lossy wire carries a remainder"
+    );
+    let saved = copy(&nodes[0].weights);
+    let mut restored = Replica::new(0, cfg.clone(), Layout::of(&m));
+    let weights = snapshot(&m); // whatever the model held
+    restored
+        .restore(state, copy(c.global().0), &weights)
+        .unwrap();
+    for ((name, a), (_, b)) in weights.iter().zip(&saved) {
+        let off = (a - b).abs().max().double_value(&[]);
+        assert!(off < 1e-6, "`{name}` restored off by {off}");
+    }
+    nodes[0] = Node {
+        replica: restored,
+        weights,
+    };
+    assert_identical(&c, &nodes[0], "restored");
+    round_of(&mut c, &mut nodes, 3);
+    // A delta on top of a round the node does not hold is refused, not applied.
+    let (tensors, _) = c.delta().unwrap().for_peer(0, false);
+    let n = &mut nodes[0];
+    let e = n
+        .replica
+        .apply(
+            Published {
+                round: 3,
+                tensors,
+                skipped_own: false,
+                after_upload: false,
+                trained_since_upload: false,
+            },
+            &n.weights,
+        )
+        .unwrap_err();
+    assert!(matches!(e, ReplicaError::NotHeld { round: 3, .. }), "{e}");
+    // Decayed load balancing scales the node's own experts only.
+    let lb = SyncConfig {
+        decayed_lb: true,
+        decayed_lb_start: 0.5,
+        decayed_lb_fraction: 0.5,
+        ..cfg
+    };
+    let r = Replica::new(0, lb, Layout::of(&m));
+    let mut r = r;
+    r.follow(&[0, 0, 1, 1], &[0, 1], &snapshot(&m));
+    let scale = r.lb_scale(25, 100, tch::Device::Cpu).unwrap();
+    assert_eq!(
+        Vec::<f32>::try_from(&scale).unwrap(),
+        vec![0.75, 0.75, 1.0, 1.0]
+    );
+}

@@ -1,0 +1,310 @@
+//! What spes records, as types: one line of `metrics.jsonl` per logged step ([`StepRecord`],
+//! `spes train` and every node), per node sync ([`SyncRecord`]) and per closed round on the
+//! server ([`RoundRecord`]), plus the demo's `summary.json` ([`DemoSummary`]). Trainer, node and
+//! server write these types, and the report, the experiment harness and the demo read them
+//! back, so a field is added in one place.
+
+use anyhow::{Context, Result};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+/// One logged training step (or an evaluation between steps, which has no losses).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub step: u64,
+    /// The step's losses and rates; absent on an evaluation-only line.
+    #[serde(flatten, default, skip_serializing_if = "Option::is_none")]
+    pub losses: Option<StepLosses>,
+    /// Training tokens so far.
+    pub tokens: u64,
+    /// Measured over the steps since the last logged one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_s: Option<f64>,
+    /// The sync round the step belongs to (nodes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub round: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<Tasks>,
+}
+
+/// What one optimizer step's loss was made of, and its rate.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepLosses {
+    pub loss: f64,
+    pub ce: f64,
+    pub z_loss: f64,
+    pub lb_loss: f64,
+    pub router_z_loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+}
+
+/// Ranked-classification scores by task name.
+pub type Tasks = BTreeMap<String, TaskScore>;
+
+/// One task's scores.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TaskScore {
+    pub acc_raw: f64,
+    pub acc_per_char: f64,
+    pub docs: usize,
+}
+
+/// The tag of a sync line (`"event": "sync"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Event {
+    Sync,
+}
+
+/// A node's sync: what it sent and received, and what the round cost its training.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SyncRecord {
+    pub event: Event,
+    pub step: u64,
+    /// The global round the node's weights now build on.
+    pub round: u64,
+    pub bytes_up: u64,
+    pub bytes_down: u64,
+    /// From the upload to the loaded model.
+    pub sync_s: f64,
+    /// Training stood still for it (with overlap, only the wait for the result), the node's
+    /// checkpoint included.
+    pub idle_s: f64,
+    /// The round's training steps.
+    pub compute_s: f64,
+}
+
+impl SyncRecord {
+    /// The share of the round the node trained: compute / (compute + idle). The one
+    /// definition of utilization (1 − idle share) the report, the benchmarks and the planner
+    /// use.
+    pub fn utilization(&self) -> f64 {
+        utilization(self.compute_s, self.idle_s)
+    }
+}
+
+/// compute / (compute + idle); 1 for an empty round.
+pub fn utilization(compute_s: f64, idle_s: f64) -> f64 {
+    let total = compute_s + idle_s;
+    if total > 0.0 {
+        compute_s / total
+    } else {
+        1.0
+    }
+}
+
+/// A line of a node's `metrics.jsonl`: a sync or a step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum NodeLine {
+    Sync(SyncRecord),
+    Step(StepRecord),
+}
+
+/// A node line as `--progress json` prints it, with who printed it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProgressLine {
+    #[serde(flatten)]
+    pub line: NodeLine,
+    pub peer: usize,
+    pub max_steps: u64,
+}
+
+/// A published round on the server: who took part, what it moved and cost, and (once scored)
+/// the global model's validation loss and expert load.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoundRecord {
+    pub round: u64,
+    pub step: u64,
+    /// Training tokens of the run up to this round.
+    pub tokens: u64,
+    /// Who trains in the next round.
+    pub members: Vec<usize>,
+    /// `owners[e]`: who trains expert e in the next round (empty for DiLoCo).
+    pub owners: Vec<usize>,
+    /// How the round closed; absent for round 0 (θ⁰).
+    #[serde(flatten, default, skip_serializing_if = "Option::is_none")]
+    pub close: Option<RoundClose>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+    /// `expert_load[layer][expert]`: share of top-k assignments on validation tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_load: Option<Vec<Vec<f64>>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<Tasks>,
+}
+
+/// How a round closed.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoundClose {
+    /// Peers whose upload went into the round.
+    pub peers: Vec<usize>,
+    /// Members that did not upload before it closed.
+    pub missing: Vec<usize>,
+    pub evicted: Vec<usize>,
+    pub joined: Vec<usize>,
+    /// Why the aggregate was discarded (the previous model kept), if it was.
+    pub discarded: Option<String>,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub aggregation_s: f64,
+    pub round_s: f64,
+    pub merge_alpha: Option<f64>,
+    pub merges: Vec<MergeRecord>,
+    /// Refused calls since the previous round, each as the server logged it.
+    pub rejected: Vec<String>,
+    /// The norm-preserving outer scale, mean over the averaged values.
+    pub outer_scale: Option<f64>,
+}
+
+/// One expert's merge in a round.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MergeRecord {
+    pub layer: usize,
+    pub expert: usize,
+    pub neighbours: Vec<usize>,
+}
+
+/// What a finished node reports (`<out>/summary.json`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeSummary {
+    pub peer: usize,
+    pub steps: u64,
+    pub tokens: u64,
+    pub bytes_up: u64,
+    pub bytes_down: u64,
+    pub trainable_params: u64,
+    pub optimizer_state_bytes: u64,
+    pub peak_rss_mb: f64,
+    pub wall_s: f64,
+}
+
+/// The demo's `summary.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DemoSummary {
+    pub initial_val_loss: Option<f64>,
+    pub final_val_loss: Option<f64>,
+    pub tokens: Option<u64>,
+    pub rounds: Option<u64>,
+    pub wall_s: f64,
+    pub nodes: Vec<NodeSummary>,
+}
+
+/// The lines of a `metrics.jsonl` that are `T`s (a missing file has none).
+pub fn read<T: DeserializeOwned>(path: &Path) -> Vec<T> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Appends records as JSON lines to `<out>/metrics.jsonl`.
+pub struct MetricsLog {
+    file: std::fs::File,
+}
+
+/// A line's `step`, all a log needs to cut it after a crash.
+#[derive(Deserialize)]
+struct StepOf {
+    step: u64,
+}
+
+impl MetricsLog {
+    /// Opens the log, dropping entries after `keep_through_step` (left by a crashed run).
+    pub fn open(out: &Path, keep_through_step: Option<u64>) -> Result<Self> {
+        let path = out.join("metrics.jsonl");
+        let kept: String = match (keep_through_step, std::fs::read_to_string(&path)) {
+            (Some(step), Ok(text)) => text
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<StepOf>(l)
+                        .ok()
+                        .is_some_and(|s| s.step <= step)
+                })
+                .map(|l| format!("{l}\n"))
+                .collect(),
+            _ => String::new(),
+        };
+        spes_data::shard::write_atomic(&path, kept.as_bytes())?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        Ok(MetricsLog { file })
+    }
+
+    /// Appends one record.
+    pub fn write(&mut self, record: &impl Serialize) -> Result<()> {
+        writeln!(self.file, "{}", serde_json::to_string(record)?)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_read_back_as_written_and_keep_todays_keys() {
+        let step = StepRecord {
+            step: 10,
+            losses: Some(StepLosses {
+                loss: 2.5,
+                ..Default::default()
+            }),
+            tokens: 40,
+            tokens_per_s: Some(99.0),
+            round: Some(2),
+            ..Default::default()
+        };
+        let text = serde_json::to_string(&step).unwrap();
+        assert!(
+            text.contains("\"loss\":2.5") && text.contains("\"round\":2"),
+            "{text}"
+        );
+        assert_eq!(serde_json::from_str::<StepRecord>(&text).unwrap(), step);
+        // An evaluation line has no losses, and reads back without them.
+        let eval: StepRecord =
+            serde_json::from_str(r#"{"step":0,"tokens":0,"val_loss":5.5}"#).unwrap();
+        assert_eq!((eval.losses, eval.val_loss), (None, Some(5.5)));
+        let sync = SyncRecord {
+            event: Event::Sync,
+            step: 5,
+            round: 1,
+            bytes_up: 7,
+            bytes_down: 8,
+            sync_s: 0.5,
+            idle_s: 1.0,
+            compute_s: 3.0,
+        };
+        let text = serde_json::to_string(&sync).unwrap();
+        assert!(text.contains("\"event\":\"sync\""), "{text}");
+        assert_eq!(sync.utilization(), 0.75);
+        // A node's lines tell syncs from steps.
+        let lines: Vec<NodeLine> = [text, serde_json::to_string(&step).unwrap()]
+            .iter()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines, vec![NodeLine::Sync(sync), NodeLine::Step(step)]);
+        // Round 0 has no close; a closed round writes its nulls as today.
+        let zero: RoundRecord =
+            serde_json::from_str(r#"{"round":0,"step":0,"tokens":0,"members":[0],"owners":[0,0]}"#)
+                .unwrap();
+        assert!(zero.close.is_none());
+        let closed = RoundRecord {
+            round: 1,
+            close: Some(RoundClose::default()),
+            ..Default::default()
+        };
+        let text = serde_json::to_string(&closed).unwrap();
+        assert!(text.contains("\"merge_alpha\":null") && text.contains("\"discarded\":null"));
+        assert_eq!(serde_json::from_str::<RoundRecord>(&text).unwrap(), closed);
+    }
+}
