@@ -4,6 +4,8 @@
 mod args;
 mod demo;
 mod device;
+#[cfg(test)]
+mod doc_commands;
 mod experiment;
 mod hf;
 mod link_bench;

@@ -68,8 +68,8 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
     })
 }
 
-/// The option shard advice is about: the leanest wire whose loss cost the README measured as
-/// acceptable.
+/// The option shard advice is about: the leanest wire whose loss cost docs/results/sync-cost.md
+/// measured as acceptable.
 const ADVISED: WireOption = WireOption::Int2Overlap;
 
 /// Where one server stops being enough: the first node count whose [`ADVISED`] rounds idle

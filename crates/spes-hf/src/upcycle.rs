@@ -1,4 +1,4 @@
-//! `spes upcycle`: a dense Hugging Face checkpoint → a spes MoE checkpoint (SPES.md §7).
+//! `spes upcycle`: a dense Hugging Face checkpoint → a spes MoE checkpoint (docs/design/algorithm.md §7).
 //! Embeddings, attention, norms and head are copied; every expert is a copy of the dense MLP
 //! (gate → W1, up → V1, down → W2), optionally with noise on a random fraction of entries;
 //! the router starts at zero or small normal values; optimizer state starts empty.

@@ -1,4 +1,4 @@
-//! Model shapes: the built-in presets (SPES.md §1) and analytic parameter counts.
+//! Model shapes: the built-in presets (docs/design/algorithm.md §1) and analytic parameter counts.
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -58,7 +58,7 @@ const QWEN_VOCAB: usize = 151_665;
 
 impl ModelConfig {
     /// A built-in shape: `tiny` trains on two CPU cores in minutes, `small` (~0.12B) is the
-    /// largest meant for CPUs; `1b`, `7b`, `9b` are SPES.md §1.
+    /// largest meant for CPUs; `1b`, `7b`, `9b` are docs/design/algorithm.md §1.
     pub fn preset(name: &str) -> Result<Self> {
         let olmoe = |n_layers, d_model, n_heads, n_experts, top_k, expert_hidden| ModelConfig {
             vocab_size: QWEN_VOCAB,

@@ -1,4 +1,4 @@
-//! The OLMoE-style mixture-of-experts decoder (SPES.md §1), top to bottom.
+//! The OLMoE-style mixture-of-experts decoder (docs/design/algorithm.md §1), top to bottom.
 //!
 //! Block: `x + Attn(RMSNorm(x))`, then `x + MoE(RMSNorm(x))` (or, post-norm as in OLMo2,
 //! `x + RMSNorm(Attn(x))`, then `x + RMSNorm(MoE(x))`). Attention has QK-norm, RoPE, optional
@@ -124,7 +124,7 @@ pub struct MoeModel {
     moe_kernel: MoeKernel,
     /// Frozen experts as bf16 copies on `device`, their fp32 masters in host memory.
     frozen_bf16: bool,
-    /// Per-expert multiplier of the load-balancing counts `[E]` (SPES.md §6), if any.
+    /// Per-expert multiplier of the load-balancing counts `[E]` (docs/design/algorithm.md §6), if any.
     lb_count_scale: Option<Tensor>,
     /// Logits elements per chunk of the LM-head loss ([`MoeModel::set_logits_chunk`]).
     logits_chunk: i64,
@@ -184,7 +184,7 @@ struct MoeOutput {
     counts: Tensor,
 }
 
-/// Loss weights (SPES.md §1); the default weighs the cross-entropy alone.
+/// Loss weights (docs/design/algorithm.md §1); the default weighs the cross-entropy alone.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LossWeights {
     pub z_loss: f64,
