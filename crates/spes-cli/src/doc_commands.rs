@@ -87,7 +87,7 @@ fn spes_args(cmd: &str) -> Option<Vec<String>> {
     let w = words(cmd);
     let at = w
         .iter()
-        .position(|x| !(x.contains('=') && !x.starts_with('-')))?;
+        .position(|x| !x.contains('=') || x.starts_with('-'))?;
     matches!(w[at].as_str(), "spes" | "./spes").then(|| w[at..].to_vec())
 }
 
