@@ -75,8 +75,14 @@ fn eval(
     let ck = spes_train::checkpoint::load(checkpoint)?;
     let cfg = &ck.state.config;
     let model = spes_model::MoeModel::new(&cfg.model, device)?;
-    let named: Vec<(String, tch::Tensor)> = ck
-        .model
+    let weights = ck.model.with_context(|| {
+        format!(
+            "{} holds no model: a SPES node's mid-run checkpoints leave the weights to the \
+             server; score the node's last checkpoint (step = train.max_steps)",
+            checkpoint.display()
+        )
+    })?;
+    let named: Vec<(String, tch::Tensor)> = weights
         .into_iter()
         .map(|(n, t)| (n, t.to_device(device)))
         .collect();

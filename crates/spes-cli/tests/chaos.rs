@@ -166,35 +166,39 @@ evict_after_s = 1
         a.extend(["--device", "cpu", "--threads", "1"].map(String::from));
         a
     };
-    let node = |peer: usize, fault: Option<&'static str>, restart: bool, join: bool| {
-        let cred = dir.join(format!("node-{peer}.credential"));
-        std::fs::write(&cred, spes_net::auth::credential(SECRET, peer)).unwrap();
-        let mut args = common("node");
-        args.extend([
-            "--server".into(),
-            url.clone(),
-            "--out".into(),
-            dir.join(format!("node-{peer}")).display().to_string(),
-            "--credential-file".into(),
-            cred.display().to_string(),
-            "--progress".into(),
-            "quiet".into(),
-        ]);
-        if join {
-            args.push("--join".into());
-        }
-        Proc {
-            name: format!("node {peer}"),
-            args,
-            fault,
-            restart,
-            child: None,
-            killed: false,
-            restarted: false,
-            exit: None,
-            log: dir.join(format!("node-{peer}.log")),
-        }
-    };
+    let node =
+        |peer: usize, fault: Option<&'static str>, restart: bool, join: bool, sets: &[&str]| {
+            let cred = dir.join(format!("node-{peer}.credential"));
+            std::fs::write(&cred, spes_net::auth::credential(SECRET, peer)).unwrap();
+            let mut args = common("node");
+            args.extend([
+                "--server".into(),
+                url.clone(),
+                "--out".into(),
+                dir.join(format!("node-{peer}")).display().to_string(),
+                "--credential-file".into(),
+                cred.display().to_string(),
+                "--progress".into(),
+                "quiet".into(),
+            ]);
+            if join {
+                args.push("--join".into());
+            }
+            for set in sets {
+                args.extend(["--set".to_string(), set.to_string()]);
+            }
+            Proc {
+                name: format!("node {peer}"),
+                args,
+                fault,
+                restart,
+                child: None,
+                killed: false,
+                restarted: false,
+                exit: None,
+                log: dir.join(format!("node-{peer}.log")),
+            }
+        };
     let mut server_args = common("server");
     server_args.extend([
         "--listen".into(),
@@ -218,11 +222,19 @@ evict_after_s = 1
             exit: None,
             log: dir.join("server.log"),
         },
-        node(0, Some("train@5"), true, false),
-        node(1, Some("upload@2"), true, false),
-        node(2, Some("download@3"), true, false),
+        // Checkpoints every 4 rounds and dies in round 8: it restarts from the checkpoint of
+        // round 4 and rejoins at the newest round with that checkpoint's AdamW moments.
+        node(
+            0,
+            Some("train@15"),
+            true,
+            false,
+            &["sync.checkpoint_every_rounds=4"],
+        ),
+        node(1, Some("upload@2"), true, false, &[]),
+        node(2, Some("download@3"), true, false, &[]),
         // Leaves for good during round 4, after uploading round 3.
-        node(3, Some("train@7"), false, false),
+        node(3, Some("train@7"), false, false, &[]),
     ];
     for p in &mut procs {
         p.spawn();
@@ -234,7 +246,7 @@ evict_after_s = 1
             p.poll();
         }
         if joiner.is_none() && rounds_logged(&server_out).iter().any(|r| r["round"] == 4) {
-            let mut j = node(4, None, false, true);
+            let mut j = node(4, None, false, true, &[]);
             j.spawn();
             joiner = Some(j);
         }
@@ -273,6 +285,29 @@ evict_after_s = 1
     for p in procs.iter().filter(|p| p.restart).chain([&joiner]) {
         assert!(p.exit.unwrap().success(), "{} failed:\n{}", p.name, show(p));
     }
+
+    // Node 0 came back from a checkpoint at least 3 rounds older than the round it rejoined.
+    let log0 = show(&procs[1]);
+    let resumed = log0
+        .lines()
+        .find_map(|l| l.split("resumed from its checkpoint of round ").nth(1))
+        .unwrap_or_else(|| panic!("node 0 did not resume from a checkpoint:\n{log0}"));
+    let number_after = |text: &str, key: &str| -> u64 {
+        let rest = text.split(key).nth(1).unwrap_or(text);
+        rest.chars()
+            .take_while(|c| c.is_ascii_digit())
+            .collect::<String>()
+            .parse()
+            .unwrap()
+    };
+    let (from, at) = (
+        number_after(resumed, ""),
+        number_after(resumed, "rejoining at round "),
+    );
+    assert!(
+        at >= from + 3,
+        "node 0 resumed from round {from} at round {at}"
+    );
 
     // Every round is published (logged) exactly once, in order.
     let final_round = MAX_STEPS / SYNC_STEPS;
@@ -354,7 +389,8 @@ evict_after_s = 1
     }
 
     // Every live node ends bit-identical to the final published model.
-    let global = tensors(&server_out.join(format!("global/round-{final_round:06}.safetensors")));
+    let global =
+        tensors(&server_out.join(format!("checkpoints/round-{final_round:06}.safetensors")));
     for peer in [0, 1, 2, 4] {
         let ck = dir.join(format!(
             "node-{peer}/checkpoints/step-{MAX_STEPS}/model.safetensors"

@@ -386,7 +386,7 @@ rotate_every_rounds = 2
 
     let final_round = MAX / H;
     let global: BTreeMap<String, tch::Tensor> = tch::Tensor::read_safetensors(
-        server_out.join(format!("global/round-{final_round:06}.safetensors")),
+        server_out.join(format!("checkpoints/round-{final_round:06}.safetensors")),
     )
     .unwrap()
     .into_iter()

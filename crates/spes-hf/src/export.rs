@@ -201,6 +201,13 @@ fn tensor_index(path: &Path) -> Result<Vec<SourceTensor>> {
 /// Writes the model folder and returns what it holds.
 pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
     let state = checkpoint::read_state(&o.checkpoint)?;
+    if !state.files.contains_key(checkpoint::MODEL_FILE) {
+        anyhow::bail!(
+            "{} holds no model: a SPES node's mid-run checkpoints leave the weights to the \
+             server; export the node's last checkpoint (step = train.max_steps)",
+            o.checkpoint.display()
+        );
+    }
     let cfg = &state.config;
     let manifest = spes_data::Manifest::load(&cfg.data.path).ok();
     let eos = manifest.as_ref().map(|m| m.eos_id);

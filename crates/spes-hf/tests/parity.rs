@@ -82,7 +82,9 @@ warmup_steps = 1
 fn spes_model(ck: &Path) -> MoeModel {
     let loaded = checkpoint::load(ck).unwrap();
     let model = MoeModel::new(&loaded.state.config.model, Device::Cpu).unwrap();
-    model.load(&loaded.model, "checkpoint").unwrap();
+    model
+        .load(loaded.model.as_ref().unwrap(), "checkpoint")
+        .unwrap();
     model
 }
 
@@ -201,7 +203,7 @@ fn upcycled_moe_equals_its_dense_source() {
             data: tmp.path().join("no-data"),
         })
         .unwrap();
-        let n = checkpoint::load(&noisy).unwrap().model;
+        let n = checkpoint::load(&noisy).unwrap().model.unwrap();
         let get = |name: &str| n.iter().find(|(k, _)| k == name).unwrap().1.shallow_clone();
         let (e0, e1) = (
             get("model.layers.0.mlp.experts.0.up_proj.weight"),

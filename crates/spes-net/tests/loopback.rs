@@ -446,7 +446,8 @@ fn a_restarted_server_resumes_and_nodes_ride_out_the_outage() {
         v.sort_by(|x, y| x.0.cmp(&y.0));
         v
     };
-    for ((n, x), (_, y)) in sorted(a.model).iter().zip(&sorted(b.model)) {
+    let (am, bm) = (a.model.unwrap(), b.model.unwrap());
+    for ((n, x), (_, y)) in sorted(am).iter().zip(&sorted(bm)) {
         assert!(
             x.equal(y),
             "`{n}` differs between the nodes after the restart"
@@ -479,8 +480,11 @@ fn bf16_deltas_keep_server_and_nodes_bit_identical_and_skip_own_experts() {
         }
     }
     // The nodes hold the server's fp32 model of the last round bit for bit.
-    let published =
-        payload::read(&tmp.path().join("server/global/round-000003.safetensors")).unwrap();
+    let published = payload::read(
+        &tmp.path()
+            .join("server/checkpoints/round-000003.safetensors"),
+    )
+    .unwrap();
     let last = &seen.iter().find(|s| s.round == 3).unwrap().after_sync;
     for (name, t) in last {
         let p = &published.iter().find(|(n, _)| n == name).unwrap().1;
@@ -546,8 +550,11 @@ fn overlapped_nodes_train_through_the_sync_and_end_on_the_final_model() {
     assert_eq!(summary.rounds, 4);
     // Rounds 1–3 were applied mid-round (after the upload, training went on); the last one is
     // waited for, so every node ends on the published model.
-    let published =
-        payload::read(&tmp.path().join("server/global/round-000004.safetensors")).unwrap();
+    let published = payload::read(
+        &tmp.path()
+            .join("server/checkpoints/round-000004.safetensors"),
+    )
+    .unwrap();
     for peer in 0..2 {
         let ck =
             spes_train::checkpoint::latest(&tmp.path().join(format!("node-{peer}/checkpoints")))
@@ -630,7 +637,17 @@ fn an_acknowledged_upload_survives_a_server_restart() {
 fn a_corrupt_newest_round_falls_back_and_the_node_follows_the_rollback() {
     let tmp = tempfile::tempdir().unwrap();
     let data = data(tmp.path());
-    let cfg = config(&data, "spes", 1, &["train.max_steps=8"]);
+    // Whole models at rounds 0, 2 and 4 (the last); rounds 1 and 3 only as their deltas.
+    let cfg = config(
+        &data,
+        "spes",
+        1,
+        &[
+            "train.max_steps=8",
+            "sync.checkpoint_every_rounds=2",
+            "sync.wire=bf16_delta",
+        ],
+    );
     let out = tmp.path().join("server");
     let first = Server::start(cfg.clone(), &out, None);
     let (addr, url) = (first.addr, first.url());
@@ -641,8 +658,12 @@ fn a_corrupt_newest_round_falls_back_and_the_node_follows_the_rollback() {
         assert_eq!(node.sync(&upload).unwrap(), round);
     }
     assert_eq!(first.stop().rounds, 3);
-    // The newest round's file rots on disk; the server resumes from round 2, every time.
-    let newest = out.join("global/round-000003.safetensors");
+    // A restart rebuilds round 3 from round 2's whole model and round 3's delta.
+    assert!(!out.join("checkpoints/round-000003.safetensors").exists());
+    let s = Server::start_on(&addr.to_string(), cfg.clone(), &out, None);
+    assert_eq!(s.stop().rounds, 3);
+    // The newest round's delta rots on disk; the server resumes from round 2, every time.
+    let newest = out.join("global/round-000003.delta.safetensors");
     let mut bytes = std::fs::read(&newest).unwrap();
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0xff;
@@ -674,6 +695,71 @@ fn a_corrupt_newest_round_falls_back_and_the_node_follows_the_rollback() {
         .map(|l| l["round"].as_u64().unwrap())
         .collect();
     assert_eq!(rounds, vec![0, 1, 2, 3, 4], "each round logged once");
+}
+
+#[test]
+fn a_restarted_server_replays_its_deltas_bit_for_bit() {
+    for wire in ["bf16_delta", "int4_delta"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let data = data(tmp.path());
+        // No whole model between round 0 and the last: a restart replays every delta.
+        let wire_set = format!("sync.wire={wire}");
+        let cfg = config(&data, "spes", 2, &["train.max_steps=8", &wire_set]);
+        let out = tmp.path().join("server");
+        let first = Server::start(cfg.clone(), &out, None);
+        let (addr, url) = (first.addr, first.url());
+        tch::set_num_threads(1);
+        let mut nodes: Vec<Node> = (0..2)
+            .map(|p| Node::connect(node_options(&cfg, &url, p, tmp.path())).unwrap())
+            .collect();
+        for round in 1..=2 {
+            let uploads: Vec<Named> = nodes.iter_mut().map(|n| n.train_round().unwrap()).collect();
+            std::thread::scope(|s| {
+                for (n, u) in nodes.iter_mut().zip(uploads) {
+                    s.spawn(move || assert_eq!(n.sync(&u).unwrap(), round));
+                }
+            });
+        }
+        // The round as the first server holds it in memory, against the rebuilt one.
+        let before = fetch_whole(&url, 2, tmp.path());
+        assert_eq!(first.stop().rounds, 2);
+        let second = Server::start_on(&addr.to_string(), cfg.clone(), &out, None);
+        let after = fetch_whole(&url, 2, tmp.path());
+        assert_eq!(before.len(), after.len());
+        let by_name = |mut v: Named| {
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        for ((n, a), (_, b)) in by_name(before).iter().zip(&by_name(after)) {
+            assert!(
+                a.equal(b),
+                "{wire}: replayed `{n}` differs from the published one by {}",
+                (a - b).abs().max().double_value(&[])
+            );
+        }
+        // The nodes go on with deltas on top of the round they hold: had the replayed round
+        // differed by a bit, they would end off the server's final model.
+        std::thread::scope(|s| {
+            for n in nodes {
+                s.spawn(move || assert_eq!(n.run().unwrap().steps, 8));
+            }
+        });
+        assert_eq!(second.finish().rounds, 4);
+        if wire != "bf16_delta" {
+            // On a lossy wire the weights keep what was not sent yet on top of the model.
+            continue;
+        }
+        let published = payload::read(&out.join("checkpoints/round-000004.safetensors")).unwrap();
+        for peer in 0..2 {
+            let dir = tmp.path().join(format!("node-{peer}/checkpoints/step-8"));
+            let ck = spes_train::checkpoint::load(&dir).unwrap();
+            let model = ck.model.expect("the last checkpoint holds the model");
+            for (name, t) in &published {
+                let local = &model.iter().find(|(n, _)| n == name).unwrap().1;
+                assert!(local.equal(t), "{wire}: node {peer}'s `{name}` differs");
+            }
+        }
+    }
 }
 
 /// Runs 2 nodes for 4 rounds with overlap on a lossy wire; checks that the loss falls and that
@@ -751,7 +837,7 @@ fn final_model(
     let mut model = Vec::new();
     for out in outs {
         model.extend(
-            payload::read(&out.join(format!("global/round-{rounds:06}.safetensors"))).unwrap(),
+            payload::read(&out.join(format!("checkpoints/round-{rounds:06}.safetensors"))).unwrap(),
         );
     }
     model.sort_by(|a, b| a.0.cmp(&b.0));
@@ -794,7 +880,7 @@ fn two_server_shards_publish_the_same_model_as_one_server() {
         .collect();
     let b = final_model(&cfg, &tmp.path().join("two"), &shards, &outs);
     // Each shard holds part of the model; together, all of it.
-    let part = payload::read(&outs[0].join("global/round-000003.safetensors")).unwrap();
+    let part = payload::read(&outs[0].join("checkpoints/round-000003.safetensors")).unwrap();
     assert!(
         !part.is_empty() && part.len() < a.len(),
         "{} of {}",

@@ -121,9 +121,15 @@ pub struct SyncConfig {
     /// 1). AdamW moves a weight by about `lr` per step (RMS), so honest nodes stay far below
     /// the default; 0 disables the check.
     pub max_update_factor: f64,
-    /// Checkpoint the global model every this many rounds (and at the final round).
+    /// Checkpoint every this many rounds (0: by time only). The server writes its whole
+    /// fp32 model and carried state (other rounds it keeps only their published delta); a
+    /// node its AdamW moments and sync state (its weights are the server's). Both also
+    /// checkpoint at the last round. Each role reads its own config here.
     pub checkpoint_every_rounds: u64,
-    /// Newest server checkpoints kept; older ones are deleted. 0 keeps every one.
+    /// Also checkpoint when this many seconds passed since the last checkpoint (0: by rounds
+    /// only). At least one of the two must be set.
+    pub checkpoint_every_s: f64,
+    /// Newest checkpoints kept (by each role); older ones are deleted. 0 keeps every one.
     pub keep_checkpoints: usize,
     /// Expert-merging warm-up (docs/design/algorithm.md §5): merge at sync steps
     /// `s % merge_every == 0` while `α_s = merge_alpha·(1 − min(s/merge_until, 1)) > 0`, each
@@ -179,7 +185,8 @@ impl Default for SyncConfig {
             aggregate: AggregateRule::Mean,
             trim_fraction: 0.25,
             max_update_factor: 10.0,
-            checkpoint_every_rounds: 1,
+            checkpoint_every_rounds: 0,
+            checkpoint_every_s: 1800.0,
             keep_checkpoints: 3,
             merge_every: 500,
             merge_alpha: 0.01,
@@ -199,12 +206,30 @@ impl Default for SyncConfig {
     }
 }
 
-impl SyncConfig {
-    /// Keys only the server reads (how often it archives the model and how many it keeps): a
-    /// node's config may differ from the server's in these.
-    pub const SERVER_ONLY: &'static [&'static str] =
-        &["checkpoint_every_rounds", "keep_checkpoints"];
+/// Declares the `[sync]` keys each role reads from its own config, once: the list the node's
+/// config check skips and the copy that takes them from the node's own config.
+macro_rules! per_role_keys {
+    ($($key:ident),* $(,)?) => {
+        impl SyncConfig {
+            /// Keys each role reads from its own config (how often it checkpoints and how many
+            /// it keeps): a node's may differ from the server's.
+            pub const PER_ROLE: &'static [&'static str] = &[$(stringify!($key)),*];
 
+            /// Takes the per-role keys from `mine`.
+            pub fn take_per_role(&mut self, mine: &SyncConfig) {
+                $(self.$key = mine.$key.clone();)*
+            }
+        }
+    };
+}
+
+per_role_keys!(
+    checkpoint_every_rounds,
+    checkpoint_every_s,
+    keep_checkpoints
+);
+
+impl SyncConfig {
     /// Whether nodes train on while a round is exchanged: `overlap` on a delta wire.
     pub fn overlaps(&self) -> bool {
         self.overlap && self.wire.is_delta()

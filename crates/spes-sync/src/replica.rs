@@ -119,7 +119,10 @@ pub struct Replica {
     layout: Layout,
     /// `owned[e]`: this node trains expert e (every expert in DiLoCo).
     owned: Vec<bool>,
-    /// Delta wires: the base. `None` before the first round is held, and on the fp32 wire.
+    /// The last global round the weights were brought to exactly (any wire).
+    held: Option<u64>,
+    /// Delta wires: the base, round `held`'s values. `None` before the first round is held,
+    /// and on the fp32 wire.
     base: Option<Base>,
     /// Delta wires: the deltas of the last upload that the next apply needs (own experts, or
     /// every trained tensor when progress is kept), by name.
@@ -135,6 +138,7 @@ impl Replica {
             owned: vec![false; layout.n_experts],
             cfg,
             layout,
+            held: None,
             base: None,
             sent: HashMap::new(),
         }
@@ -155,9 +159,9 @@ impl Replica {
         trains(&self.owned, role)
     }
 
-    /// The global round the weights build on, once one is held (delta wires).
+    /// The global round the weights build on, once one is held.
     pub fn base_round(&self) -> Option<u64> {
-        self.base.as_ref().map(|b| b.round)
+        self.held
     }
 
     /// The base value of trained tensor `name`: round [`Replica::base_round`]'s, exactly.
@@ -169,6 +173,7 @@ impl Replica {
     /// saved right after loading it): the trained ones become the base.
     pub fn hold(&mut self, round: u64, weights: &Named) {
         self.sent.clear();
+        self.held = Some(round);
         self.base = self.cfg.wire.is_delta().then(|| Base {
             round,
             values: self
@@ -191,6 +196,7 @@ impl Replica {
             values.insert(name.clone(), t.to_device(w.device()).to_kind(Kind::Float));
         }
         self.sent.clear();
+        self.held = Some(round);
         self.base = Some(Base { round, values });
         Ok(())
     }
@@ -318,6 +324,7 @@ impl Replica {
             Ok(())
         })?;
         base.round = round;
+        self.held = Some(round);
         self.sent.clear();
         Ok(Applied {
             kept_progress: keep_progress,
@@ -391,21 +398,20 @@ impl Replica {
     /// The replica's state with the weights it describes, once a round is held: the base round,
     /// ownership, and what the trained weights carry beyond the base.
     pub fn state(&self, weights: &Named) -> Option<ReplicaState> {
-        let base = self.base.as_ref()?;
-        let remainder = if self.cfg.keeps_progress() {
-            tch::no_grad(|| {
+        let round = self.held?;
+        let remainder = match &self.base {
+            Some(base) if self.cfg.keeps_progress() => tch::no_grad(|| {
                 self.trained(weights)
                     .filter_map(|(n, t)| {
                         let r = t - base.values.get(n)?;
                         Some((n.clone(), r))
                     })
                     .collect()
-            })
-        } else {
-            Vec::new()
+            }),
+            _ => Vec::new(),
         };
         Some(ReplicaState {
-            base_round: base.round,
+            base_round: round,
             owned: self.owned.clone(),
             remainder,
         })

@@ -295,3 +295,17 @@ fn rss_mb(field: &str) -> f64 {
         })
         .map_or(0.0, |kb| kb / 1024.0)
 }
+
+/// Bytes this process has caused to be written to storage so far (`write_bytes` of
+/// `/proc/self/io`: what reaches the disk, not what stays in a pipe or socket; 0 where the
+/// kernel does not say).
+pub fn bytes_written() -> u64 {
+    std::fs::read_to_string("/proc/self/io")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("write_bytes:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(0)
+}

@@ -1,5 +1,7 @@
-//! Checkpoints: `<root>/step-N/{model,optimizer}.safetensors` + `state.json`, written into a
-//! temporary directory and renamed into place, with file checksums verified on load.
+//! Checkpoints: `<root>/step-N/` with `state.json`, `optimizer.safetensors`, usually
+//! `model.safetensors` (a SPES node's mid-run checkpoints leave it out: the server holds the
+//! model) and any further files a caller adds, written into a temporary directory and renamed
+//! into place, with file checksums verified on load.
 
 use crate::config::RunConfig;
 use anyhow::{bail, Context, Result};
@@ -12,6 +14,9 @@ use tch::{Device, Tensor};
 pub const MODEL_FILE: &str = "model.safetensors";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const STATE_FILE: &str = "state.json";
+
+/// 2: `model.safetensors` may be absent (1 always held it).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Everything besides tensors needed to continue a run exactly.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -42,7 +47,7 @@ impl TrainState {
     /// The state of a model that has not trained yet (an initialised or imported checkpoint).
     pub fn fresh(config: RunConfig) -> Self {
         TrainState {
-            format_version: 1,
+            format_version: FORMAT_VERSION,
             step: 0,
             tokens: 0,
             data_position: 0,
@@ -58,7 +63,8 @@ impl TrainState {
 pub struct Checkpoint {
     pub dir: PathBuf,
     pub state: TrainState,
-    pub model: Vec<(String, Tensor)>,
+    /// The weights, unless the checkpoint left them out.
+    pub model: Option<Vec<(String, Tensor)>>,
     pub optimizer: Vec<(String, Tensor)>,
 }
 
@@ -82,7 +88,17 @@ pub fn save(
     optimizer: &[(String, Tensor)],
     keep: usize,
 ) -> Result<PathBuf> {
-    save_with(root, state, model, optimizer, keep, &[])
+    let shallow = |named: &[(String, Tensor)]| -> Vec<(String, Tensor)> {
+        named
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
+    };
+    let tensors = [
+        (MODEL_FILE.to_owned(), shallow(model)),
+        (OPTIMIZER_FILE.to_owned(), shallow(optimizer)),
+    ];
+    save_with(root, state, &tensors, keep, &[])
 }
 
 /// A checkpoint's contents copied off the training state, so that it can be written on
@@ -90,37 +106,50 @@ pub fn save(
 pub struct Snapshot {
     root: PathBuf,
     state: TrainState,
-    model: Vec<(String, Tensor)>,
-    optimizer: Vec<(String, Tensor)>,
+    /// Tensor files by name.
+    tensors: Vec<(String, Vec<(String, Tensor)>)>,
     keep: usize,
     extra: Vec<(String, Vec<u8>)>,
 }
 
+/// `named` copied to the CPU, in storage of its own.
+fn cpu_copy(named: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    tch::no_grad(|| {
+        named
+            .iter()
+            .map(|(n, t)| (n.clone(), t.to_device_(Device::Cpu, t.kind(), false, true)))
+            .collect()
+    })
+}
+
 impl Snapshot {
-    /// Copies `model` and `optimizer` (to the CPU) for a checkpoint of `state` under `root`.
+    /// Copies `model` (if given) and `optimizer` (to the CPU) for a checkpoint of `state`
+    /// under `root`, keeping the newest `keep` checkpoints there.
     pub fn new(
         root: &Path,
         state: TrainState,
-        model: &[(String, Tensor)],
+        model: Option<&[(String, Tensor)]>,
         optimizer: &[(String, Tensor)],
         keep: usize,
     ) -> Snapshot {
-        let copy = |named: &[(String, Tensor)]| -> Vec<(String, Tensor)> {
-            tch::no_grad(|| {
-                named
-                    .iter()
-                    .map(|(n, t)| (n.clone(), t.to_device_(Device::Cpu, t.kind(), false, true)))
-                    .collect()
-            })
-        };
+        let mut tensors = Vec::new();
+        if let Some(m) = model {
+            tensors.push((MODEL_FILE.to_owned(), cpu_copy(m)));
+        }
+        tensors.push((OPTIMIZER_FILE.to_owned(), cpu_copy(optimizer)));
         Snapshot {
             root: root.to_owned(),
             state,
-            model: copy(model),
-            optimizer: copy(optimizer),
+            tensors,
             keep,
             extra: Vec::new(),
         }
+    }
+
+    /// Adds a tensor file (copied to the CPU), checksummed like the others.
+    pub fn with_tensors(mut self, file: &str, named: &[(String, Tensor)]) -> Snapshot {
+        self.tensors.push((file.to_owned(), cpu_copy(named)));
+        self
     }
 
     /// Adds a small file to the checkpoint directory, renamed into place with the rest.
@@ -134,8 +163,7 @@ impl Snapshot {
         save_with(
             &self.root,
             self.state,
-            &self.model,
-            &self.optimizer,
+            &self.tensors,
             self.keep,
             &self.extra,
         )
@@ -145,8 +173,7 @@ impl Snapshot {
 fn save_with(
     root: &Path,
     mut state: TrainState,
-    model: &[(String, Tensor)],
-    optimizer: &[(String, Tensor)],
+    tensors: &[(String, Vec<(String, Tensor)>)],
     keep: usize,
     extra: &[(String, Vec<u8>)],
 ) -> Result<PathBuf> {
@@ -158,13 +185,13 @@ fn save_with(
     }
     std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let written = (|| -> Result<()> {
-        write_tensors(&tmp.join(MODEL_FILE), model)?;
-        write_tensors(&tmp.join(OPTIMIZER_FILE), optimizer)?;
         state.files.clear();
-        for f in [MODEL_FILE, OPTIMIZER_FILE] {
+        state.format_version = FORMAT_VERSION;
+        for (f, named) in tensors {
             let path = tmp.join(f);
+            write_tensors(&path, named)?;
             std::fs::File::open(&path)?.sync_all()?;
-            state.files.insert(f.to_owned(), hash_file(&path)?);
+            state.files.insert(f.clone(), hash_file(&path)?);
         }
         for (name, bytes) in extra {
             write_atomic(&tmp.join(name), bytes)?;
@@ -235,7 +262,7 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
         .with_context(|| format!("cannot read checkpoint state {}", path.display()))?;
     let state: TrainState = serde_json::from_str(&text)
         .with_context(|| format!("checkpoint state {} is corrupt", path.display()))?;
-    if state.format_version != 1 {
+    if !(1..=FORMAT_VERSION).contains(&state.format_version) {
         bail!(
             "{}: unsupported format_version {}",
             path.display(),
@@ -245,25 +272,38 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
     Ok(state)
 }
 
+/// Reads and verifies tensor file `file` of the checkpoint in `dir` (`None` if it has none).
+pub fn read_tensors(
+    dir: &Path,
+    state: &TrainState,
+    file: &str,
+) -> Result<Option<Vec<(String, Tensor)>>> {
+    let Some(expected) = state.files.get(file) else {
+        return Ok(None);
+    };
+    let path = dir.join(file);
+    let actual = hash_file(&path)?;
+    if &actual != expected {
+        bail!(
+            "checkpoint file {} is corrupt or truncated (checksum {actual}, expected {expected})",
+            path.display()
+        );
+    }
+    Tensor::read_safetensors(&path)
+        .map(Some)
+        .with_context(|| format!("cannot read {}", path.display()))
+}
+
 /// Loads and verifies a checkpoint directory (tensors on the CPU).
 pub fn load(dir: &Path) -> Result<Checkpoint> {
     let state = read_state(dir)?;
-    let read = |file: &str| -> Result<Vec<(String, Tensor)>> {
-        let path = dir.join(file);
-        let expected = state.files.get(file).with_context(|| {
-            format!("{}: no checksum for {file}", dir.join(STATE_FILE).display())
-        })?;
-        let actual = hash_file(&path)?;
-        if &actual != expected {
-            bail!(
-                "checkpoint file {} is corrupt or truncated (checksum {actual}, expected {expected})",
-                path.display()
-            );
-        }
-        Tensor::read_safetensors(&path).with_context(|| format!("cannot read {}", path.display()))
-    };
-    let model = read(MODEL_FILE)?;
-    let optimizer = read(OPTIMIZER_FILE)?;
+    let model = read_tensors(dir, &state, MODEL_FILE)?;
+    let optimizer = read_tensors(dir, &state, OPTIMIZER_FILE)?.with_context(|| {
+        format!(
+            "{}: no checksum for {OPTIMIZER_FILE}",
+            dir.join(STATE_FILE).display()
+        )
+    })?;
     Ok(Checkpoint {
         dir: dir.to_owned(),
         state,

@@ -171,10 +171,11 @@ node_local_train_keys!(
 );
 
 impl RunConfig {
-    /// The config node `peer` runs with: the server's, with the node's own `[data]` and
-    /// node-local `[train]` keys ([`TrainConfig::NODE_LOCAL`]) and a seed of its own. Refuses a
+    /// The config node `peer` runs with: the server's, with the node's own `[data]`,
+    /// node-local `[train]` keys ([`TrainConfig::NODE_LOCAL`]) and per-role `[sync]` keys
+    /// ([`SyncConfig::PER_ROLE`]), and a seed of its own. Refuses a
     /// node config whose other `[model]`, `[sync]` or `[train]` keys differ from the server's
-    /// (`[sync]` keys only the server reads excepted), naming the key.
+    /// (the per-role `[sync]` keys excepted), naming the key.
     pub fn for_node(server: RunConfig, local: &RunConfig, peer: usize) -> Result<RunConfig> {
         let (l, s) = (
             toml::Value::try_from(local)?,
@@ -186,7 +187,7 @@ impl RunConfig {
             };
             let own = match section {
                 "train" => TrainConfig::NODE_LOCAL,
-                "sync" => SyncConfig::SERVER_ONLY,
+                "sync" => SyncConfig::PER_ROLE,
                 _ => &[],
             };
             for (key, sv) in table {
@@ -205,6 +206,7 @@ impl RunConfig {
         let mut cfg = server;
         cfg.data = local.data.clone();
         cfg.train.take_node_local(&local.train);
+        cfg.sync.take_per_role(&local.sync);
         cfg.train.seed += 1000 * peer as u64;
         Ok(cfg)
     }
@@ -279,8 +281,17 @@ impl RunConfig {
         }
         let s = &self.sync;
         if s.mode != Mode::Centralized {
-            if s.nodes == 0 || s.sync_steps == 0 || s.checkpoint_every_rounds == 0 {
-                bail!("sync.nodes, sync.sync_steps and sync.checkpoint_every_rounds must be > 0");
+            if s.nodes == 0 || s.sync_steps == 0 {
+                bail!("sync.nodes and sync.sync_steps must be > 0");
+            }
+            if !(s.checkpoint_every_s >= 0.0 && s.checkpoint_every_s.is_finite()) {
+                bail!(
+                    "sync.checkpoint_every_s must be ≥ 0 seconds, got {}",
+                    s.checkpoint_every_s
+                );
+            }
+            if s.checkpoint_every_rounds == 0 && s.checkpoint_every_s == 0.0 {
+                bail!("sync.checkpoint_every_rounds and sync.checkpoint_every_s are both 0: set one, or a restarted server would replay every round's delta since round 0");
             }
             if s.mode == Mode::Spes && s.nodes > self.model.n_experts {
                 bail!(
@@ -459,7 +470,7 @@ mod tests {
         assert_eq!(cfg.train.log_every, 3);
         assert_eq!(cfg.data.path, PathBuf::from("mine"));
         assert_eq!(cfg.train.seed, server.train.seed + 2000);
-        assert_eq!(cfg.sync.keep_checkpoints, server.sync.keep_checkpoints);
+        assert_eq!(cfg.sync.keep_checkpoints, 9, "the node's own");
         o.push("train.lr=1e-2".into());
         let local = RunConfig::parse(BASE, &o).unwrap();
         let e = RunConfig::for_node(server, &local, 2)
@@ -472,7 +483,7 @@ mod tests {
         for k in TrainConfig::NODE_LOCAL {
             assert!(train.get(k).is_some() || *k == "frozen_experts_bf16", "{k}");
         }
-        for k in SyncConfig::SERVER_ONLY {
+        for k in SyncConfig::PER_ROLE {
             assert!(sync.get(k).is_some(), "{k}");
         }
     }

@@ -78,6 +78,9 @@ pub struct SyncRecord {
     pub idle_s: f64,
     /// The round's training steps.
     pub compute_s: f64,
+    /// Bytes the node wrote to disk since its previous sync (its own I/O counters).
+    #[serde(default)]
+    pub bytes_written: u64,
 }
 
 impl SyncRecord {
@@ -161,6 +164,10 @@ pub struct RoundClose {
     pub rejected: Vec<String>,
     /// The norm-preserving outer scale, mean over the averaged values.
     pub outer_scale: Option<f64>,
+    /// Bytes the server wrote to disk since the previous round was published (its own I/O
+    /// counters): this round's delta, uploads kept, whole models, logs.
+    #[serde(default)]
+    pub bytes_written: u64,
 }
 
 /// One expert's merge in a round.
@@ -283,6 +290,7 @@ mod tests {
             sync_s: 0.5,
             idle_s: 1.0,
             compute_s: 3.0,
+            bytes_written: 9,
         };
         let text = serde_json::to_string(&sync).unwrap();
         assert!(text.contains("\"event\":\"sync\""), "{text}");

@@ -292,19 +292,47 @@ impl Trainer {
         Ok(Some(dir))
     }
 
-    /// A copy of the current state to write under `root` while training goes on. With
-    /// several ranks every rank must call it; rank 0 gets the copy, the others `None`.
-    pub fn snapshot(&self, root: &Path) -> Result<Option<checkpoint::Snapshot>> {
+    /// A copy of the current state to write under `root` while training goes on, keeping the
+    /// newest `keep` checkpoints there; the weights only `with_model` (a SPES node's mid-run
+    /// checkpoints leave them to the server). With several ranks every rank must call it;
+    /// rank 0 gets the copy, the others `None`.
+    pub fn snapshot(
+        &self,
+        root: &Path,
+        with_model: bool,
+        keep: usize,
+    ) -> Result<Option<checkpoint::Snapshot>> {
         let Some(moments) = self.optimizer_state()? else {
             return Ok(None);
         };
+        let model = with_model.then(|| self.model_tensors());
         Ok(Some(checkpoint::Snapshot::new(
             root,
             self.train_state(),
-            &self.model_tensors(),
+            model.as_deref(),
             &moments,
-            self.cfg.train.keep_checkpoints,
+            keep,
         )))
+    }
+
+    /// Goes on from optimizer step `step` (a SPES node that rejoins at the current round): the
+    /// learning-rate schedule follows the step, and the data stream skips the windows of the
+    /// steps in between, so none is read twice.
+    pub fn skip_to(&mut self, step: u64) -> Result<()> {
+        if step <= self.step {
+            return Ok(());
+        }
+        let world = self.dp.as_ref().map_or(1, DataParallel::world);
+        let rows = (self.cfg.train.batch_size * self.cfg.train.grad_accum * world) as u64;
+        let position = self.loader.position() + (step - self.step) * rows;
+        self.loader = spes_data::Loader::open(
+            &self.cfg.data.path,
+            self.cfg.train.seq_len,
+            self.cfg.train.seed,
+            position,
+        )?;
+        self.step = step;
+        Ok(())
     }
 
     /// Every rank's optimizer moments, on rank 0; `None` on the others.
@@ -320,7 +348,7 @@ impl Trainer {
 
     fn train_state(&self) -> TrainState {
         TrainState {
-            format_version: 1,
+            format_version: checkpoint::FORMAT_VERSION,
             step: self.step,
             tokens: self.tokens,
             data_position: self.loader.position(),
@@ -331,7 +359,8 @@ impl Trainer {
         }
     }
 
-    /// Restores model, optimizer, step, token count and data position from a checkpoint.
+    /// Restores model, optimizer, step, token count and data position from a checkpoint (one
+    /// without weights leaves the model freshly initialised).
     pub fn resume_from(
         cfg: RunConfig,
         device: Device,
@@ -370,8 +399,12 @@ impl Trainer {
         model: MoeModel,
         trainable: impl Fn(Role) -> bool,
     ) -> Result<Self> {
-        let source = dir.join(checkpoint::MODEL_FILE);
-        model.load(&ck.model, &source.display().to_string())?;
+        // Without weights (a SPES node's mid-run checkpoint) the model keeps its fresh
+        // values until the server's model is loaded.
+        if let Some(weights) = &ck.model {
+            let source = dir.join(checkpoint::MODEL_FILE);
+            model.load(weights, &source.display().to_string())?;
+        }
         let mut tr = Self::with_model(cfg, device, model, trainable, ck.state.data_position)?;
         let source = dir.join(checkpoint::OPTIMIZER_FILE);
         let optimizer = ck

@@ -3,11 +3,11 @@
 //! means, the fetched round applied, and the sync's checkpoint and record.
 
 use super::transport::{explain, Exchange, UploadFile};
-use super::{Node, Pending, LOADED_ROUND};
+use super::{Node, Pending};
 use crate::proto::refusal::Kind as Refused;
 use crate::proto::PayloadHeader;
 use crate::refusal;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use spes_sync::{delta, Named, Published};
 use spes_train::metrics::{Event, SyncRecord};
 use std::time::Instant;
@@ -128,17 +128,9 @@ impl Node {
         let sync_s = t0.elapsed().as_secs_f64();
         let h = self.trainer.cfg.sync.sync_steps;
         let loaded = self.replica.base_round().unwrap_or(self.trainer.step / h);
-        // Written on a thread while the next round trains; the one before must be done, so
-        // at most one copy of the state is in flight.
-        self.finish_checkpoint()?;
-        // With overlap the step does not say which round the weights hold; this file does.
-        let snapshot = self
-            .trainer
-            .snapshot(&self.session.out.join("checkpoints"))?
-            .context("rank 0 holds the node's checkpoint")?
-            .with_file(LOADED_ROUND, loaded.to_string().into_bytes());
-        self.checkpointing = Some(std::thread::spawn(move || snapshot.write()));
+        self.checkpoint(loaded)?;
         let compute_s = self.meter.take_round_compute_s();
+        let bytes_written = self.meter.take_bytes_written();
         self.meter.log_sync(SyncRecord {
             event: Event::Sync,
             step: self.trainer.step,
@@ -148,6 +140,7 @@ impl Node {
             sync_s,
             idle_s: idle_from.elapsed().as_secs_f64(),
             compute_s,
+            bytes_written,
         })?;
         Ok(loaded)
     }
@@ -208,7 +201,14 @@ impl Node {
             false
         };
         if !kept_progress {
-            self.trainer.step = header.round * h;
+            // Behind (a joiner, a restart from an older checkpoint): the data stream skips
+            // the steps in between. Ahead (the server lost rounds): the step goes back.
+            let step = header.round * h;
+            if step > self.trainer.step {
+                self.trainer.skip_to(step)?;
+            } else {
+                self.trainer.step = step;
+            }
         }
         self.meter.bytes_down += header.total_bytes;
         self.trainer.publish_weights()

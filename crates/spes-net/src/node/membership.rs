@@ -2,25 +2,95 @@
 //! admitted from a later round), taking a round as its delta base, following each round's
 //! ownership into the trainer, and asking to join again after an eviction.
 
+use super::saved::Saved;
 use super::transport::explain;
 use super::Node;
 use crate::proto::{JoinReply, PayloadHeader};
 use anyhow::Result;
-use spes_sync::{FetchPlan, Follow};
+use spes_sync::{FetchPlan, Follow, ReplicaState};
 use tonic::Code;
 
 impl Node {
-    /// Brings the node to the model it trains next, after a join.
-    /// `loaded`: the round a resumed checkpoint's weights hold, if it says.
-    pub(super) fn enter(
-        &mut self,
-        reply: &JoinReply,
-        resumed: bool,
-        loaded: Option<u64>,
-    ) -> Result<()> {
+    /// Brings the node to the model it trains next, after a join: the round it is admitted
+    /// from (a joiner), the newest model (fresh, or resumed from a checkpoint older than the
+    /// newest round: its AdamW moments are kept, and its step and data follow the round), or
+    /// the weights its checkpoint describes when that is the newest round.
+    pub(super) fn enter(&mut self, reply: &JoinReply, saved: Option<Saved>) -> Result<()> {
         if reply.member_from > 0 {
             return self.wait_for_membership(reply.member_from);
         }
+        let newest = reply.published_round;
+        match saved {
+            None => {
+                // Fresh: start from θ⁰, or from the newest model when starting late.
+                let header = self.fetch_and_load(if newest > 0 { None } else { Some(0) })?;
+                self.follow(&header)
+            }
+            Some(Saved {
+                replica: Some(state),
+                ..
+            }) if state.base_round == newest => self.restore(state),
+            Some(Saved {
+                has_model: true,
+                loaded,
+                ..
+            }) => self.resume_with_weights(reply, loaded),
+            Some(saved) => {
+                // Behind (or ahead of a server that rolled back): the newest model, with the
+                // checkpoint's AdamW moments; step and data follow the round.
+                let from = saved
+                    .replica
+                    .as_ref()
+                    .map(|r| r.base_round)
+                    .or(saved.loaded);
+                tracing::info!(
+                    "node {}: resumed from its checkpoint of round {} (step {}); rejoining at round {newest}",
+                    self.peer(),
+                    from.map_or("?".into(), |r| r.to_string()),
+                    self.trainer.step
+                );
+                let header = self.fetch_and_load(None)?;
+                self.follow(&header)
+            }
+        }
+    }
+
+    /// Rebuilds the weights a checkpoint without a model describes: round `base_round`'s
+    /// model (the newest) plus the saved remainder.
+    fn restore(&mut self, state: ReplicaState) -> Result<()> {
+        let round = state.base_round;
+        let plan = FetchPlan {
+            round: Some(round),
+            have_previous: false,
+            skip_own: false,
+        };
+        let fetched = match self.link.fetch(&plan) {
+            Ok(f) => f,
+            Err(s) if s.code() == Code::NotFound => {
+                tracing::warn!(
+                    "node {}: {}; taking the newest model",
+                    self.peer(),
+                    s.message()
+                );
+                let header = self.fetch_and_load(None)?;
+                return self.follow(&header);
+            }
+            Err(s) => return Err(explain(s, "the server")),
+        };
+        let weights = self.weights();
+        self.replica.restore(state, fetched.read()?, &weights)?;
+        self.trainer
+            .set_trainable(|role| self.replica.trains(role))?;
+        self.meter.bytes_down += fetched.header.total_bytes;
+        self.trainer.model.refresh_resident();
+        self.trainer.publish_weights()?;
+        self.follow(&fetched.header)
+    }
+
+    /// Continues from a checkpoint that holds the weights (the last round's, or one of an
+    /// older spes, which checkpointed every round): exactly where it was when they are the
+    /// newest round's, else from the newest model.
+    fn resume_with_weights(&mut self, reply: &JoinReply, loaded: Option<u64>) -> Result<()> {
         let sync = &self.trainer.cfg.sync;
         let (h, keeps_progress, delta_wire) =
             (sync.sync_steps, sync.keeps_progress(), sync.wire.is_delta());
@@ -30,11 +100,8 @@ impl Node {
             None if !keeps_progress => Some(self.trainer.step / h),
             None => None,
         };
-        let Some(at) = at.filter(|&r| resumed && reply.published_round == r) else {
-            // Fresh: start from θ⁰ (or the newest model when starting late); resumed but
-            // behind (or ahead of a server that rolled back): take the newest model.
-            let newest = resumed || reply.published_round > 0;
-            let header = self.fetch_and_load(if newest { None } else { Some(0) })?;
+        let Some(at) = at.filter(|&r| reply.published_round == r) else {
+            let header = self.fetch_and_load(None)?;
             return self.follow(&header);
         };
         let owners = self.owners_from_join(reply);
@@ -43,13 +110,11 @@ impl Node {
         self.replica.follow(&owners, &members, &weights);
         self.trainer
             .set_trainable(|role| self.replica.trains(role))?;
-        if delta_wire {
-            if !keeps_progress && self.trainer.step.is_multiple_of(h) {
-                // Saved right after loading round `at`: the trained tensors are that round's.
-                self.replica.hold(at, &weights);
-            } else {
-                self.fetch_base(at)?;
-            }
+        if !keeps_progress && self.trainer.step.is_multiple_of(h) || !delta_wire {
+            // Saved right after loading round `at`: the trained tensors are that round's.
+            self.replica.hold(at, &weights);
+        } else {
+            self.fetch_base(at)?;
         }
         Ok(())
     }

@@ -23,6 +23,8 @@ pub(super) struct Meter {
     window: (u64, f64),
     /// Seconds of the steps of the round in progress.
     round_compute_s: f64,
+    /// The process's bytes written to disk at the last sync.
+    written: u64,
     pub started: Instant,
 }
 
@@ -60,6 +62,7 @@ impl Meter {
             bytes_down: 0,
             window: (0, 0.0),
             round_compute_s: 0.0,
+            written: spes_train::bench::bytes_written(),
             started: Instant::now(),
         })
     }
@@ -93,7 +96,13 @@ impl Meter {
         std::mem::take(&mut self.round_compute_s)
     }
 
-    /// Logs a sync and counts its bytes.
+    /// Bytes the process wrote to disk since the last call.
+    pub fn take_bytes_written(&mut self) -> u64 {
+        let now = spes_train::bench::bytes_written();
+        now.saturating_sub(std::mem::replace(&mut self.written, now))
+    }
+
+    /// Logs a sync.
     pub fn log_sync(&mut self, record: SyncRecord) -> Result<()> {
         self.log.write(&record)?;
         let message = format!("synced round {}", record.round);

@@ -14,6 +14,7 @@
 mod exchange;
 mod membership;
 mod meter;
+mod saved;
 mod session;
 mod transport;
 
@@ -86,6 +87,8 @@ pub struct Node {
     meter: Meter,
     /// The checkpoint being written while training goes on.
     checkpointing: Option<std::thread::JoinHandle<Result<PathBuf>>>,
+    /// When the last checkpoint was taken (or the node started).
+    last_checkpoint: Instant,
 }
 
 impl Drop for Node {
@@ -96,9 +99,6 @@ impl Drop for Node {
         }
     }
 }
-
-/// In a node checkpoint: the round whose global model its weights were loaded from.
-const LOADED_ROUND: &str = "loaded-round";
 
 impl Node {
     /// Connects, joins, and brings a fresh or resumed trainer to the newest published model
@@ -132,11 +132,7 @@ impl Node {
         let layout = spes_sync::Layout::of(&trainer.model);
         link.set_layout(&layout);
         session.start_heartbeat(&link, reply.lease_ms);
-        let loaded = resumed.as_ref().and_then(|dir| {
-            std::fs::read_to_string(dir.join(LOADED_ROUND))
-                .ok()
-                .and_then(|t| t.trim().parse::<u64>().ok())
-        });
+        let saved = resumed.as_deref().map(saved::read).transpose()?;
         let mut node = Node {
             replica: Replica::new(opts.peer, cfg.sync.clone(), layout),
             session,
@@ -145,8 +141,9 @@ impl Node {
             pending: None,
             meter,
             checkpointing: None,
+            last_checkpoint: Instant::now(),
         };
-        node.enter(&reply, resumed.is_some(), loaded)?;
+        node.enter(&reply, saved)?;
         Ok(node)
     }
 

@@ -209,6 +209,31 @@ pub async fn raw_client(url: &str, token: &str) -> RawClient {
     SpesClient::with_interceptor(channel, AddToken::new(Some(token)).unwrap())
 }
 
+/// Round `round`'s whole model as peer 0 fetches it from the server at `url`.
+pub fn fetch_whole(url: &str, round: u64, dir: &Path) -> spes_sync::Named {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = raw_client(url, &cred(0)).await;
+        let req = spes_net::proto::FetchRequest {
+            peer: 0,
+            round,
+            newest: false,
+            wait_ms: 1000,
+            have_previous: false,
+            skip_own: false,
+        };
+        let mut stream = c.fetch(req).await.unwrap().into_inner();
+        let idle = std::time::Duration::from_secs(10);
+        let header = payload::read_header(&mut stream, idle).await.unwrap();
+        assert!(!header.delta);
+        let path = dir.join(format!("whole-{round}.part"));
+        payload::receive_body(&mut stream, &path, &header, idle)
+            .await
+            .unwrap();
+        payload::read_parts(&path, &header.parts).unwrap()
+    })
+}
+
 /// Metrics lines of a server's `metrics.jsonl`.
 pub fn metrics(out: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(out.join("metrics.jsonl"))

@@ -1,0 +1,271 @@
+//! The round closer and the scorer, each on its own thread. The closer closes a round when
+//! every live member uploaded or it timed out, publishes it durably (retrying until it works),
+//! announces it, and hands it to the scorer, which adds the global model's validation loss and
+//! expert load to the round's record and writes it to `metrics.jsonl`.
+
+use super::store::Publication;
+use super::State;
+use anyhow::Result;
+use spes_data::ValWindows;
+use spes_model::MoeModel;
+use spes_sync::{Named, RoundDelta, RoundReport};
+use spes_train::metrics::{MergeRecord, MetricsLog, RoundClose, RoundRecord};
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+use tch::Device;
+
+/// Scores published models: validation loss, expert load, and tasks when due.
+pub(super) struct Evaluator {
+    pub model: MoeModel,
+    pub val: ValWindows,
+    pub batch: usize,
+    pub max_batches: usize,
+    pub device: Device,
+    pub tasks: Option<spes_train::task_hook::TaskHook>,
+}
+
+impl Evaluator {
+    /// Adds `val_loss`, `expert_load` and `tasks` to a round's record.
+    fn score(&self, global: &Named, step: u64, record: &mut RoundRecord) -> Result<()> {
+        self.model.load(global, "published model")?;
+        let (val_loss, expert_load) = spes_train::validation_stats(
+            &self.model,
+            &self.val,
+            self.batch,
+            self.max_batches,
+            self.device,
+        );
+        record.val_loss = Some(val_loss);
+        record.expert_load = Some(expert_load);
+        if let Some(t) = self.tasks.as_ref().filter(|t| t.due(step)) {
+            record.tasks = Some(t.score(&self.model)?);
+        }
+        Ok(())
+    }
+}
+
+/// A published round waiting to be scored and logged.
+pub(super) struct ScoreJob {
+    pub step: u64,
+    pub global: Named,
+    pub record: RoundRecord,
+}
+
+/// Traffic and events since the last round line.
+#[derive(Default)]
+pub(super) struct RoundIo {
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub rejected: Vec<String>,
+    /// Nodes that said they finished (kept across rounds).
+    pub done: BTreeSet<usize>,
+}
+
+/// The metrics line of a closed round, before scoring.
+fn round_record(
+    r: &RoundReport,
+    tokens: u64,
+    io: RoundIo,
+    aggregation_s: f64,
+    round_s: f64,
+) -> RoundRecord {
+    RoundRecord {
+        round: r.round,
+        step: r.step,
+        tokens,
+        members: r.members.clone(),
+        owners: r.owners.clone(),
+        close: Some(RoundClose {
+            peers: r.peers.clone(),
+            missing: r.missing.clone(),
+            evicted: r.evicted.clone(),
+            joined: r.joined.clone(),
+            discarded: r.discarded.clone(),
+            bytes_in: io.bytes_in,
+            bytes_out: io.bytes_out,
+            aggregation_s,
+            round_s,
+            merge_alpha: r.merge_alpha,
+            merges: r
+                .merges
+                .iter()
+                .map(|m| MergeRecord {
+                    layer: m.layer,
+                    expert: m.expert,
+                    neighbours: m.neighbours.clone(),
+                })
+                .collect(),
+            rejected: io.rejected,
+            outer_scale: r.outer_scale,
+            bytes_written: 0,
+        }),
+        ..RoundRecord::default()
+    }
+}
+
+/// The round closer: closes ready rounds, publishes them (retrying until it works), announces
+/// them and hands them to the scorer; says every minute when no node is alive; signals `done`
+/// once the last round is out and every member said it finished (or `linger_s` passed).
+pub(super) fn run_closer(
+    s: Arc<State>,
+    wake: mpsc::Receiver<()>,
+    scorer: mpsc::Sender<ScoreJob>,
+    stop: Arc<AtomicBool>,
+    done: tokio::sync::oneshot::Sender<()>,
+    linger_s: f64,
+) {
+    let mut final_at: Option<f64> = None;
+    let mut opened_at = s.now();
+    let mut last_alone_warning = f64::NEG_INFINITY;
+    let mut written_before = spes_train::bench::bytes_written();
+    let mut last_full = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        let _ = wake.recv_timeout(Duration::from_millis(100));
+        let now = s.now();
+        let closed = {
+            let mut coord = s.coord.lock().unwrap();
+            if coord.live_members(now).is_empty() && now - last_alone_warning >= 60.0 {
+                last_alone_warning = now;
+                tracing::warn!(
+                    "no node is alive: round {} stays open, state kept; waiting for nodes to (re)join",
+                    coord.round()
+                );
+            }
+            if coord.ready(now) {
+                let t0 = Instant::now();
+                let report = coord.close(now);
+                let global = shallow(coord.global().0);
+                let delta = coord.delta().map(|d| RoundDelta {
+                    delta: shallow(&d.delta),
+                    verbatim: d.verbatim.clone(),
+                });
+                Some((
+                    report,
+                    global,
+                    delta,
+                    coord.carried(),
+                    coord.scope().clone(),
+                    coord.gone().clone(),
+                    t0.elapsed().as_secs_f64(),
+                ))
+            } else {
+                None
+            }
+        };
+        if let Some((report, global, delta, carried, next, gone, aggregation_s)) = closed {
+            let tokens = s.progress.lock().unwrap().newest().tokens
+                + report.peers.len() as u64 * s.cfg.sync.sync_steps * s.cfg.tokens_per_step();
+            let io = {
+                let mut io = s.io.lock().unwrap();
+                let done = io.done.clone();
+                let taken = std::mem::take(&mut *io);
+                io.done = done;
+                taken
+            };
+            let record = round_record(&report, tokens, io, aggregation_s, now - opened_at);
+            let publication = Publication {
+                round: report.round,
+                global: &global,
+                next: &next,
+                tokens,
+                gone: &gone,
+                record: record.clone(),
+                delta: delta.as_ref(),
+                carried,
+                full: s.full_round(report.round, last_full.elapsed().as_secs_f64()),
+            };
+            let mut pause = Duration::from_millis(500);
+            while let Err(e) = s.store.publish(&s.progress, &publication) {
+                tracing::error!(
+                    "publishing round {} failed, retrying in {:.1} s: {e:#}",
+                    report.round,
+                    pause.as_secs_f64()
+                );
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_secs(30));
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+            }
+            s.published.send_replace(report.round);
+            if publication.full {
+                last_full = Instant::now();
+            }
+            opened_at = s.now();
+            let mut record = record;
+            if let Some(c) = &mut record.close {
+                let written = spes_train::bench::bytes_written();
+                c.bytes_written = written.saturating_sub(written_before);
+                written_before = written;
+            }
+            tracing::info!(
+                "round {} published: peers {:?}{}{}{}",
+                report.round,
+                report.peers,
+                report
+                    .merge_alpha
+                    .map(|a| format!(", merged {} experts with α {a:.4}", report.merges.len()))
+                    .unwrap_or_default(),
+                if report.evicted.is_empty() {
+                    String::new()
+                } else {
+                    format!(", evicted {:?}", report.evicted)
+                },
+                if report.joined.is_empty() {
+                    String::new()
+                } else {
+                    format!(", admitted {:?}", report.joined)
+                },
+            );
+            let _ = scorer.send(ScoreJob {
+                step: report.step,
+                global,
+                record,
+            });
+        }
+        if *s.published.borrow() >= s.final_round {
+            let now = s.now();
+            let at = *final_at.get_or_insert(now);
+            let members = s.coord.lock().unwrap().scope().members();
+            let all = members.is_subset(&s.io.lock().unwrap().done);
+            if all || now - at >= linger_s {
+                let _ = done.send(());
+                return;
+            }
+        }
+    }
+}
+
+/// Scores and logs published rounds in order, on its own thread.
+pub(super) fn run_scorer(
+    s: Arc<State>,
+    eval: Option<Evaluator>,
+    jobs: mpsc::Receiver<ScoreJob>,
+    mut metrics: MetricsLog,
+) {
+    for mut job in jobs {
+        if let Some(e) = &eval {
+            if let Err(err) = e.score(&job.global, job.step, &mut job.record) {
+                tracing::error!("scoring round {} failed: {err:#}", job.record.round);
+            }
+        }
+        if let Some(v) = job.record.val_loss {
+            *s.last_val_loss.lock().unwrap() = Some(v);
+            if job.record.round == 0 {
+                s.progress.lock().unwrap().initial_val_loss = Some(v);
+            }
+        }
+        if let Err(e) = metrics.write(&job.record) {
+            tracing::error!("cannot write metrics.jsonl: {e:#}");
+        }
+    }
+}
+
+pub(super) fn shallow(named: &Named) -> Named {
+    named
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect()
+}

@@ -1,0 +1,463 @@
+//! `spes server`: a gRPC shell around the spes-sync [`Coordinator`]. `store` keeps its state on
+//! disk and restarts into it (docs/design/server-state.md); `closer` closes, publishes and
+//! scores rounds on their own threads; `service` is the gRPC handlers, which check every
+//! upload's header before reading its body. [`serve`] wires them together.
+//!
+//! With `--shard i/k` the server owns only `Layout::shard(i, k)` and does not score.
+
+mod closer;
+mod service;
+mod store;
+
+use crate::auth::CheckCredential;
+use crate::proto::spes_server::SpesServer;
+use crate::{payload, refusal};
+use anyhow::{Context, Result};
+use closer::{run_closer, run_scorer, shallow, Evaluator, RoundIo, ScoreJob};
+use serde::Serialize;
+use service::Service;
+use spes_data::ValWindows;
+use spes_sync::{Coordinator, Layout, Scope, Standing, Start};
+use spes_train::metrics::{MetricsLog, RoundRecord};
+use spes_train::RunConfig;
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+use store::{Publication, ServerState, Store, Stored};
+use tch::Device;
+use tokio::sync::watch;
+use tonic::Status;
+
+/// How to run a server.
+pub struct ServerOptions {
+    pub cfg: RunConfig,
+    pub out: PathBuf,
+    /// The run secret that node credentials derive from; `None` only when the operator
+    /// disabled auth explicitly.
+    pub secret: Option<String>,
+    /// PEM certificate chain and private key, to serve TLS.
+    pub tls: Option<(Vec<u8>, Vec<u8>)>,
+    /// Initial weights (a safetensors file with this model's tensor names) instead of a fresh init.
+    pub init: Option<PathBuf>,
+    /// Device for scoring the published model.
+    pub device: Device,
+    /// After the last round, keep serving until every node said it is done or this long passed.
+    pub linger_s: f64,
+    pub limits: Limits,
+    /// This process is shard `.0` of `.1` (`--shard i/k`): it owns `Layout::shard(i, k)`.
+    pub shard: (usize, usize),
+}
+
+/// What one client may cost the server.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Uploads received at once; more wait up to `slot_wait`, then are refused (retryable).
+    pub max_concurrent_uploads: usize,
+    pub slot_wait: Duration,
+    /// A stream that sends nothing this long is cut.
+    pub idle_timeout: Duration,
+    /// The longest a fetch may wait for a round to be published.
+    pub max_wait: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_concurrent_uploads: 4,
+            slot_wait: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
+            max_wait: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What a finished server reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct ServerSummary {
+    pub rounds: u64,
+    pub tokens: u64,
+    pub initial_val_loss: Option<f64>,
+    pub final_val_loss: Option<f64>,
+    pub wall_s: f64,
+}
+
+/// What the handlers, the round closer and the scorer share.
+struct State {
+    cfg: RunConfig,
+    store: Store,
+    limits: Limits,
+    layout: Layout,
+    coord: Mutex<Coordinator>,
+    clock: Instant,
+    published: watch::Sender<u64>,
+    progress: Mutex<ServerState>,
+    io: Mutex<RoundIo>,
+    upload_slots: tokio::sync::Semaphore,
+    /// Wakes the round closer after an accepted upload.
+    wake: mpsc::SyncSender<()>,
+    final_round: u64,
+    last_val_loss: Mutex<Option<f64>>,
+    shard: (usize, usize),
+    /// The newest round's whole model, written when a fetch first asks for it.
+    served: Mutex<Option<(u64, Stored)>>,
+}
+
+impl State {
+    /// Whether round `round` is published with its whole model, `since_full_s` after the last
+    /// one was: every round of the fp32 wire, every `sync.checkpoint_every_rounds`, once
+    /// `sync.checkpoint_every_s` passed, and the last.
+    fn full_round(&self, round: u64, since_full_s: f64) -> bool {
+        let s = &self.cfg.sync;
+        !s.wire.is_delta()
+            || (s.checkpoint_every_rounds > 0 && round.is_multiple_of(s.checkpoint_every_rounds))
+            || (s.checkpoint_every_s > 0.0 && since_full_s >= s.checkpoint_every_s)
+            || round >= self.final_round
+    }
+
+    /// The whole model of published round `round`, as a stored file: its checkpoint, or, for
+    /// the newest round, a file written now from memory (once; a joiner or a node that fell
+    /// behind asks for it).
+    fn whole_model(&self, round: u64) -> Option<Stored> {
+        if let Some(f) = self
+            .progress
+            .lock()
+            .unwrap()
+            .fulls
+            .iter()
+            .find(|f| f.round == round)
+        {
+            return Some(f.model.clone());
+        }
+        let mut served = self.served.lock().unwrap();
+        if let Some((r, stored)) = served.as_ref() {
+            if *r == round {
+                return Some(stored.clone());
+            }
+        }
+        let global = {
+            let coord = self.coord.lock().unwrap();
+            let (global, newest) = coord.global();
+            (newest == round).then(|| closer::shallow(global))?
+        };
+        let file = format!("global/round-{round:06}.model.safetensors");
+        let stored = match self.store.write(&file, &global, tch::Kind::Float) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!("cannot write round {round}'s model for a fetch: {e:#}");
+                return None;
+            }
+        };
+        if let Some((_, old)) = served.replace((round, stored.clone())) {
+            let _ = std::fs::remove_file(self.store.out.join(old.file));
+        }
+        Some(stored)
+    }
+
+    fn now(&self) -> f64 {
+        self.clock.elapsed().as_secs_f64()
+    }
+
+    fn reject(&self, peer: u32, round: u64, status: Status) -> Status {
+        tracing::warn!(
+            "rejected a call of peer {peer} for round {round}: {}",
+            status.message()
+        );
+        self.io
+            .lock()
+            .unwrap()
+            .rejected
+            .push(format!("peer {peer} round {round}: {}", status.message()));
+        status
+    }
+
+    /// Joins or renews `peer`'s lease. If that admitted it into the open round at once (no
+    /// node was live), the newest round's record of who trains next is updated and persisted,
+    /// so fetches and a restarted server see the new members.
+    fn join(
+        &self,
+        peer: usize,
+        session: u64,
+        join: bool,
+    ) -> Result<(Standing, Scope, u64), Status> {
+        let mut coord = self.coord.lock().unwrap();
+        let before = coord.scope().members();
+        let standing = coord
+            .join(peer, session, join, self.now())
+            .map_err(|e| refusal::of_round_error(&e))?;
+        let scope = coord.scope().clone();
+        let published = coord.global().1;
+        if scope.members() != before {
+            let mut st = self.progress.lock().unwrap();
+            if let Some(newest) = st.rounds.last_mut().filter(|r| r.round == published) {
+                newest.owners = scope.owners();
+                newest.members = scope.members().into_iter().collect();
+                if let Err(e) = st.save(&self.store.out) {
+                    tracing::error!("cannot record the new members: {e:#}");
+                }
+            }
+        }
+        Ok((standing, scope, published))
+    }
+
+    /// After a restart: folds in the open round's uploads that were acknowledged before.
+    fn reapply_pending(&self) -> Result<()> {
+        let mut coord = self.coord.lock().unwrap();
+        let open = coord.round();
+        store::remove_pending(&self.store.out, |r| r != open);
+        for peer in coord.scope().members() {
+            let path = self.store.pending_path(open, peer);
+            if path.exists() {
+                let now = self.now();
+                let fold = |named| coord.upload(peer, 0, open, named, now);
+                // Safety: as in `accept`.
+                match unsafe { payload::with_mapped(&path, fold) }? {
+                    Ok(()) => tracing::info!(
+                        "re-applied the acknowledged upload of peer {peer} for round {open}"
+                    ),
+                    Err(e) => tracing::warn!("dropped a pending upload of peer {peer}: {e}"),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The exact payload size an upload of `peer` must announce in the open round.
+    fn expected_upload_bytes(&self, scope: &Scope, peer: usize) -> u64 {
+        let entries: Vec<(String, Vec<i64>, tch::Kind)> = self
+            .layout
+            .entries
+            .iter()
+            .filter(|(_, role, _)| scope.uploads(peer, *role))
+            .flat_map(|(n, _, s)| spes_sync::delta::wire_entries(&self.cfg.sync, n, s))
+            .collect();
+        payload::expected_size(
+            entries
+                .iter()
+                .map(|(n, s, k)| (n.as_str(), s.as_slice(), *k)),
+        )
+    }
+}
+
+/// Runs a server on an already bound listener until the last round is published and fetched
+/// (or `linger_s` passed), or until `shutdown` resolves.
+pub async fn serve(
+    opts: ServerOptions,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<ServerSummary> {
+    let cfg = opts.cfg.clone();
+    let opened = store::open(&opts)?;
+    let layout = opened.layout.clone();
+    let (scope, published_round, gone) = match opened.progress.rounds.last() {
+        Some(newest) => (
+            Scope::from_lists(&newest.owners, &newest.members)?,
+            newest.round,
+            opened.progress.gone.iter().copied().collect(),
+        ),
+        None => (cfg.sync.scope(cfg.model.n_experts)?, 0, BTreeSet::new()),
+    };
+    let eval = match ValWindows::open(&cfg.data.path, cfg.train.seq_len) {
+        // A shard holds part of the model; score with `spes eval` on a node's checkpoint.
+        Ok(_) if opts.shard.1 > 1 => None,
+        Ok(val) => Some(Evaluator {
+            model: opened.model,
+            val,
+            batch: cfg.train.batch_size,
+            max_batches: cfg.train.eval_batches,
+            device: opts.device,
+            tasks: spes_train::task_hook::TaskHook::load(&cfg, opts.device)?,
+        }),
+        Err(e) => {
+            tracing::warn!("no validation loss on the server: {e:#}");
+            None
+        }
+    };
+    let metrics = MetricsLog::open(
+        &opts.out,
+        (!opened.fresh).then_some(published_round * cfg.sync.sync_steps),
+    )?;
+    let logged = last_logged_round(&opts.out);
+    let (published, _) = watch::channel(published_round);
+    let (wake_tx, wake_rx) = mpsc::sync_channel(1);
+    let clock = Instant::now();
+    let mut progress = opened.progress;
+    if progress.initial_val_loss.is_none() {
+        progress.initial_val_loss = logged.as_ref().and_then(|l| l.initial_val_loss);
+    }
+    // The fastest-moving tensors bound the check: experts step at lr · expert_lr_scale.
+    let peak_lr = cfg.train.lr * cfg.train.expert_lr_scale.max(1.0);
+    let mut coord = Coordinator::new(
+        layout.clone(),
+        scope.clone(),
+        cfg.sync.clone(),
+        cfg.sync.max_update_rms(peak_lr),
+        Start {
+            global: shallow(&opened.global),
+            published: published_round,
+            gone,
+        },
+        0.0,
+    );
+    coord
+        .restore_carried(opened.carried)
+        .map_err(|e| anyhow::anyhow!("round {published_round}'s carried state: {e}"))?;
+    let state = Arc::new(State {
+        final_round: cfg.train.max_steps / cfg.sync.sync_steps,
+        coord: Mutex::new(coord),
+        layout,
+        limits: opts.limits,
+        cfg: cfg.clone(),
+        store: Store {
+            out: opts.out.clone(),
+            keep: cfg.sync.keep_checkpoints,
+        },
+        served: Mutex::new(None),
+        published,
+        clock,
+        progress: Mutex::new(progress),
+        io: Mutex::new(RoundIo::default()),
+        upload_slots: tokio::sync::Semaphore::new(opts.limits.max_concurrent_uploads.max(1)),
+        wake: wake_tx,
+        last_val_loss: Mutex::new(logged.as_ref().and_then(|l| l.val_loss)),
+        shard: opts.shard,
+    });
+    let (score_tx, score_rx) = mpsc::channel();
+    if opened.fresh {
+        let record = RoundRecord {
+            members: scope.members().into_iter().collect(),
+            owners: scope.owners(),
+            ..RoundRecord::default()
+        };
+        state.store.publish(
+            &state.progress,
+            &Publication {
+                round: 0,
+                global: &opened.global,
+                next: &scope,
+                tokens: 0,
+                gone: &BTreeSet::new(),
+                record: record.clone(),
+                delta: None,
+                carried: Vec::new(),
+                full: true,
+            },
+        )?;
+        let _ = score_tx.send(ScoreJob {
+            step: 0,
+            global: opened.global,
+            record,
+        });
+    } else if logged.as_ref().is_none_or(|l| l.round < published_round) {
+        // Crashed after publishing, before logging: log the round again from the restart point.
+        let record = state.progress.lock().unwrap().record.clone();
+        if let Some(record) = record.filter(|r| r.round == published_round) {
+            let _ = score_tx.send(ScoreJob {
+                step: published_round * cfg.sync.sync_steps,
+                global: opened.global,
+                record,
+            });
+        }
+    }
+    state.reapply_pending()?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let closer = {
+        let (s, stop) = (state.clone(), stop.clone());
+        let linger = opts.linger_s;
+        let score_tx = score_tx.clone();
+        std::thread::spawn(move || run_closer(s, wake_rx, score_tx, stop, done_tx, linger))
+    };
+    drop(score_tx);
+    let scorer = {
+        let s = state.clone();
+        std::thread::spawn(move || run_scorer(s, eval, score_rx, metrics))
+    };
+
+    let mut builder = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .tcp_keepalive(Some(Duration::from_secs(30)));
+    if let Some((cert, key)) = &opts.tls {
+        let identity = tonic::transport::Identity::from_pem(cert, key);
+        builder = builder
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+            .context("invalid TLS certificate or key")?;
+    }
+    let svc = tonic::service::interceptor::InterceptedService::new(
+        SpesServer::new(Service {
+            state: state.clone(),
+        })
+        .max_decoding_message_size(payload::MAX_MESSAGE_BYTES),
+        CheckCredential {
+            secret: opts.secret.clone(),
+        },
+    );
+    let stop_serving = async move {
+        tokio::select! {
+            _ = shutdown => {},
+            _ = done_rx => {},
+        }
+    };
+    let served = builder
+        .add_service(svc)
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener),
+            stop_serving,
+        )
+        .await
+        .context("gRPC server failed");
+    stop.store(true, Ordering::Relaxed);
+    let _ = tokio::task::spawn_blocking(move || {
+        let _ = closer.join();
+        let _ = scorer.join();
+    })
+    .await;
+    served?;
+    let final_val_loss = *state.last_val_loss.lock().unwrap();
+    let st = state.progress.lock().unwrap();
+    let newest = st.newest();
+    let summary = ServerSummary {
+        rounds: newest.round,
+        tokens: newest.tokens,
+        initial_val_loss: st.initial_val_loss,
+        final_val_loss,
+        wall_s: state.clock.elapsed().as_secs_f64(),
+    };
+    Ok(summary)
+}
+
+/// The newest round logged in `metrics.jsonl`, its validation loss, and round 0's.
+struct Logged {
+    round: u64,
+    val_loss: Option<f64>,
+    initial_val_loss: Option<f64>,
+}
+
+fn last_logged_round(out: &Path) -> Option<Logged> {
+    let lines: Vec<RoundRecord> = spes_train::metrics::read(&out.join("metrics.jsonl"));
+    let last = lines.last()?;
+    Some(Logged {
+        round: last.round,
+        val_loss: lines.iter().rev().find_map(|r| r.val_loss),
+        initial_val_loss: lines.iter().find(|r| r.round == 0).and_then(|r| r.val_loss),
+    })
+}
+
+/// Binds `listen` and runs [`serve`] on a new runtime until done or Ctrl-C.
+pub fn run(opts: ServerOptions, listen: SocketAddr) -> Result<ServerSummary> {
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("cannot listen on {listen}"))?;
+        tracing::info!("spes server listening on {}", listener.local_addr()?);
+        let ctrl_c = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        serve(opts, listener, ctrl_c).await
+    })
+}

@@ -1,0 +1,249 @@
+//! The gRPC handlers: join and heartbeat (leases), fetch (a published round as a delta or a
+//! whole model), upload (header checked before the body is read, then folded into the open
+//! round and kept in `pending/` until it is published) and done.
+
+use super::store::{parse_hex, DeltaPart, Stored};
+use super::State;
+use crate::auth::{authorize, check_peer, AuthedPeer};
+use crate::proto::refusal::Kind;
+use crate::proto::spes_server::Spes;
+use crate::proto::{
+    Chunk, DoneReply, DoneRequest, FetchRequest, HeartbeatReply, JoinReply, JoinRequest,
+    PayloadHeader, UploadReply,
+};
+use crate::{payload, refusal};
+use spes_sync::Standing;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Request, Response, Status, Streaming};
+
+pub(super) struct Service {
+    pub state: Arc<State>,
+}
+
+fn standing_from(standing: Standing) -> u64 {
+    match standing {
+        Standing::Member => 0,
+        Standing::Joining { from } => from,
+    }
+}
+
+#[tonic::async_trait]
+impl Spes for Service {
+    async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinReply>, Status> {
+        let s = &self.state;
+        let peer = authorize(&req, req.get_ref().peer)?;
+        let r = req.get_ref();
+        let (standing, scope, published_round) = s.join(peer, r.session, r.join)?;
+        let owned = (0..s.cfg.model.n_experts)
+            .filter(|&e| {
+                standing == Standing::Member
+                    && scope.uploads(peer, spes_model::Role::Expert { layer: 0, index: e })
+            })
+            .map(|e| e as u32)
+            .collect();
+        match standing {
+            Standing::Member => tracing::info!("node {peer} joined"),
+            Standing::Joining { from } => {
+                tracing::info!("node {peer} joins the run from round {from}")
+            }
+        }
+        Ok(Response::new(JoinReply {
+            config_toml: toml::to_string(&s.cfg).map_err(|e| Status::internal(e.to_string()))?,
+            peers: scope.members().len() as u32,
+            owned_experts: owned,
+            published_round,
+            lease_ms: (s.cfg.sync.lease_s * 1000.0) as u64,
+            member_from: standing_from(standing),
+            shard: s.shard.0 as u32,
+            shards: s.shard.1 as u32,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<JoinRequest>,
+    ) -> Result<Response<HeartbeatReply>, Status> {
+        let s = &self.state;
+        let peer = authorize(&req, req.get_ref().peer)?;
+        let (standing, _, published_round) = s.join(peer, req.get_ref().session, false)?;
+        Ok(Response::new(HeartbeatReply {
+            published_round,
+            member_from: standing_from(standing),
+        }))
+    }
+
+    type FetchStream = ReceiverStream<Result<Chunk, Status>>;
+
+    async fn fetch(
+        &self,
+        req: Request<FetchRequest>,
+    ) -> Result<Response<Self::FetchStream>, Status> {
+        let s = self.state.clone();
+        let peer = authorize(&req, req.get_ref().peer)?;
+        let r = req.into_inner();
+        let mut rx = s.published.subscribe();
+        let round = if r.newest {
+            *rx.borrow()
+        } else {
+            let wait = Duration::from_millis(r.wait_ms as u64).min(s.limits.max_wait);
+            match tokio::time::timeout(wait, rx.wait_for(|&p| p >= r.round)).await {
+                Ok(Ok(_)) => r.round,
+                _ => {
+                    return Err(refusal::status(
+                        Code::Unavailable,
+                        Kind::Retry,
+                        r.round,
+                        format!("round {} is not published yet", r.round),
+                    ))
+                }
+            }
+        };
+        let gone = || {
+            Status::not_found(format!(
+                "round {round} is no longer kept; the newest is {}",
+                *s.published.borrow()
+            ))
+        };
+        let Some(meta) = s.progress.lock().unwrap().round(round).cloned() else {
+            return Err(gone());
+        };
+        // A delta only for a node that holds the round before it, exactly.
+        let as_delta = r.have_previous && round == r.round && !meta.parts.is_empty();
+        let skip = |p: &DeltaPart| r.skip_own && p.own == Some(peer);
+        let sent: Vec<Stored> = if as_delta {
+            meta.parts
+                .iter()
+                .filter(|p| !skip(p))
+                .map(|p| p.stored.clone())
+                .collect()
+        } else {
+            let state = s.clone();
+            let whole = tokio::task::spawn_blocking(move || state.whole_model(round))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?;
+            vec![whole.ok_or_else(gone)?]
+        };
+        let skipped_own = as_delta && meta.parts.iter().any(skip);
+        let files = sent.iter().map(|p| s.store.out.join(&p.file)).collect();
+        let parts: Vec<crate::proto::Part> = sent
+            .iter()
+            .map(|p| payload::part(p.bytes, parse_hex(&p.xxh3)))
+            .collect();
+        let header = PayloadHeader {
+            peer: peer as u32,
+            round,
+            total_bytes: parts.iter().map(|p| p.bytes).sum(),
+            parts,
+            session: 0,
+            owners: meta.owners.iter().map(|&o| o as u32).collect(),
+            members: meta.members.iter().map(|&m| m as u32).collect(),
+            delta: as_delta,
+            skipped_own,
+        };
+        s.io.lock().unwrap().bytes_out += header.total_bytes;
+        Ok(Response::new(payload::send(files, header, |_| {})))
+    }
+
+    async fn done(&self, req: Request<DoneRequest>) -> Result<Response<DoneReply>, Status> {
+        let s = &self.state;
+        let peer = authorize(&req, req.get_ref().peer)?;
+        s.io.lock().unwrap().done.insert(peer);
+        tracing::info!("node {peer} finished");
+        Ok(Response::new(DoneReply {}))
+    }
+
+    async fn upload(
+        &self,
+        req: Request<Streaming<Chunk>>,
+    ) -> Result<Response<UploadReply>, Status> {
+        let s = self.state.clone();
+        let idle = s.limits.idle_timeout;
+        let authed = req.extensions().get::<AuthedPeer>().copied();
+        let mut stream = req.into_inner();
+        let mut claimed = (u32::MAX, 0);
+        let result = async {
+            let header = payload::read_header(&mut stream, idle).await?;
+            claimed = (header.peer, header.round);
+            let peer = check_peer(authed, header.peer)?;
+            // Everything the header allows is checked before any data is read.
+            let expected = {
+                let mut coord = s.coord.lock().unwrap();
+                coord
+                    .check_upload(peer, header.session, header.round, s.now())
+                    .map_err(|e| refusal::of_round_error(&e))?;
+                s.expected_upload_bytes(coord.scope(), peer)
+            };
+            if header.total_bytes != expected {
+                return Err(refusal::status(
+                    Code::InvalidArgument,
+                    Kind::Invalid,
+                    0,
+                    format!(
+                        "upload announces {} bytes; peer {peer}'s tensors take exactly {expected}",
+                        header.total_bytes
+                    ),
+                ));
+            }
+            let _slot = tokio::time::timeout(s.limits.slot_wait, s.upload_slots.acquire())
+                .await
+                .map_err(|_| {
+                    refusal::status(
+                        Code::ResourceExhausted,
+                        Kind::Retry,
+                        0,
+                        "every upload slot is busy; try again",
+                    )
+                })?
+                .map_err(|_| Status::unavailable("the server is stopping"))?;
+            let part = s.store.out.join("incoming").join(format!(
+                "round-{:06}-peer-{peer}-{:016x}.part",
+                header.round,
+                rand::random::<u64>()
+            ));
+            if let Err(e) = payload::receive_body(&mut stream, &part, &header, idle).await {
+                let _ = std::fs::remove_file(&part);
+                return Err(e);
+            }
+            s.io.lock().unwrap().bytes_in += header.total_bytes;
+            let state = s.clone();
+            let round = header.round;
+            tokio::task::spawn_blocking(move || state.accept(peer, &header, &part))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))??;
+            let _ = s.wake.try_send(());
+            Ok(UploadReply { round })
+        }
+        .await;
+        result
+            .map(Response::new)
+            .map_err(|e| s.reject(claimed.0, claimed.1, e))
+    }
+}
+
+impl State {
+    /// Parses a received upload, folds it into the open round and keeps its file in
+    /// `pending/` until the round is published, so an acknowledged upload survives a crash.
+    fn accept(&self, peer: usize, header: &PayloadHeader, part: &Path) -> Result<(), Status> {
+        let accepted = (|| {
+            let mut coord = self.coord.lock().unwrap();
+            let now = self.now();
+            let fold = |named| coord.upload(peer, header.session, header.round, named, now);
+            // Safety: `Coordinator::upload` keeps none of an upload's storage, and `part` is
+            // this call's own file.
+            unsafe { payload::with_mapped(part, fold) }
+                .map_err(|e| {
+                    refusal::status(Code::InvalidArgument, Kind::Invalid, 0, format!("{e:#}"))
+                })?
+                .map_err(|e| refusal::of_round_error(&e))?;
+            let kept = self.store.pending_path(header.round, peer);
+            std::fs::rename(part, &kept)
+                .and_then(|_| spes_data::shard::sync_dir(&kept))
+                .map_err(|e| Status::internal(format!("cannot keep the upload: {e}")))
+        })();
+        let _ = std::fs::remove_file(part);
+        accepted
+    }
+}
