@@ -1,6 +1,8 @@
 //! Wire payloads: one or more safetensors files ("parts") streamed back to back in 1 MiB chunks
-//! behind a header that carries each part's size and xxh3 checksum. Both sides stream through
-//! files on disk, so neither holds a whole payload in memory as protobuf messages. A writer
+//! behind a header that carries each part's size and xxh3 checksum. The server streams through
+//! files on disk (what it receives must survive a crash; what it sends is kept anyway); a node
+//! sends its upload and receives a round's delta in memory, so a round writes nothing to its
+//! disk; neither side holds a payload as protobuf messages. A writer
 //! hashes while it writes, so a file is never read back to be checksummed. A receiver reads the
 //! header first, so it can refuse a payload before any of its data arrives, and cuts a stream
 //! that goes idle.
@@ -98,14 +100,10 @@ impl<W: Write> Write for Hashing<W> {
     }
 }
 
-/// Writes tensors as safetensors, floats as `kind` (f32 or bf16), integers as int32 and bytes
-/// as uint8 (each
-/// tensor converted on its own, so at most one tensor is copied at a time) through a temp file that is fsynced and renamed into
-/// place (with its directory fsynced). Returns the file's size and xxh3, hashed while writing.
-pub fn write(path: &Path, named: &[(String, Tensor)], kind: Kind) -> Result<(u64, u64)> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
+/// Streams tensors as safetensors into `w`, floats as `kind` (f32 or bf16), integers as int32
+/// and bytes as uint8, each tensor converted on its own (so at most one is copied at a time);
+/// returns the bytes written and their xxh3, hashed while writing.
+fn write_into<W: Write>(w: W, named: &[(String, Tensor)], kind: Kind) -> std::io::Result<(u64, u64, W)> {
     let shapes: Vec<(String, Vec<i64>, Kind)> = named
         .iter()
         .map(|(n, t)| (n.clone(), t.size(), wire_kind(t.kind(), kind)))
@@ -117,34 +115,48 @@ pub fn write(path: &Path, named: &[(String, Tensor)], kind: Kind) -> Result<(u64
     );
     let mut order: Vec<&(String, Tensor)> = named.iter().collect();
     order.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut w = Hashing {
+        inner: w,
+        hasher: xxhash_rust::xxh3::Xxh3::new(),
+        bytes: 0,
+    };
+    w.write_all(&header)?;
+    for (_, t) in order {
+        let k = wire_kind(t.kind(), kind);
+        let t = t.to_device(Device::Cpu).to_kind(k).contiguous();
+        let len = t.numel() * st_dtype(k).1;
+        // Safety: `t` is a contiguous CPU tensor of `len` bytes, alive for this borrow.
+        let bytes = unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, len) };
+        w.write_all(bytes)?;
+    }
+    w.flush()?;
+    Ok((w.bytes, w.hasher.digest(), w.inner))
+}
+
+/// Writes tensors as safetensors ([`encode`]'s bytes) through a temp file that is fsynced
+/// and renamed into place (with its directory fsynced). Returns the file's size and xxh3.
+pub fn write(path: &Path, named: &[(String, Tensor)], kind: Kind) -> Result<(u64, u64)> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
     let write = || -> std::io::Result<(u64, u64)> {
         let file = std::fs::File::create(&tmp)?;
-        let mut w = Hashing {
-            inner: std::io::BufWriter::with_capacity(CHUNK_BYTES, file),
-            hasher: xxhash_rust::xxh3::Xxh3::new(),
-            bytes: 0,
-        };
-        w.write_all(&header)?;
-        for (_, t) in order {
-            let k = wire_kind(t.kind(), kind);
-            let t = t.to_device(Device::Cpu).to_kind(k).contiguous();
-            let len = t.numel() * st_dtype(k).1;
-            // Safety: `t` is a contiguous CPU tensor of `len` bytes, alive for this borrow.
-            let bytes = unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, len) };
-            w.write_all(bytes)?;
-        }
-        w.flush()?;
-        let (bytes, digest) = (w.bytes, w.hasher.digest());
-        w.inner
-            .into_inner()
-            .map_err(|e| e.into_error())?
-            .sync_all()?;
+        let (bytes, digest, w) =
+            write_into(std::io::BufWriter::with_capacity(CHUNK_BYTES, file), named, kind)?;
+        w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
         Ok((bytes, digest))
     };
     let digest = write().with_context(|| format!("cannot write payload {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
     spes_data::shard::sync_dir(path).with_context(|| format!("cannot sync {}", path.display()))?;
     Ok(digest)
+}
+
+/// Tensors as safetensors bytes in memory (floats as `kind`, see [`write`]), and their xxh3.
+pub fn encode(named: &[(String, Tensor)], kind: Kind) -> (Vec<u8>, u64) {
+    let (_, digest, bytes) =
+        write_into(Vec::new(), named, kind).expect("writing to memory does not fail");
+    (bytes, digest)
 }
 
 /// Decodes a safetensors payload of f32, bf16, int32 or uint8 tensors. Any malformed input is an error,
@@ -227,15 +239,16 @@ pub fn read(path: &Path) -> Result<Vec<(String, Tensor)>> {
 
 /// Reads a received multi-part payload (memory-mapped): every part's tensors, in part order.
 pub fn read_parts(path: &Path, parts: &[Part]) -> Result<Vec<(String, Tensor)>> {
-    let map = map(path)?;
+    decode_parts(&map(path)?, parts).with_context(|| format!("payload {}", path.display()))
+}
+
+/// The tensors of a received multi-part payload's bytes, in part order.
+pub fn decode_parts(bytes: &[u8], parts: &[Part]) -> Result<Vec<(String, Tensor)>> {
     let mut out = Vec::new();
     let mut at = 0usize;
     for (i, p) in parts.iter().enumerate() {
-        let end = at.saturating_add(p.bytes as usize).min(map.len());
-        out.extend(
-            decode(&map[at..end])
-                .with_context(|| format!("payload {} part {i}", path.display()))?,
-        );
+        let end = at.saturating_add(p.bytes as usize).min(bytes.len());
+        out.extend(decode(&bytes[at..end]).with_context(|| format!("part {i}"))?);
         at = end;
     }
     Ok(out)
@@ -264,11 +277,17 @@ pub fn digest(path: &Path) -> Result<(u64, u64)> {
     Ok((total, hasher.digest()))
 }
 
-/// Streams the files `paths` back to back as `header` (which lists them as parts) followed by
+/// Where a part of a payload being sent is.
+pub enum Source {
+    File(PathBuf),
+    Bytes(std::sync::Arc<Vec<u8>>),
+}
+
+/// Streams the `sources` back to back as `header` (which lists them as parts) followed by
 /// data chunks; `after_chunk(i)` runs once chunk `i` is queued. A read error ends the stream
 /// early, which the receiver sees as a size mismatch.
 pub fn send(
-    paths: Vec<PathBuf>,
+    sources: Vec<Source>,
     header: PayloadHeader,
     after_chunk: impl Fn(usize) + Send + 'static,
 ) -> ReceiverStream<Result<Chunk, Status>> {
@@ -282,10 +301,16 @@ pub fn send(
         }
         let mut buf = vec![0u8; CHUNK_BYTES];
         let mut i = 0;
-        for path in paths {
-            let Ok(mut f) = std::fs::File::open(&path) else {
-                let _ = tx.blocking_send(Err(Status::internal("payload file vanished")));
-                return;
+        for source in sources {
+            let mut f: Box<dyn Read> = match source {
+                Source::File(path) => match std::fs::File::open(&path) {
+                    Ok(f) => Box::new(f),
+                    Err(_) => {
+                        let _ = tx.blocking_send(Err(Status::internal("payload file vanished")));
+                        return;
+                    }
+                },
+                Source::Bytes(bytes) => Box::new(std::io::Cursor::new(ArcBytes(bytes))),
             };
             loop {
                 match f.read(&mut buf) {
@@ -309,6 +334,15 @@ pub fn send(
         }
     });
     ReceiverStream::new(rx)
+}
+
+/// Shared bytes as a slice, for reading them without a copy.
+struct ArcBytes(std::sync::Arc<Vec<u8>>);
+
+impl AsRef<[u8]> for ArcBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
 }
 
 async fn next_chunk<S>(stream: &mut S, idle: Duration) -> Result<Option<Chunk>, Status>
@@ -361,7 +395,68 @@ where
     S: tokio_stream::Stream<Item = Result<Chunk, Status>> + Unpin,
 {
     let io = |e: std::io::Error| Status::internal(format!("cannot write {}: {e}", dest.display()));
-    let mut file = tokio::fs::File::create(dest).await.map_err(io)?;
+    let file = tokio::fs::File::create(dest).await.map_err(io)?;
+    let mut sink = Sink::File(file);
+    receive_into(stream, &mut sink, header, idle)
+        .await?
+        .map_err(io)?;
+    let Sink::File(mut file) = sink else {
+        unreachable!("a file sink stays one")
+    };
+    file.flush().await.map_err(io)?;
+    file.sync_all().await.map_err(io)?;
+    Ok(())
+}
+
+/// [`receive_body`] into memory (what a node does with a round's delta, which it applies at
+/// once: nothing of it needs the disk).
+pub async fn receive_to_memory<S>(
+    stream: &mut S,
+    header: &PayloadHeader,
+    idle: Duration,
+) -> Result<Vec<u8>, Status>
+where
+    S: tokio_stream::Stream<Item = Result<Chunk, Status>> + Unpin,
+{
+    let mut sink = Sink::Memory(Vec::with_capacity(header.total_bytes.min(1 << 30) as usize));
+    receive_into(stream, &mut sink, header, idle)
+        .await?
+        .map_err(|e| Status::internal(e.to_string()))?;
+    let Sink::Memory(bytes) = sink else {
+        unreachable!("a memory sink stays one")
+    };
+    Ok(bytes)
+}
+
+/// Where received data goes.
+enum Sink {
+    File(tokio::fs::File),
+    Memory(Vec<u8>),
+}
+
+impl Sink {
+    async fn put(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        match self {
+            Sink::File(f) => f.write_all(bytes).await,
+            Sink::Memory(v) => {
+                v.extend_from_slice(bytes);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The checks of [`receive_body`], writing each chunk to `sink`: the outer error is the
+/// payload's fault, the inner one the sink's.
+async fn receive_into<S>(
+    stream: &mut S,
+    sink: &mut Sink,
+    header: &PayloadHeader,
+    idle: Duration,
+) -> Result<std::io::Result<()>, Status>
+where
+    S: tokio_stream::Stream<Item = Result<Chunk, Status>> + Unpin,
+{
     let parts = &header.parts;
     // The part being received (`parts.len()`: all done), its bytes so far and their hash.
     let mut idx = 0usize;
@@ -405,7 +500,9 @@ where
                     rest = &rest[take..];
                     close_full(&mut idx, &mut in_part, &mut hasher)?;
                 }
-                file.write_all(&bytes).await.map_err(io)?;
+                if let Err(e) = sink.put(&bytes).await {
+                    return Ok(Err(e));
+                }
             }
             _ => {
                 return Err(Status::invalid_argument(
@@ -414,15 +511,13 @@ where
             }
         }
     }
-    file.flush().await.map_err(io)?;
     if received != header.total_bytes || idx < parts.len() {
         return Err(Status::invalid_argument(format!(
             "payload truncated: {received} of {} bytes arrived",
             header.total_bytes
         )));
     }
-    file.sync_all().await.map_err(io)?;
-    Ok(())
+    Ok(Ok(()))
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! (waited for, or run on another thread with overlap), what the server's answer or refusal
 //! means, the fetched round applied, and the sync's checkpoint and record.
 
-use super::transport::{explain, Exchange, UploadFile};
+use super::transport::{explain, Exchange, Upload};
 use super::{Node, Pending};
 use crate::proto::refusal::Kind as Refused;
 use crate::proto::PayloadHeader;
@@ -15,12 +15,12 @@ use tonic::Code;
 
 impl Node {
     /// Encodes `upload` for the wire and writes it per server shard: the round that ends now.
-    pub(super) fn prepare_upload(&mut self, upload: &Named) -> Result<(u64, Vec<UploadFile>)> {
+    pub(super) fn prepare_upload(&mut self, upload: &Named) -> Result<(u64, Vec<Upload>)> {
         self.session.check_lost()?;
         let round = self.trainer.step / self.trainer.cfg.sync.sync_steps;
         let wire = self.replica.upload(upload)?;
         let kind = delta::payload_kind(self.trainer.cfg.sync.wire);
-        Ok((round, self.link.write_upload(wire, kind)?))
+        Ok((round, self.link.encode_upload(wire, kind)))
     }
 
     /// Overlap: uploads and fetches the round that ends now on another thread while this one

@@ -109,27 +109,39 @@ pub(super) fn join_run(
     .map(|r| r.into_inner())
 }
 
-/// The upload for one server shard: its file, size and checksum.
-pub(super) struct UploadFile {
-    pub path: PathBuf,
-    pub size: u64,
+/// The upload for one server shard, in memory (kept for retries): its bytes and checksum.
+pub(super) struct Upload {
+    pub bytes: Arc<Vec<u8>>,
     pub xxh3: u64,
 }
 
+/// Where a shard's fetched payload landed: a round's delta in memory (applied at once), a
+/// whole model (rare: joining, falling behind) in a file.
+enum Body {
+    Memory(Vec<u8>),
+    File(PathBuf),
+}
+
 /// One round from every server shard: the merged header (shard 0's, with every shard's total
-/// and whether any left this node's own experts out) and each shard's header and file.
+/// and whether any left this node's own experts out) and each shard's header and body.
 pub(super) struct Fetched {
     pub header: PayloadHeader,
-    files: Vec<(PayloadHeader, PathBuf)>,
+    bodies: Vec<(PayloadHeader, Body)>,
 }
 
 impl Fetched {
-    /// Every shard's tensors (memory-mapped reads); the files are removed.
+    /// Every shard's tensors; files are removed.
     pub fn read(&self) -> Result<Named> {
         let mut out = Vec::new();
-        for (h, path) in &self.files {
-            let named = payload::read_parts(path, &h.parts);
-            let _ = std::fs::remove_file(path);
+        for (h, body) in &self.bodies {
+            let named = match body {
+                Body::Memory(bytes) => payload::decode_parts(bytes, &h.parts),
+                Body::File(path) => {
+                    let named = payload::read_parts(path, &h.parts);
+                    let _ = std::fs::remove_file(path);
+                    named
+                }
+            };
             out.extend(named?);
         }
         Ok(out)
@@ -224,21 +236,23 @@ impl Link {
     }
 
     /// Uploads every shard's file for `round`; the first refusal (in shard order) wins.
-    pub fn upload(&self, round: u64, files: &[UploadFile]) -> Result<(), Status> {
+    pub fn upload(&self, round: u64, uploads: &[Upload]) -> Result<(), Status> {
         let results = self.on_all(|i, s| {
-            let f = &files[i];
+            let u = &uploads[i];
+            let size = u.bytes.len() as u64;
             let header = PayloadHeader {
                 peer: self.peer as u32,
                 round,
-                total_bytes: f.size,
-                parts: vec![payload::part(f.size, f.xxh3)],
+                total_bytes: size,
+                parts: vec![payload::part(size, u.xxh3)],
                 session: self.session,
                 ..Default::default()
             };
             retry(&self.handle, self.patience, "upload", || {
-                let (mut c, path, header) = (s.client.clone(), f.path.clone(), header.clone());
+                let (mut c, bytes, header) = (s.client.clone(), u.bytes.clone(), header.clone());
                 async move {
-                    let stream = payload::send(vec![path], header, move |i| {
+                    let sources = vec![payload::Source::Bytes(bytes)];
+                    let stream = payload::send(sources, header, move |i| {
                         if i == 0 {
                             fault::point("upload", round);
                         }
@@ -252,13 +266,14 @@ impl Link {
         results.into_iter().collect()
     }
 
-    /// Fetches a round from shard `i` (waiting for it) into `<out>/global-<i>.part`.
-    pub fn fetch_one(&self, i: usize, ask: &FetchPlan) -> Result<(PayloadHeader, PathBuf), Status> {
+    /// Fetches a round from shard `i` (waiting for it): a delta into memory, a whole model
+    /// into `<out>/global-<i>.part`.
+    fn fetch_one(&self, i: usize, ask: &FetchPlan) -> Result<(PayloadHeader, Body), Status> {
         let s = &self.shards[i];
         let dest = self.out.join(format!("global-{i}.part"));
         let (peer, full, delta_max) = (self.peer, s.full_bytes, s.delta_max);
         let ask = *ask;
-        let header = retry(&self.handle, self.patience, "fetch", || {
+        retry(&self.handle, self.patience, "fetch", || {
             let mut c = s.client.clone();
             let d = dest.clone();
             async move {
@@ -287,11 +302,15 @@ impl Link {
                     )));
                 }
                 fault::point("download", header.round);
-                payload::receive_body(&mut stream, &d, &header, IDLE).await?;
-                Ok(header)
+                let body = if header.delta {
+                    Body::Memory(payload::receive_to_memory(&mut stream, &header, IDLE).await?)
+                } else {
+                    payload::receive_body(&mut stream, &d, &header, IDLE).await?;
+                    Body::File(d)
+                };
+                Ok((header, body))
             }
-        })?;
-        Ok((header, dest))
+        })
     }
 
     /// Fetches a round from every shard: the newest means shard 0's newest, which the others
@@ -313,12 +332,12 @@ impl Link {
             }
             self.fetch_one(i, &ask)
         });
-        let mut files: Vec<(PayloadHeader, PathBuf)> = first.into_iter().collect();
+        let mut bodies: Vec<(PayloadHeader, Body)> = first.into_iter().collect();
         for r in rest.into_iter().skip(skip) {
-            files.push(r?);
+            bodies.push(r?);
         }
-        let h0 = &files[0].0;
-        let agree = files.iter().all(|(h, _)| {
+        let h0 = &bodies[0].0;
+        let agree = bodies.iter().all(|(h, _)| {
             (h.round, h.delta, &h.owners, &h.members)
                 == (h0.round, h0.delta, &h0.owners, &h0.members)
         });
@@ -328,22 +347,19 @@ impl Link {
             ));
         }
         let header = PayloadHeader {
-            total_bytes: files.iter().map(|(h, _)| h.total_bytes).sum(),
-            skipped_own: files.iter().any(|(h, _)| h.skipped_own),
+            total_bytes: bodies.iter().map(|(h, _)| h.total_bytes).sum(),
+            skipped_own: bodies.iter().any(|(h, _)| h.skipped_own),
             parts: Vec::new(),
             ..h0.clone()
         };
-        Ok(Fetched { header, files })
+        Ok(Fetched { header, bodies })
     }
 
     /// Uploads round `round`, then fetches it as `ask` says.
-    pub fn exchange(&self, round: u64, files: Vec<UploadFile>, ask: FetchPlan) -> Exchange {
-        let sent = self.upload(round, &files);
-        for f in &files {
-            let _ = std::fs::remove_file(&f.path);
-        }
+    pub fn exchange(&self, round: u64, uploads: Vec<Upload>, ask: FetchPlan) -> Exchange {
+        let sent = self.upload(round, &uploads);
         let up = match sent {
-            Ok(()) => files.iter().map(|f| f.size).sum(),
+            Ok(()) => uploads.iter().map(|u| u.bytes.len() as u64).sum(),
             Err(s) if refusal::kind(&s) == Some(Refused::Duplicate) => 0,
             Err(s) => return Exchange::UploadRefused(s),
         };
@@ -415,20 +431,21 @@ impl Link {
         }
     }
 
-    /// Splits wire tensors by the shard that owns them and writes each shard's upload file
-    /// (`<out>/upload-<i>.safetensors`, floats stored as `kind`).
-    pub fn write_upload(&self, wire: Named, kind: tch::Kind) -> Result<Vec<UploadFile>> {
+    /// Splits wire tensors by the shard that owns them and encodes each shard's upload in
+    /// memory (floats stored as `kind`).
+    pub fn encode_upload(&self, wire: Named, kind: tch::Kind) -> Vec<Upload> {
         let mut per_shard: Vec<Named> = (0..self.shards.len()).map(|_| Vec::new()).collect();
         for (name, t) in wire {
             per_shard[self.shard_of(&name)].push((name, t));
         }
         per_shard
             .into_iter()
-            .enumerate()
-            .map(|(i, named)| {
-                let path = self.out.join(format!("upload-{i}.safetensors"));
-                let (size, xxh3) = payload::write(&path, &named, kind)?;
-                Ok(UploadFile { path, size, xxh3 })
+            .map(|named| {
+                let (bytes, xxh3) = payload::encode(&named, kind);
+                Upload {
+                    bytes: Arc::new(bytes),
+                    xxh3,
+                }
             })
             .collect()
     }

@@ -127,7 +127,10 @@ impl Spes for Service {
             vec![whole.ok_or_else(gone)?]
         };
         let skipped_own = as_delta && meta.parts.iter().any(skip);
-        let files = sent.iter().map(|p| s.store.out.join(&p.file)).collect();
+        let files = sent
+            .iter()
+            .map(|p| payload::Source::File(s.store.out.join(&p.file)))
+            .collect();
         let parts: Vec<crate::proto::Part> = sent
             .iter()
             .map(|p| payload::part(p.bytes, parse_hex(&p.xxh3)))

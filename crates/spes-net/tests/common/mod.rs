@@ -277,7 +277,7 @@ pub async fn upload_with(
     header: PayloadHeader,
 ) -> Result<UploadReply, tonic::Status> {
     let stream = tokio_stream::StreamExt::filter_map(
-        payload::send(vec![path.to_owned()], header, |_| {}),
+        payload::send(vec![payload::Source::File(path.to_owned())], header, |_| {}),
         |r| r.ok(),
     );
     client.upload(stream).await.map(|r| r.into_inner())
