@@ -9,6 +9,7 @@ mod doc_commands;
 mod experiment;
 mod hf;
 mod link_bench;
+mod load_bench;
 mod local_ranks;
 mod node_cmd;
 mod plan_memory;
@@ -17,6 +18,7 @@ mod report;
 mod score;
 mod secrets;
 mod serve;
+mod soak;
 mod step_bench;
 mod sync_bench;
 mod tokenize_cmd;
@@ -92,6 +94,12 @@ enum Command {
     /// Measures sync on `tiny` over shaped loopback links for every wire option (server and 4
     /// nodes as processes) and prints it next to the planner's prediction.
     BenchLink(link_bench::Args),
+    /// One server process driven by many virtual peers (16 to 128 and more) over loopback:
+    /// round latency, uploads per second and the server's peak RSS against node count.
+    BenchLoad(load_bench::Args),
+    /// A server and 4 nodes of a micro model for 1,000+ rounds, sampled every 100: memory,
+    /// disk, growing files and round latency, to show nothing grows with a run's length.
+    BenchSoak(soak::Args),
 }
 
 fn main() {
@@ -130,6 +138,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::PlanSync(a) => plan_sync::run(a),
         Command::PlanMemory(a) => plan_memory::run(a),
         Command::BenchLink(a) => link_bench::run(a),
+        Command::BenchLoad(a) => load_bench::run(a),
+        Command::BenchSoak(a) => soak::run(a),
     }
 }
 

@@ -22,6 +22,8 @@ pub struct RoundCost {
     pub idle_s: f64,
     pub bytes_up: f64,
     pub bytes_down: f64,
+    /// Bytes the node wrote to its disk since its previous sync.
+    pub bytes_written: f64,
 }
 
 /// Per-round sync costs from the nodes' `metrics.jsonl` (`sync` records), by round.
@@ -46,6 +48,7 @@ pub fn round_costs(out: &Path, peers: &[u64]) -> Vec<RoundCost> {
                 idle_s: mean(|r| r.idle_s),
                 bytes_up: mean(|r| r.bytes_up as f64),
                 bytes_down: mean(|r| r.bytes_down as f64),
+                bytes_written: mean(|r| r.bytes_written as f64),
             }
         })
         .collect()
@@ -290,24 +293,43 @@ pub fn write(out: &Path, summary: &DemoSummary, config_toml: &str) -> Result<()>
         ));
     }
     let peers: Vec<u64> = nodes.iter().map(|n| n.peer as u64).collect();
-    md.push_str("\n## Sync cost per round\n\nMeans over the nodes. *Sync* runs from a node's upload to its loaded model; *idle* is the time training stood still for it (with `sync.overlap`, only the wait for the result).\n\n");
-    md.push_str("| round | compute s | sync s | idle s | up MiB | down MiB | server aggregation s |\n|---|---|---|---|---|---|---|\n");
-    for c in round_costs(out, &peers) {
-        let agg = server
+    md.push_str("\n## Sync cost per round\n\nMeans over the nodes. *Sync* runs from a node's upload to its loaded model; *idle* is the time training stood still for it (with `sync.overlap`, only the wait for the result). *Written* is what each role wrote to its disk for the round (its own I/O counters): a node only on its checkpoint rounds; the server every round the published delta and the uploads it acknowledged, whole models on checkpoint rounds.\n\n");
+    md.push_str("| round | compute s | sync s | idle s | up MiB | down MiB | node written MiB | server written MiB | server aggregation s |\n|---|---|---|---|---|---|---|---|---|\n");
+    let costs = round_costs(out, &peers);
+    let mib = |b: f64| b / (1u64 << 20) as f64;
+    for c in &costs {
+        let close = server
             .iter()
             .find(|r| r.round == c.round)
-            .and_then(|r| Some(r.close.as_ref()?.aggregation_s))
-            .map_or("".into(), |a| format!("{a:.2}"));
+            .and_then(|r| r.close.as_ref());
+        let (agg, written) = close.map_or((String::new(), String::new()), |c| {
+            (
+                format!("{:.2}", c.aggregation_s),
+                format!("{:.1}", mib(c.bytes_written as f64)),
+            )
+        });
         md.push_str(&format!(
-            "| {} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {agg} |\n",
+            "| {} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {written} | {agg} |\n",
             c.round,
             c.compute_s,
             c.sync_s,
             c.idle_s,
-            c.bytes_up / (1u64 << 20) as f64,
-            c.bytes_down / (1u64 << 20) as f64,
+            mib(c.bytes_up),
+            mib(c.bytes_down),
+            mib(c.bytes_written),
         ));
     }
+    let node_total: f64 = costs.iter().map(|c| c.bytes_written).sum::<f64>() * peers.len() as f64;
+    let server_total: u64 = server
+        .iter()
+        .filter_map(|r| r.close.as_ref().map(|c| c.bytes_written))
+        .sum();
+    md.push_str(&format!(
+        "\nWritten over the run: server {:.0} MiB, nodes {:.0} MiB together ({:.1} MiB per round for the whole run).\n",
+        mib(server_total as f64),
+        mib(node_total),
+        mib(server_total as f64 + node_total) / costs.len().max(1) as f64,
+    ));
     md.push_str("\n![loss](loss.png)\n\n![expert load](expert_load.png)\n\n## Expert merging\n\n");
     if merges.is_empty() {
         md.push_str("No merge rounds.\n");

@@ -103,7 +103,11 @@ impl<W: Write> Write for Hashing<W> {
 /// Streams tensors as safetensors into `w`, floats as `kind` (f32 or bf16), integers as int32
 /// and bytes as uint8, each tensor converted on its own (so at most one is copied at a time);
 /// returns the bytes written and their xxh3, hashed while writing.
-fn write_into<W: Write>(w: W, named: &[(String, Tensor)], kind: Kind) -> std::io::Result<(u64, u64, W)> {
+fn write_into<W: Write>(
+    w: W,
+    named: &[(String, Tensor)],
+    kind: Kind,
+) -> std::io::Result<(u64, u64, W)> {
     let shapes: Vec<(String, Vec<i64>, Kind)> = named
         .iter()
         .map(|(n, t)| (n.clone(), t.size(), wire_kind(t.kind(), kind)))
@@ -141,8 +145,11 @@ pub fn write(path: &Path, named: &[(String, Tensor)], kind: Kind) -> Result<(u64
     let tmp = PathBuf::from(tmp);
     let write = || -> std::io::Result<(u64, u64)> {
         let file = std::fs::File::create(&tmp)?;
-        let (bytes, digest, w) =
-            write_into(std::io::BufWriter::with_capacity(CHUNK_BYTES, file), named, kind)?;
+        let (bytes, digest, w) = write_into(
+            std::io::BufWriter::with_capacity(CHUNK_BYTES, file),
+            named,
+            kind,
+        )?;
         w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
         Ok((bytes, digest))
     };

@@ -185,7 +185,7 @@ impl Default for SyncConfig {
             aggregate: AggregateRule::Mean,
             trim_fraction: 0.25,
             max_update_factor: 10.0,
-            checkpoint_every_rounds: 0,
+            checkpoint_every_rounds: 100,
             checkpoint_every_s: 1800.0,
             keep_checkpoints: 3,
             merge_every: 500,

@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// One logged training step (or an evaluation between steps, which has no losses).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -203,18 +203,40 @@ pub struct DemoSummary {
     pub nodes: Vec<NodeSummary>,
 }
 
-/// The lines of a `metrics.jsonl` that are `T`s (a missing file has none).
+/// The lines of a `metrics.jsonl` that are `T`s, its rotated files' first, oldest first (a
+/// missing file has none).
 pub fn read<T: DeserializeOwned>(path: &Path) -> Vec<T> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
+    let mut files: Vec<PathBuf> = (1..=KEEP_ROTATED).rev().map(|i| rotated(path, i)).collect();
+    files.push(path.to_owned());
+    files
+        .iter()
+        .flat_map(|f| {
+            std::fs::read_to_string(f)
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect::<Vec<T>>()
+        })
         .collect()
 }
 
-/// Appends records as JSON lines to `<out>/metrics.jsonl`.
+/// A log is rotated once it holds this many bytes...
+pub const ROTATE_BYTES: u64 = 64 << 20;
+/// ...into `metrics.1.jsonl` (the newest) to `metrics.3.jsonl`; older lines are dropped.
+pub const KEEP_ROTATED: usize = 3;
+
+/// The `i`-th rotated file of the log at `path` (`metrics.jsonl` → `metrics.<i>.jsonl`).
+fn rotated(path: &Path, i: usize) -> PathBuf {
+    path.with_extension(format!("{i}.jsonl"))
+}
+
+/// Appends records as JSON lines to `<out>/metrics.jsonl`, rotating it at [`ROTATE_BYTES`] so
+/// a run of any length keeps at most `(1 + KEEP_ROTATED) · ROTATE_BYTES` of metrics.
 pub struct MetricsLog {
+    path: PathBuf,
     file: std::fs::File,
+    bytes: u64,
+    rotate_at: u64,
 }
 
 /// A line's `step`, all a log needs to cut it after a crash.
@@ -244,12 +266,40 @@ impl MetricsLog {
             .append(true)
             .open(&path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(MetricsLog { file })
+        Ok(MetricsLog {
+            path,
+            file,
+            bytes: kept.len() as u64,
+            rotate_at: ROTATE_BYTES,
+        })
     }
 
     /// Appends one record.
     pub fn write(&mut self, record: &impl Serialize) -> Result<()> {
-        writeln!(self.file, "{}", serde_json::to_string(record)?)?;
+        let line = format!("{}\n", serde_json::to_string(record)?);
+        if self.bytes + line.len() as u64 > self.rotate_at && self.bytes > 0 {
+            self.rotate()?;
+        }
+        self.file.write_all(line.as_bytes())?;
+        self.bytes += line.len() as u64;
+        Ok(())
+    }
+
+    /// Moves `metrics.jsonl` to `metrics.1.jsonl` (and so on up) and starts it afresh.
+    fn rotate(&mut self) -> Result<()> {
+        for i in (1..KEEP_ROTATED).rev() {
+            let from = rotated(&self.path, i);
+            if from.exists() {
+                std::fs::rename(&from, rotated(&self.path, i + 1))?;
+            }
+        }
+        std::fs::rename(&self.path, rotated(&self.path, 1))?;
+        self.file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)
+            .with_context(|| format!("cannot open {}", self.path.display()))?;
+        self.bytes = 0;
         Ok(())
     }
 }
@@ -257,6 +307,39 @@ impl MetricsLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_rotates_and_reads_back_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = MetricsLog::open(dir.path(), None).unwrap();
+        log.rotate_at = 1000;
+        // Lines of one length (3-digit steps): `per_file` fill a file, so 4 · per_file fill
+        // the current file and the 3 rotated ones.
+        let line = |step| StepRecord {
+            step,
+            ..Default::default()
+        };
+        let len = serde_json::to_string(&line(100)).unwrap().len() as u64 + 1;
+        let per_file = 1000 / len;
+        let n = per_file * 4;
+        for step in 100..100 + n {
+            log.write(&line(step)).unwrap();
+        }
+        let path = dir.path().join("metrics.jsonl");
+        assert!(rotated(&path, 3).exists() && !rotated(&path, 4).exists());
+        let steps: Vec<u64> = read::<StepRecord>(&path).iter().map(|r| r.step).collect();
+        assert_eq!(
+            steps,
+            (100..100 + n).collect::<Vec<_>>(),
+            "every line, in order"
+        );
+        for _ in 0..per_file {
+            log.write(&line(999)).unwrap();
+        }
+        let kept = read::<StepRecord>(&path);
+        assert_eq!(kept.len() as u64, n, "the oldest file was dropped");
+        assert!(std::fs::metadata(&path).unwrap().len() <= 1000);
+    }
 
     #[test]
     fn records_read_back_as_written_and_keep_todays_keys() {

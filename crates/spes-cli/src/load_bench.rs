@@ -1,0 +1,351 @@
+//! `spes bench-load`: how one server holds up as the run grows wide. For each node count it
+//! starts a real `spes server` process on a micro model with one expert per node, and drives
+//! it with that many virtual peers in this process: each joins, then every round uploads a
+//! precomputed bf16 delta of exactly the tensors it trains and fetches the round back without
+//! its own experts, as a node does, over real gRPC on loopback. Peers do not train, so a round
+//! measures the server alone. Prints round latency (p50/p99), uploads per second and the
+//! server's peak RSS against node count, with the planner's round time beside each.
+
+use anyhow::{bail, Context, Result};
+use spes_net::auth::AddToken;
+use spes_net::link::LinkSpec;
+use spes_net::payload;
+use spes_net::plan::{self, PlanInput, WireOption};
+use spes_net::proto::spes_client::SpesClient;
+use spes_net::proto::{DoneRequest, FetchRequest, JoinRequest, PayloadHeader};
+use spes_sync::{Delta, Layout};
+use spes_train::RunConfig;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Node counts to run, one server each.
+    #[arg(long, value_delimiter = ',', default_value = "16,32,64,128")]
+    nodes: Vec<usize>,
+    /// Rounds per node count (the first is not measured).
+    #[arg(long, default_value_t = 20)]
+    rounds: u64,
+    #[arg(long, default_value = "runs/bench-load")]
+    out: PathBuf,
+}
+
+/// The micro model and run of `nodes` peers (one expert each) for `rounds` rounds.
+fn config(data: &Path, nodes: usize, rounds: u64) -> Result<RunConfig> {
+    let text = format!(
+        r#"
+[model]
+preset = "tiny"
+vocab_size = 8192
+d_model = 64
+n_layers = 2
+n_heads = 2
+head_dim = 32
+n_kv_heads = 2
+n_experts = {nodes}
+top_k = 2
+expert_hidden = 64
+context_length = 64
+
+[data]
+path = "{}"
+
+[train]
+max_steps = {rounds}
+batch_size = 2
+seq_len = 64
+eval_batches = 1
+
+[sync]
+mode = "spes"
+nodes = {nodes}
+sync_steps = 1
+wire = "bf16_delta"
+merge_every = 0
+round_timeout_s = 600
+lease_s = 120
+checkpoint_every_rounds = 1000
+"#,
+        data.display()
+    );
+    RunConfig::parse(&text, &[])
+}
+
+type Client = SpesClient<tonic::codegen::InterceptedService<tonic::transport::Channel, AddToken>>;
+
+/// One virtual peer: its client and its upload, encoded once.
+struct Peer {
+    id: usize,
+    client: Client,
+    upload: Arc<Vec<u8>>,
+    xxh3: u64,
+}
+
+/// What one node count measured.
+struct Row {
+    nodes: usize,
+    p50_s: f64,
+    p99_s: f64,
+    uploads_per_s: f64,
+    peak_rss_mb: f64,
+    upload_bytes: u64,
+    planned_s: f64,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if a.rounds < 2 {
+        bail!("--rounds must be ≥ 2 (the first round is not measured)");
+    }
+    std::fs::create_dir_all(&a.out)?;
+    let data = crate::demo::prepare_data(&a.out)?;
+    let mut rows = Vec::new();
+    for &n in &a.nodes {
+        eprintln!("bench-load: {n} virtual peers …");
+        rows.push(measure(&a, &data, n)?);
+    }
+    println!("\nOne `spes server` process, virtual peers on loopback (no training), bf16 deltas, one expert per peer, {} rounds (round 1 not measured):\n", a.rounds);
+    println!("| nodes | upload / peer | round p50 | round p99 | planned round | uploads / s | server peak RSS |");
+    println!("|---|---|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.0} | {:.0} MiB |",
+            r.nodes,
+            plan::human_bytes(r.upload_bytes as f64),
+            r.p50_s,
+            r.p99_s,
+            r.planned_s,
+            r.uploads_per_s,
+            r.peak_rss_mb
+        );
+    }
+    println!("\nround: from the round's first upload to the last peer holding it; planned: `spes plan-sync`'s round for these shapes on unlimited loopback links with no compute (1 GB/s folding and disk).");
+    Ok(())
+}
+
+fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
+    let cfg = config(data, nodes, a.rounds)?;
+    let out = a.out.join(format!("nodes-{nodes}"));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out)?;
+    let config_path = out.join("config.toml");
+    std::fs::write(&config_path, toml::to_string(&cfg)?)?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let mut server = ServerProc(
+        Command::new(std::env::current_exe()?)
+            .args(["server", "--config"])
+            .arg(&config_path)
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--no-auth"])
+            .args(["--device", "cpu", "--linger-s", "5"])
+            .arg("--out")
+            .arg(out.join("server"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(out.join("server.log"))?)
+            .spawn()
+            .context("cannot start the server")?,
+    );
+    let url = format!("http://127.0.0.1:{port}");
+    let model = spes_model::MoeModel::new(&cfg.model, tch::Device::Cpu)?;
+    let layout = Layout::of(&model);
+    let scope = cfg.sync.scope(cfg.model.n_experts)?;
+    let rt = tokio::runtime::Runtime::new()?;
+    let peers: Vec<Peer> = (0..nodes)
+        .map(|id| {
+            let wire: spes_sync::Named = layout
+                .entries
+                .iter()
+                .filter(|(_, role, _)| scope.uploads(id, *role))
+                .flat_map(|(name, _, shape)| {
+                    let change =
+                        tch::Tensor::randn(shape.as_slice(), (tch::Kind::Float, tch::Device::Cpu))
+                            * 1e-4;
+                    Delta::of_change(&change, &cfg.sync).into_wire(name)
+                })
+                .collect();
+            let (bytes, xxh3) = payload::encode(&wire, tch::Kind::BFloat16);
+            let client = rt.block_on(connect(&url))?;
+            Ok(Peer {
+                id,
+                client,
+                upload: Arc::new(bytes),
+                xxh3,
+            })
+        })
+        .collect::<Result<_>>()?;
+    let upload_bytes = peers[0].upload.len() as u64;
+    let peers = Arc::new(peers);
+    rt.block_on(join_all(&peers))?;
+    let mut times = Vec::new();
+    let started = Instant::now();
+    for round in 1..=a.rounds {
+        let t = Instant::now();
+        rt.block_on(round_trip(&peers, round))?;
+        if round > 1 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let total = started.elapsed().as_secs_f64();
+    let peak_rss_mb = server.peak_rss_mb();
+    rt.block_on(async {
+        for p in peers.iter() {
+            let mut c = p.client.clone();
+            let _ = c.done(DoneRequest { peer: p.id as u32 }).await;
+        }
+    });
+    server.wait(Duration::from_secs(30));
+    times.sort_by(f64::total_cmp);
+    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+    let unlimited: LinkSpec = "1000gbit".parse()?;
+    let planned = plan::plan(
+        &PlanInput {
+            model: cfg.model.clone(),
+            nodes,
+            diloco: false,
+            node_link: unlimited,
+            server_link: unlimited,
+            shards: 1,
+            step_s: 0.0,
+            sync_steps: 1,
+            density: cfg.sync.sparse_density,
+            aggregate_bytes_per_s: 1e9,
+            lossy_values_per_s: 1.5e8,
+            disk_bytes_per_s: 1e9,
+        },
+        WireOption::Bf16DeltaSkipOwn,
+    );
+    Ok(Row {
+        nodes,
+        p50_s: at(0.5),
+        p99_s: at(0.99),
+        uploads_per_s: (nodes as u64 * a.rounds) as f64 / total,
+        peak_rss_mb,
+        upload_bytes,
+        planned_s: planned.round_s,
+    })
+}
+
+async fn connect(url: &str) -> Result<Client> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())?
+        .connect_timeout(Duration::from_secs(10))
+        .connect_lazy();
+    Ok(SpesClient::with_interceptor(channel, AddToken::new(None)?)
+        .max_decoding_message_size(payload::MAX_MESSAGE_BYTES))
+}
+
+/// Every peer joins, retrying until the server is up.
+async fn join_all(peers: &Arc<Vec<Peer>>) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for p in peers.iter() {
+        loop {
+            let mut c = p.client.clone();
+            let req = JoinRequest {
+                peer: p.id as u32,
+                session: 1000 + p.id as u64,
+                join: false,
+            };
+            match c.join(req).await {
+                Ok(_) => break,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!("join: {}", e.message());
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => bail!("peer {} cannot join: {}", p.id, e.message()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every peer uploads round `round` and fetches it back (a delta, without its own experts).
+async fn round_trip(peers: &Arc<Vec<Peer>>, round: u64) -> Result<()> {
+    let mut tasks = Vec::new();
+    for i in 0..peers.len() {
+        let peers = peers.clone();
+        tasks.push(tokio::spawn(async move {
+            let p = &peers[i];
+            let size = p.upload.len() as u64;
+            let header = PayloadHeader {
+                peer: p.id as u32,
+                round,
+                total_bytes: size,
+                parts: vec![payload::part(size, p.xxh3)],
+                session: 1000 + p.id as u64,
+                ..Default::default()
+            };
+            let mut c = p.client.clone();
+            let stream = payload::send(
+                vec![payload::Source::Bytes(p.upload.clone())],
+                header,
+                |_| {},
+            );
+            let stream = tokio_stream::StreamExt::filter_map(stream, |r| r.ok());
+            c.upload(stream)
+                .await
+                .map_err(|e| anyhow::anyhow!("peer {} upload: {}", p.id, e.message()))?;
+            let req = FetchRequest {
+                peer: p.id as u32,
+                round,
+                newest: false,
+                wait_ms: 60_000,
+                have_previous: true,
+                skip_own: true,
+            };
+            let mut stream = c
+                .fetch(req)
+                .await
+                .map_err(|e| anyhow::anyhow!("peer {} fetch: {}", p.id, e.message()))?
+                .into_inner();
+            let idle = Duration::from_secs(60);
+            let header = payload::read_header(&mut stream, idle).await?;
+            payload::receive_to_memory(&mut stream, &header, idle).await?;
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(())
+}
+
+/// The server process, killed if the bench stops early.
+struct ServerProc(Child);
+
+impl ServerProc {
+    fn peak_rss_mb(&self) -> f64 {
+        proc_kb(self.0.id(), "VmHWM:") / 1024.0
+    }
+
+    fn wait(&mut self, limit: Duration) {
+        let end = Instant::now() + limit;
+        while Instant::now() < end {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for ServerProc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A `/proc/<pid>/status` field in kB (0 where there is none).
+pub fn proc_kb(pid: u32, field: &str) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse().ok())
+        })
+        .unwrap_or(0.0)
+}
