@@ -49,6 +49,11 @@ pub struct BenchArgs {
     /// First run one batch through both MoE kernels and report how far apart they are.
     #[arg(long)]
     compare_moe_kernels: bool,
+    /// First run one batch with the step's compute copies (bf16 weights made once per
+    /// optimizer step, q/k/v and gate/up fused) and with per-matmul casts, and report how far
+    /// apart they are (mixed precision).
+    #[arg(long)]
+    compare_step_paths: bool,
     /// Print the result as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -95,6 +100,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
             f => Some(f == "bf16"),
         },
         compare_moe_kernels: a.compare_moe_kernels,
+        compare_step_paths: a.compare_step_paths,
     };
     let r = bench(&o)?;
     if a.json {
@@ -121,6 +127,12 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     if let Some(d) = &r.moe_kernels {
         println!(
             "grouped vs loop MoE kernel on one batch: loss {:.2e} apart, gradients {:.2e} (relative)",
+            d.loss_rel, d.grad_rel
+        );
+    }
+    if let Some(d) = &r.step_paths {
+        println!(
+            "step compute copies vs per-matmul casts on one batch: loss {:.2e} apart, gradients {:.2e} (relative)",
             d.loss_rel, d.grad_rel
         );
     }

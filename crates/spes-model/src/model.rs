@@ -39,17 +39,27 @@ struct Expert {
     gate: Tensor, // W1 [hidden, d]
     up: Tensor,   // V1 [hidden, d]
     down: Tensor, // W2 [d, hidden]
-    /// While the expert is frozen and frozen experts are resident in bf16: gate, up and down
-    /// in bf16 on the compute device; the fp32 masters above then live in host memory.
-    resident: Option<[Tensor; 3]>,
+    /// While the expert is frozen and frozen experts are resident in bf16: gate and up stacked
+    /// `[2·hidden, d]`, and down, in bf16 on the compute device; the fp32 masters above then
+    /// live in host memory.
+    resident: Option<[Tensor; 2]>,
+}
+
+/// One expert's matrices as the forward pass multiplies by them.
+enum ExpertMats<'a> {
+    /// Gate and up stacked `[2·hidden, d]` (one matmul for both), and down.
+    Fused(&'a Tensor, &'a Tensor),
+    /// The masters: gate, up and down.
+    Split(&'a Tensor, &'a Tensor, &'a Tensor),
 }
 
 impl Expert {
-    /// The weights the forward pass multiplies by: the bf16 copies, or the masters.
-    fn compute(&self) -> [&Tensor; 3] {
+    /// The weights the forward pass multiplies by when no step copy is made: the resident
+    /// bf16 copies, or the masters.
+    fn compute(&self) -> ExpertMats<'_> {
         match &self.resident {
-            Some([g, u, d]) => [g, u, d],
-            None => [&self.gate, &self.up, &self.down],
+            Some([gu, d]) => ExpertMats::Fused(gu, d),
+            None => ExpertMats::Split(&self.gate, &self.up, &self.down),
         }
     }
 
@@ -66,21 +76,24 @@ impl Expert {
             let _ = w.set_requires_grad(train);
         }
         self.resident = resident.then(|| {
-            [&self.gate, &self.up, &self.down].map(|w| {
-                w.to_device(device)
-                    .to_kind(Kind::BFloat16)
-                    .set_requires_grad(false)
+            tch::no_grad(|| {
+                let to = |w: &Tensor| w.to_device(device).to_kind(Kind::BFloat16);
+                [
+                    Tensor::cat(&[to(&self.gate), to(&self.up)], 0),
+                    to(&self.down),
+                ]
             })
         });
     }
 
     /// Copies the masters into the bf16 copies (after the masters changed).
     fn refresh(&self) {
-        if let Some(copies) = &self.resident {
+        if let Some([gu, d]) = &self.resident {
+            let h = self.gate.size()[0];
             tch::no_grad(|| {
-                for (c, w) in copies.iter().zip([&self.gate, &self.up, &self.down]) {
-                    c.shallow_clone().copy_(w);
-                }
+                gu.narrow(0, 0, h).copy_(&self.gate);
+                gu.narrow(0, h, h).copy_(&self.up);
+                d.shallow_clone().copy_(&self.down);
             });
         }
     }
@@ -100,6 +113,27 @@ struct Layer {
     ffn_norm: Tensor,
     router: Tensor, // [E, d]
     experts: Vec<Expert>,
+}
+
+/// The weights one optimizer step's micro-batches multiply by in mixed precision, made once
+/// per step from the fp32 masters ([`MoeModel::begin_step`]) instead of cast at every matmul of
+/// every micro-batch: q, k and v stacked into one matrix, and each expert's gate and up, so
+/// each is one matmul over the input. The copies of trained weights are leaves that collect
+/// gradients, which are added to the masters' (in fp32) after every backward; the stored
+/// tensors, the checkpoints and the Hugging Face export keep their own layout.
+struct StepCopies {
+    layers: Vec<LayerCopies>,
+    /// The LM head (its gradient is computed by hand, straight into the master).
+    head: Tensor,
+}
+
+struct LayerCopies {
+    /// q, k and v stacked `[q + 2·kv, d]`.
+    qkv: Tensor,
+    o: Tensor,
+    /// Each expert's gate and up stacked `[2·hidden, d]` and down; `None` for an expert whose
+    /// resident bf16 copies serve instead (frozen, [`MoeModel::set_frozen_experts_bf16`]).
+    experts: Vec<Option<[Tensor; 2]>>,
 }
 
 /// How a MoE layer runs its experts on the tokens routed to them.
@@ -130,6 +164,9 @@ pub struct MoeModel {
     logits_chunk: i64,
     /// RoPE tables, built once for the longest sequence seen (each forward used to rebuild them).
     rope_cache: std::sync::Mutex<Option<RopeTables>>,
+    /// The current optimizer step's compute copies, between [`MoeModel::begin_step`] and
+    /// [`MoeModel::end_step`] (mixed precision only).
+    step: std::sync::Mutex<Option<StepCopies>>,
     embed: Tensor,
     layers: Vec<Layer>,
     final_norm: Tensor,
@@ -282,6 +319,7 @@ impl MoeModel {
             device,
             logits_chunk: LOGITS_CHUNK_ELEMENTS,
             rope_cache: std::sync::Mutex::new(None),
+            step: std::sync::Mutex::new(None),
             embed: w(&[v, d]),
             layers,
             final_norm: ones(d),
@@ -301,8 +339,10 @@ impl MoeModel {
         let (cos, sin) = self.rope(tokens);
         let mut x = Tensor::embedding(&self.embed, tokens, -1, false, false);
         let mut moes = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
-            let (y, moe) = self.block(layer, &x, &cos, &sin);
+        let step = self.step_copies();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let copies = step.as_ref().map(|s| &s.layers[l]);
+            let (y, moe) = self.block(layer, copies, &x, &cos, &sin);
             x = y;
             moes.push(moe);
         }
@@ -312,30 +352,45 @@ impl MoeModel {
         )
     }
 
-    /// One decoder block, `[B, T, d]` to `[B, T, d]`, with its MoE layer's statistics.
-    fn block(&self, layer: &Layer, x: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, MoeOutput) {
+    /// One decoder block, `[B, T, d]` to `[B, T, d]`, with its MoE layer's statistics; it
+    /// multiplies by the step's `copies` when there are any.
+    fn block(
+        &self,
+        layer: &Layer,
+        copies: Option<&LayerCopies>,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> (Tensor, MoeOutput) {
         let cfg = &self.cfg;
         let (b, t, d) = x.size3().expect("hidden states are [batch, seq, d]");
         // Residual adds allocate (`x + y`), never `+=`: the RMSNorm backward still needs x.
         match cfg.norm_placement {
             NormPlacement::Pre => {
                 let h = rms_norm(x, &layer.attn_norm, cfg.norm_eps);
-                let x = x + self.attention(layer, &h, cos, sin);
+                let x = x + self.attention(layer, copies, &h, cos, sin);
                 let h = rms_norm(&x, &layer.ffn_norm, cfg.norm_eps);
-                let moe = self.moe(layer, &h.view([b * t, d]));
+                let moe = self.moe(layer, copies, &h.view([b * t, d]));
                 (x + moe.y.view([b, t, d]), moe)
             }
             NormPlacement::Post => {
-                let a = self.attention(layer, x, cos, sin);
+                let a = self.attention(layer, copies, x, cos, sin);
                 let x = x + rms_norm(&a, &layer.attn_norm, cfg.norm_eps);
-                let moe = self.moe(layer, &x.view([b * t, d]));
+                let moe = self.moe(layer, copies, &x.view([b * t, d]));
                 let y = rms_norm(&moe.y.view([b, t, d]), &layer.ffn_norm, cfg.norm_eps);
                 (x + y, moe)
             }
         }
     }
 
-    fn attention(&self, layer: &Layer, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    fn attention(
+        &self,
+        layer: &Layer,
+        copies: Option<&LayerCopies>,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Tensor {
         let cfg = &self.cfg;
         let (b, t, _) = x.size3().unwrap();
         let (hq, hkv, hd) = (
@@ -343,9 +398,21 @@ impl MoeModel {
             cfg.n_kv_heads as i64,
             cfg.head_dim as i64,
         );
-        let mut q = self.linear(x, &layer.q_proj);
-        let mut k = self.linear(x, &layer.k_proj);
-        let mut v = self.linear(x, &layer.v_proj);
+        let (mut q, mut k, mut v) = match copies {
+            // One matmul for all three, split along the output.
+            Some(c) => {
+                let qkv = self.matmul(x, &c.qkv);
+                let mut parts = qkv.split_with_sizes([hq * hd, hkv * hd, hkv * hd], -1);
+                let v = parts.pop().expect("three parts");
+                let k = parts.pop().expect("three parts");
+                (parts.pop().expect("three parts"), k, v)
+            }
+            None => (
+                self.linear(x, &layer.q_proj),
+                self.linear(x, &layer.k_proj),
+                self.linear(x, &layer.v_proj),
+            ),
+        };
         if let Some([qb, kb, vb]) = &layer.qkv_bias {
             // In place is safe: the matmul backward does not need its own output.
             let kind = q.kind();
@@ -375,11 +442,15 @@ impl MoeModel {
             None,
             hq != hkv,
         );
-        self.linear(&y.transpose(1, 2).reshape([b, t, hq * hd]), &layer.o_proj)
+        let y = y.transpose(1, 2).reshape([b, t, hq * hd]);
+        match copies {
+            Some(c) => self.matmul(&y, &c.o),
+            None => self.linear(&y, &layer.o_proj),
+        }
     }
 
     /// Dropless top-k MoE over flattened tokens `[N, d]`.
-    fn moe(&self, layer: &Layer, x: &Tensor) -> MoeOutput {
+    fn moe(&self, layer: &Layer, copies: Option<&LayerCopies>, x: &Tensor) -> MoeOutput {
         let cfg = &self.cfg;
         let (e, k) = (cfg.n_experts as i64, cfg.top_k as i64);
         let router_logits = x.matmul(&layer.router.tr()).to_kind(Kind::Float);
@@ -403,8 +474,8 @@ impl MoeModel {
         let token_of = order.divide_scalar_mode(k, "floor");
         let grouped = x.index_select(0, &token_of);
         let expert_out = match self.moe_kernel {
-            MoeKernel::Loop => self.experts_loop(layer, &grouped, &counts),
-            MoeKernel::Grouped => self.experts_grouped(layer, &grouped, &counts),
+            MoeKernel::Loop => self.experts_loop(layer, copies, &grouped, &counts),
+            MoeKernel::Grouped => self.experts_grouped(layer, copies, &grouped, &counts),
         }
         .to_kind(Kind::Float);
         let w = weights.view([-1]).index_select(0, &order).unsqueeze(-1);
@@ -433,45 +504,83 @@ impl MoeModel {
 
     /// Expert outputs for tokens `[N·k, d]` grouped by expert (`counts[e]` rows each), one
     /// matmul per expert and matrix; the counts come back to the host once.
-    fn experts_loop(&self, layer: &Layer, grouped: &Tensor, counts: &Tensor) -> Tensor {
+    fn experts_loop(
+        &self,
+        layer: &Layer,
+        copies: Option<&LayerCopies>,
+        grouped: &Tensor,
+        counts: &Tensor,
+    ) -> Tensor {
         let host_counts = Vec::<i64>::try_from(&counts.to_device(Device::Cpu)).unwrap();
         let mut outputs = Vec::with_capacity(layer.experts.len());
-        for ((ex, &n), xe) in layer
+        for (e, ((ex, &n), xe)) in layer
             .experts
             .iter()
             .zip(&host_counts)
             .zip(grouped.split_with_sizes(&host_counts, 0))
+            .enumerate()
         {
             if n > 0 {
-                let [gate, up, down] = ex.compute();
-                let hidden = self.linear(&xe, gate).silu() * self.linear(&xe, up);
-                outputs.push(self.linear(&hidden, down));
+                let hidden = match self.expert_mats(ex, copies, e) {
+                    ExpertMats::Fused(gate_up, down) => {
+                        let gu = self.linear(&xe, gate_up).chunk(2, -1);
+                        (gu[0].silu() * &gu[1], down)
+                    }
+                    ExpertMats::Split(gate, up, down) => {
+                        (self.linear(&xe, gate).silu() * self.linear(&xe, up), down)
+                    }
+                };
+                outputs.push(self.linear(&hidden.0, hidden.1));
             }
         }
         Tensor::cat(&outputs, 0)
+    }
+
+    /// Expert `e`'s matrices: the step's copies, its resident copies, or its masters.
+    fn expert_mats<'a>(
+        &self,
+        ex: &'a Expert,
+        copies: Option<&'a LayerCopies>,
+        e: usize,
+    ) -> ExpertMats<'a> {
+        match copies.and_then(|c| c.experts[e].as_ref()) {
+            Some([gu, d]) => ExpertMats::Fused(gu, d),
+            None => ex.compute(),
+        }
     }
 
     /// [`MoeModel::experts_loop`] as three grouped matmuls over the experts' stacked
     /// weights, the slices given by their end offsets on the device. The stack copies each
     /// weight once per call (as the loop's casts to bf16 do); its backward hands every
     /// expert its own gradient, so frozen experts still get none.
-    fn experts_grouped(&self, layer: &Layer, grouped: &Tensor, counts: &Tensor) -> Tensor {
+    fn experts_grouped(
+        &self,
+        layer: &Layer,
+        copies: Option<&LayerCopies>,
+        grouped: &Tensor,
+        counts: &Tensor,
+    ) -> Tensor {
         let offsets = counts.cumsum(0, Kind::Int);
-        let stacked = |part: usize| {
-            let ws: Vec<Tensor> = layer
-                .experts
-                .iter()
-                .map(|ex| ex.compute()[part].to_kind(self.compute))
-                .collect();
-            // [E, in, out]: each expert's weight transposed, as `x @ Wᵀ` needs.
-            Tensor::stack(&ws, 0).transpose(1, 2)
-        };
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        for (e, ex) in layer.experts.iter().enumerate() {
+            let (gu, d) = match self.expert_mats(ex, copies, e) {
+                ExpertMats::Fused(gu, d) => (gu.to_kind(self.compute), d.to_kind(self.compute)),
+                ExpertMats::Split(g, u, d) => (
+                    Tensor::cat(&[g.to_kind(self.compute), u.to_kind(self.compute)], 0),
+                    d.to_kind(self.compute),
+                ),
+            };
+            gate_up.push(gu);
+            down.push(d);
+        }
+        // [E, in, out]: each expert's weight transposed, as `x @ Wᵀ` needs.
+        let stacked = |ws: &[Tensor]| Tensor::stack(ws, 0).transpose(1, 2);
         let mm = |x: &Tensor, w: &Tensor| {
             x.internal_grouped_mm(w, Some(&offsets), None::<&Tensor>, None::<Kind>)
         };
         let x = grouped.to_kind(self.compute);
-        let hidden = mm(&x, &stacked(0)).silu() * mm(&x, &stacked(1));
-        mm(&hidden, &stacked(2))
+        let gu = mm(&x, &stacked(&gate_up)).chunk(2, -1);
+        mm(&(gu[0].silu() * &gu[1]), &stacked(&down))
     }
 
     /// Forward and backward of one `[B, T+1]` window batch: adds `scale` times the gradient of
@@ -497,6 +606,7 @@ impl MoeModel {
         let head = self.head_losses(&h, &targets, w.z_loss, Some(scale));
         let objective = head.surrogate + (&aux.lb * w.lb + &aux.router_z * w.router_z) * scale;
         run_backward(&objective);
+        self.flush_grads(None);
         Losses::new(head.ce, head.z_loss, aux, w)
     }
 
@@ -522,9 +632,11 @@ impl MoeModel {
         let mut x = tch::no_grad(|| Tensor::embedding(&self.embed, &inputs, -1, false, false));
         let mut tapes = Vec::with_capacity(self.layers.len());
         let mut stats = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
+        let step = self.step_copies();
+        let copies = |l: usize| step.as_ref().map(|s| &s.layers[l]);
+        for (l, layer) in self.layers.iter().enumerate() {
             let (tape, y) = if checkpoint {
-                let (y, moe) = tch::no_grad(|| self.block(layer, &x, &cos, &sin));
+                let (y, moe) = tch::no_grad(|| self.block(layer, copies(l), &x, &cos, &sin));
                 stats.push(moe.detached());
                 (
                     BlockTape {
@@ -535,7 +647,7 @@ impl MoeModel {
                 )
             } else {
                 let input = x.set_requires_grad(true);
-                let (y, moe) = self.block(layer, &input, &cos, &sin);
+                let (y, moe) = self.block(layer, copies(l), &input, &cos, &sin);
                 stats.push(moe.detached());
                 let cut = y.detach();
                 // The MoE output is in the graph already; the tape keeps the losses.
@@ -563,13 +675,14 @@ impl MoeModel {
                 Some(graph) => (tape.input, graph),
                 None => {
                     let x = tape.input.set_requires_grad(true);
-                    let out = self.block(layer, &x, &cos, &sin);
+                    let out = self.block(layer, copies(l), &x, &cos, &sin);
                     (x, out)
                 }
             };
             let objective = (&y * &g).sum(Kind::Float)
                 + (moe.lb * per_layer_lb + moe.router_z * w.router_z) * scale;
             run_backward(&objective);
+            self.flush_grads(Some(l));
             ready(Stage::Block(l));
             g = x.grad();
         }
@@ -614,7 +727,10 @@ impl MoeModel {
         let train_h = scale.is_some() && h.requires_grad();
         let scale = scale.unwrap_or(0.0);
         let (ce, z_loss, grad_h, grad_head) = tch::no_grad(|| {
-            let head = self.head.to_kind(self.compute);
+            let head = match self.step_copies() {
+                Some(s) => s.head.shallow_clone(),
+                None => self.head.to_kind(self.compute),
+            };
             let mut grad_head = train_head.then(|| self.head.zeros_like());
             let (mut ce, mut z) = (Vec::new(), Vec::new());
             let mut grad_h = Vec::new();
@@ -636,7 +752,13 @@ impl MoeModel {
                 let g = g.to_kind(self.compute);
                 grad_h.push(g.matmul(&head).to_kind(Kind::Float));
                 if let Some(acc) = &mut grad_head {
-                    let _ = acc.addmm_(&g.tr(), &hc);
+                    // The product in the compute precision, accumulated over chunks in fp32
+                    // (an fp32 `addmm_` cannot take bf16 operands).
+                    if g.kind() == Kind::Float {
+                        let _ = acc.addmm_(&g.tr(), &hc);
+                    } else {
+                        let _ = acc.g_add_(&g.tr().matmul(&hc));
+                    }
                 }
             }
             let sum = |xs: Vec<Tensor>| Tensor::stack(&xs, 0).sum(Kind::Float) / n as f64;
@@ -712,6 +834,127 @@ impl MoeModel {
     fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
         x.to_kind(self.compute)
             .matmul(&w.to_kind(self.compute).tr())
+    }
+
+    /// `x · wᵀ` for a weight `w` already in the compute precision (a step copy).
+    fn matmul(&self, x: &Tensor, w: &Tensor) -> Tensor {
+        x.to_kind(self.compute).matmul(&w.tr())
+    }
+
+    /// The step's compute copies (sharing their storage), if a step is on.
+    fn step_copies(&self) -> Option<StepCopies> {
+        let step = self.step.lock().unwrap_or_else(|e| e.into_inner());
+        step.as_ref().map(|s| StepCopies {
+            layers: s
+                .layers
+                .iter()
+                .map(|l| LayerCopies {
+                    qkv: l.qkv.shallow_clone(),
+                    o: l.o.shallow_clone(),
+                    experts: l
+                        .experts
+                        .iter()
+                        .map(|e| {
+                            e.as_ref()
+                                .map(|[a, b]| [a.shallow_clone(), b.shallow_clone()])
+                        })
+                        .collect(),
+                })
+                .collect(),
+            head: s.head.shallow_clone(),
+        })
+    }
+
+    /// Starts an optimizer step: in mixed precision, makes the bf16 compute copies every
+    /// micro-batch of the step multiplies by ([`StepCopies`]); in fp32 the masters serve as
+    /// they are. Call after the masters last changed, before the step's first backward.
+    pub fn begin_step(&self) {
+        if self.compute == Kind::Float {
+            return;
+        }
+        let kind = self.compute;
+        // A copy of `ws` stacked by rows, a gradient-collecting leaf if any of them trains.
+        let copy = |ws: &[&Tensor]| {
+            let train = ws.iter().any(|w| w.requires_grad());
+            let parts: Vec<Tensor> = ws.iter().map(|w| w.detach().to_kind(kind)).collect();
+            Tensor::cat(&parts, 0).set_requires_grad(train)
+        };
+        // The masters' gradients must exist to take the copies' in place; a zero backward
+        // makes the missing ones (once: the optimizer zeroes, never drops them).
+        let missing: Vec<Param> = self
+            .trainable_params()
+            .into_iter()
+            .filter(|p| !p.tensor.grad().defined())
+            .collect();
+        if !missing.is_empty() {
+            let zero: Tensor = missing
+                .iter()
+                .map(|p| (&p.tensor * 0.0).sum(Kind::Float))
+                .sum();
+            zero.backward();
+        }
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| LayerCopies {
+                qkv: copy(&[&l.q_proj, &l.k_proj, &l.v_proj]),
+                o: copy(&[&l.o_proj]),
+                experts: l
+                    .experts
+                    .iter()
+                    .map(|ex| {
+                        ex.resident
+                            .is_none()
+                            .then(|| [copy(&[&ex.gate, &ex.up]), copy(&[&ex.down])])
+                    })
+                    .collect(),
+            })
+            .collect();
+        let head = tch::no_grad(|| self.head.to_kind(kind));
+        *self.step.lock().unwrap_or_else(|e| e.into_inner()) = Some(StepCopies { layers, head });
+    }
+
+    /// Ends the optimizer step: drops its compute copies (the masters are about to change).
+    pub fn end_step(&self) {
+        *self.step.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Adds what the step copies of layer `layer` (all layers: `None`) collected in the last
+    /// backward to their masters' gradients, in fp32, and clears theirs.
+    fn flush_grads(&self, layer: Option<usize>) {
+        let Some(step) = self.step_copies() else {
+            return;
+        };
+        let add = |copy: &Tensor, masters: &[&Tensor]| {
+            let g = copy.grad();
+            if !copy.requires_grad() || !g.defined() {
+                return;
+            }
+            let mut at = 0;
+            for m in masters {
+                let rows = m.size()[0];
+                if m.requires_grad() {
+                    let _ = m.grad().g_add_(&g.narrow(0, at, rows));
+                }
+                at += rows;
+            }
+            let _ = g.shallow_clone().zero_();
+        };
+        tch::no_grad(|| {
+            for (l, (layer_w, c)) in self.layers.iter().zip(&step.layers).enumerate() {
+                if layer.is_some_and(|want| want != l) {
+                    continue;
+                }
+                add(&c.qkv, &[&layer_w.q_proj, &layer_w.k_proj, &layer_w.v_proj]);
+                add(&c.o, &[&layer_w.o_proj]);
+                for (ex, copies) in layer_w.experts.iter().zip(&c.experts) {
+                    if let Some([gu, d]) = copies {
+                        add(gu, &[&ex.gate, &ex.up]);
+                        add(d, &[&ex.down]);
+                    }
+                }
+            }
+        });
     }
 
     /// The stage of [`MoeModel::backward_in_stages`] that completes the gradient of the

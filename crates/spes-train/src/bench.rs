@@ -30,6 +30,9 @@ pub struct BenchOptions {
     /// Before timing, run one batch through both MoE kernels and report how far apart
     /// their losses and gradients are.
     pub compare_moe_kernels: bool,
+    /// Before timing, run one batch with the step's compute copies and with per-matmul casts
+    /// ([`MoeModel::begin_step`]) and report how far apart they are.
+    pub compare_step_paths: bool,
 }
 
 /// One benchmark result row.
@@ -53,14 +56,16 @@ pub struct BenchResult {
     pub gpu_memory_mb: Option<f64>,
     /// With `compare_moe_kernels`: the grouped kernel against the loop on one batch.
     pub moe_kernels: Option<KernelDiff>,
+    /// With `compare_step_paths`: the step's compute copies against per-matmul casts.
+    pub step_paths: Option<KernelDiff>,
 }
 
-/// How far the grouped MoE kernel's results are from the loop's on one batch.
+/// How far two ways of computing one batch are apart (b against a).
 #[derive(Clone, Debug, Serialize)]
 pub struct KernelDiff {
-    /// |loss_grouped − loss_loop| / |loss_loop|.
+    /// |loss_b − loss_a| / |loss_a|.
     pub loss_rel: f64,
-    /// The largest, over trainable tensors, of max|g_grouped − g_loop| / max|g_loop|.
+    /// The largest, over trainable tensors, of max|g_b − g_a| / max|g_a|.
     pub grad_rel: f64,
 }
 
@@ -94,6 +99,13 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
             d
         })
         .transpose()?;
+    let step_paths = o
+        .compare_step_paths
+        .then(|| {
+            let batch = Tensor::randint(vocab, shape, (Kind::Int64, o.device));
+            compare_step_paths(&model, &batch, &step.weights)
+        })
+        .transpose()?;
     let mut timed = Vec::new();
     for i in 0..o.warmup + o.steps {
         let batch = Tensor::randint(vocab, shape, (Kind::Int64, o.device));
@@ -119,7 +131,31 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
         runtime_rss_mb,
         gpu_memory_mb: o.device.is_cuda().then(gpu_memory_mb).flatten(),
         moe_kernels,
+        step_paths,
     })
+}
+
+/// The loss of one forward and backward of `batch` and the gradients it left (cleared after).
+fn loss_and_grads(model: &MoeModel, batch: &Tensor, weights: &LossWeights) -> (f64, Vec<Tensor>) {
+    let loss = model
+        .backward(batch, weights, 1.0, false)
+        .total
+        .double_value(&[]);
+    let grads: Vec<Tensor> = model
+        .trainable_params()
+        .iter()
+        .map(|p| {
+            let g = p.tensor.grad();
+            if !g.defined() {
+                // No token reached this expert.
+                return p.tensor.zeros_like();
+            }
+            let copy = g.copy();
+            let _ = g.shallow_clone().zero_();
+            copy
+        })
+        .collect();
+    (loss, grads)
 }
 
 /// One forward and backward of `batch` with each MoE kernel; gradients are cleared after.
@@ -128,40 +164,39 @@ fn compare_moe_kernels(
     batch: &Tensor,
     weights: &LossWeights,
 ) -> Result<KernelDiff> {
-    let mut run = |kernel| {
-        model.set_moe_kernel(kernel);
-        let loss = model
-            .backward(batch, weights, 1.0, false)
-            .total
-            .double_value(&[]);
-        let grads: Vec<Tensor> = model
-            .trainable_params()
-            .iter()
-            .map(|p| {
-                let g = p.tensor.grad();
-                if !g.defined() {
-                    // No token reached this expert.
-                    return p.tensor.zeros_like();
-                }
-                let copy = g.copy();
-                let _ = g.shallow_clone().zero_();
-                copy
-            })
-            .collect();
-        (loss, grads)
-    };
-    let (a, ga) = run(MoeKernel::Loop);
-    let (b, gb) = run(MoeKernel::Grouped);
+    model.set_moe_kernel(MoeKernel::Loop);
+    let (a, ga) = loss_and_grads(model, batch, weights);
+    model.set_moe_kernel(MoeKernel::Grouped);
+    let (b, gb) = loss_and_grads(model, batch, weights);
+    diff(a, &ga, b, &gb, "a MoE kernel")
+}
+
+/// One forward and backward of `batch` with per-matmul casts, then with the step's compute
+/// copies (bf16 copies made once, q/k/v and gate/up fused); gradients are cleared after.
+fn compare_step_paths(
+    model: &MoeModel,
+    batch: &Tensor,
+    weights: &LossWeights,
+) -> Result<KernelDiff> {
+    let (a, ga) = loss_and_grads(model, batch, weights);
+    model.begin_step();
+    let (b, gb) = loss_and_grads(model, batch, weights);
+    model.end_step();
+    diff(a, &ga, b, &gb, "a step path")
+}
+
+/// How far `b`'s loss and gradients are from `a`'s.
+fn diff(a: f64, ga: &[Tensor], b: f64, gb: &[Tensor], what: &str) -> Result<KernelDiff> {
     let grad_rel = ga
         .iter()
-        .zip(&gb)
+        .zip(gb)
         .map(|(x, y)| {
             let scale = x.abs().max().double_value(&[]).max(1e-30);
             (x - y).abs().max().double_value(&[]) / scale
         })
         .fold(0.0, f64::max);
     if !(a.is_finite() && b.is_finite()) {
-        anyhow::bail!("a MoE kernel gave a non-finite loss: loop {a}, grouped {b}");
+        anyhow::bail!("{what} gave a non-finite loss: {a} and {b}");
     }
     Ok(KernelDiff {
         loss_rel: (a - b).abs() / a.abs().max(1e-30),

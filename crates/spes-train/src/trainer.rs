@@ -489,6 +489,8 @@ pub fn step_on_batches(
     // while its backward runs on (the earlier batches only accumulate).
     let mut reducing = Vec::new();
     let mut failed = None;
+    // Mixed precision: every micro-batch multiplies by one set of bf16 copies, made here.
+    model.begin_step();
     for (i, batch) in batches.iter().enumerate() {
         let (rows, cols) = batch.size2().expect("batch is [rows, seq+1]");
         tokens += (rows * (cols - 1)) as u64;
@@ -511,6 +513,7 @@ pub fn step_on_batches(
             None => parts,
         });
     }
+    model.end_step();
     let mut sums = sums.expect("at least one batch");
     let grad_norm = match dp {
         None => {
