@@ -11,6 +11,7 @@
 //! records is `meter`'s. Refusals are decided on their typed kind ([`crate::refusal`]): a
 //! closed round names the round to load, and the node loads exactly it.
 
+mod connect;
 mod exchange;
 mod membership;
 mod meter;

@@ -3,13 +3,12 @@
 //! fetches stream payload files ([`crate::payload`]); a failed call is retried while it may
 //! still succeed ([`transient`]) and the node's patience lasts.
 
-use super::NodeOptions;
-use crate::auth::{is_loopback_url, AddToken};
+use crate::auth::AddToken;
 use crate::proto::refusal::Kind as Refused;
 use crate::proto::spes_client::SpesClient;
 use crate::proto::{DoneRequest, FetchRequest, JoinReply, JoinRequest, PayloadHeader};
 use crate::{fault, payload, refusal};
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use spes_sync::delta::tensor_of;
 use spes_sync::{FetchPlan, Named};
 use std::collections::HashSet;
@@ -17,7 +16,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tonic::codegen::InterceptedService;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
 pub(super) type Client = SpesClient<InterceptedService<Channel, AddToken>>;
@@ -27,42 +26,6 @@ const IDLE: Duration = Duration::from_secs(20);
 const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long a fetch asks the server to wait for an unpublished round.
 const FETCH_WAIT: Duration = Duration::from_secs(20);
-
-pub(super) async fn connect_client(opts: &NodeOptions, url: &str) -> Result<Client> {
-    if url.starts_with("http://")
-        && opts.credential.is_some()
-        && !opts.insecure
-        && !is_loopback_url(url)
-    {
-        bail!(
-            "refusing to send this node's credential in plaintext to {url}: use https:// (the \
-             server needs --tls-cert/--tls-key), or pass --insecure on a network you trust"
-        );
-    }
-    // Keepalive pings find a black-holed connection within ~15 s; the channel then reconnects.
-    let mut endpoint = Endpoint::from_shared(url.to_owned())
-        .with_context(|| format!("--server `{url}` is not a valid URL"))?
-        .connect_timeout(Duration::from_secs(10))
-        .http2_keep_alive_interval(Duration::from_secs(5))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .keep_alive_while_idle(true)
-        .tcp_keepalive(Some(Duration::from_secs(30)));
-    if url.starts_with("https://") {
-        let mut tls = ClientTlsConfig::new();
-        tls = match &opts.tls_ca {
-            Some(ca) => tls.ca_certificate(Certificate::from_pem(ca)),
-            None => tls.with_webpki_roots(),
-        };
-        endpoint = endpoint
-            .tls_config(tls)
-            .context("invalid TLS configuration")?;
-    }
-    let channel = endpoint.connect_lazy();
-    Ok(
-        SpesClient::with_interceptor(channel, AddToken::new(opts.credential.as_deref())?)
-            .max_decoding_message_size(payload::MAX_MESSAGE_BYTES),
-    )
-}
 
 /// Whether a failed call may succeed later (server restarting or busy, round not published).
 pub(super) fn transient(s: &Status) -> bool {
@@ -452,39 +415,6 @@ impl Link {
 }
 
 impl Link {
-    /// Clients for every `--server` URL (comma-separated, in shard order), on `rt`; no call is
-    /// made yet.
-    pub fn open(opts: &NodeOptions, rt: &tokio::runtime::Runtime, session: u64) -> Result<Link> {
-        let urls: Vec<&str> = opts
-            .server
-            .split(',')
-            .map(str::trim)
-            .filter(|u| !u.is_empty())
-            .collect();
-        let shards = urls
-            .iter()
-            .map(|url| {
-                Ok(Shard {
-                    client: rt.block_on(connect_client(opts, url))?,
-                    names: None,
-                    full_bytes: 0,
-                    delta_max: 0,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        if shards.is_empty() {
-            bail!("--server names no server");
-        }
-        Ok(Link {
-            handle: rt.handle().clone(),
-            shards,
-            peer: opts.peer,
-            session,
-            patience: Duration::from_secs_f64(opts.patience_s),
-            out: opts.out.clone(),
-        })
-    }
-
     /// Learns from the model's layout which tensors each shard owns and the payload sizes it
     /// may announce.
     pub fn set_layout(&mut self, layout: &spes_sync::Layout) {
