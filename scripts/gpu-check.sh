@@ -48,9 +48,12 @@ say() { echo "$*" | tee -a "$md"; }
 fail() { say "FAILED: $*"; exit 1; }
 
 timed_out=0
+# The CPU twin runs the same sections on a 2-core machine: four times the GPU's budgets.
+budget_scale=1
+[ "$mode" = cpu ] && budget_scale=4
 # section NAME BUDGET_S FUNCTION: runs FUNCTION under a time budget, records how it went.
 section() {
-  local name=$1 budget=$2 fn=$3 start rc secs
+  local name=$1 budget=$(($2 * budget_scale)) fn=$3 start rc secs
   say ""
   say "## $name (budget ${budget} s)"
   start=$(date +%s.%N)
