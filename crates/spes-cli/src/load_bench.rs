@@ -12,7 +12,7 @@ use spes_net::link::LinkSpec;
 use spes_net::payload;
 use spes_net::plan::{self, PlanInput, WireOption};
 use spes_net::proto::spes_client::SpesClient;
-use spes_net::proto::{DoneRequest, FetchRequest, JoinRequest, PayloadHeader};
+use spes_net::proto::{DoneRequest, FetchRequest, JoinRequest};
 use spes_sync::{Delta, Layout};
 use spes_train::RunConfig;
 use std::path::{Path, PathBuf};
@@ -268,14 +268,7 @@ async fn round_trip(peers: &Arc<Vec<Peer>>, round: u64) -> Result<()> {
         tasks.push(tokio::spawn(async move {
             let p = &peers[i];
             let size = p.upload.len() as u64;
-            let header = PayloadHeader {
-                peer: p.id as u32,
-                round,
-                total_bytes: size,
-                parts: vec![payload::part(size, p.xxh3)],
-                session: 1000 + p.id as u64,
-                ..Default::default()
-            };
+            let header = payload::upload_header(p.id, 1000 + p.id as u64, round, size, p.xxh3);
             let mut c = p.client.clone();
             let stream = payload::send(
                 vec![payload::Source::Bytes(p.upload.clone())],
@@ -316,7 +309,7 @@ struct ServerProc(Child);
 
 impl ServerProc {
     fn peak_rss_mb(&self) -> f64 {
-        proc_kb(self.0.id(), "VmHWM:") / 1024.0
+        spes_train::bench::process_mb(&self.0.id().to_string(), "VmHWM:")
     }
 
     fn wait(&mut self, limit: Duration) {
@@ -335,17 +328,4 @@ impl Drop for ServerProc {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-/// A `/proc/<pid>/status` field in kB (0 where there is none).
-pub fn proc_kb(pid: u32, field: &str) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(field))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse().ok())
-        })
-        .unwrap_or(0.0)
 }

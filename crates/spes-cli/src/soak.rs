@@ -4,7 +4,6 @@
 //! each role, the size of every file that grows (metrics, the restart point, logs) and the
 //! rounds' latency. Prints one row per sample.
 
-use crate::load_bench::proc_kb;
 use anyhow::{bail, Context, Result};
 use spes_train::metrics::{self, RoundRecord};
 use std::path::{Path, PathBuf};
@@ -155,7 +154,7 @@ pub fn run(a: Args) -> Result<()> {
                 .filter(|r| r.round + a.every > newest)
                 .filter_map(|r| r.close.as_ref().map(|c| c.round_s))
                 .collect();
-            let rss = |c: &Child| proc_kb(c.id(), "VmRSS:") / 1024.0;
+            let rss = |c: &Child| spes_train::bench::process_mb(&c.id().to_string(), "VmRSS:");
             let largest = guard.0[1..].iter().map(rss).fold(0.0, f64::max);
             println!(
                 "| {newest} | {:.0} MiB | {largest:.0} MiB | {:.1} MiB | {:.1} MiB | {:.2} MiB | {:.1} KiB | {:.2} MiB | {:.2} MiB | {:.3} |",

@@ -727,10 +727,12 @@ impl MoeModel {
         let train_h = scale.is_some() && h.requires_grad();
         let scale = scale.unwrap_or(0.0);
         let (ce, z_loss, grad_h, grad_head) = tch::no_grad(|| {
-            let head = match self.step_copies() {
+            let step = self.step.lock().unwrap_or_else(|e| e.into_inner());
+            let head = match step.as_ref() {
                 Some(s) => s.head.shallow_clone(),
                 None => self.head.to_kind(self.compute),
             };
+            drop(step);
             let mut grad_head = train_head.then(|| self.head.zeros_like());
             let (mut ce, mut z) = (Vec::new(), Vec::new());
             let mut grad_h = Vec::new();
@@ -879,20 +881,14 @@ impl MoeModel {
             let parts: Vec<Tensor> = ws.iter().map(|w| w.detach().to_kind(kind)).collect();
             Tensor::cat(&parts, 0).set_requires_grad(train)
         };
-        // The masters' gradients must exist to take the copies' in place; a zero backward
-        // makes the missing ones (once: the optimizer zeroes, never drops them).
-        let missing: Vec<Param> = self
+        // The masters' gradients must exist to take the copies' in place (once: the
+        // optimizer zeroes them, never drops them).
+        let trained: Vec<Tensor> = self
             .trainable_params()
             .into_iter()
-            .filter(|p| !p.tensor.grad().defined())
+            .map(|p| p.tensor)
             .collect();
-        if !missing.is_empty() {
-            let zero: Tensor = missing
-                .iter()
-                .map(|p| (&p.tensor * 0.0).sum(Kind::Float))
-                .sum();
-            zero.backward();
-        }
+        define_grads(&trained);
         let layers = self
             .layers
             .iter()
@@ -1088,6 +1084,16 @@ impl MoeModel {
                 ex.refresh();
             }
         }
+    }
+}
+
+/// Gives every tensor of `ts` that has none a zero gradient, with one backward of a zero
+/// objective, so its gradient can be added to, reduced or read like the others'.
+pub fn define_grads(ts: &[Tensor]) {
+    let missing: Vec<&Tensor> = ts.iter().filter(|t| !t.grad().defined()).collect();
+    if !missing.is_empty() {
+        let zero: Tensor = missing.iter().map(|t| (*t * 0.0).sum(Kind::Float)).sum();
+        zero.backward();
     }
 }
 

@@ -261,6 +261,25 @@ pub fn decode_parts(bytes: &[u8], parts: &[Part]) -> Result<Vec<(String, Tensor)
     Ok(out)
 }
 
+/// The header of peer `peer`'s (process `session`'s) upload for `round`: one part of `bytes`
+/// with checksum `xxh3`.
+pub fn upload_header(
+    peer: usize,
+    session: u64,
+    round: u64,
+    bytes: u64,
+    xxh3: u64,
+) -> PayloadHeader {
+    PayloadHeader {
+        peer: peer as u32,
+        round,
+        total_bytes: bytes,
+        parts: vec![part(bytes, xxh3)],
+        session,
+        ..Default::default()
+    }
+}
+
 /// The header's part for a file of this size and checksum.
 pub fn part(bytes: u64, xxh3: u64) -> Part {
     Part { bytes, xxh3 }

@@ -223,6 +223,12 @@ pub fn decode<'a>(
             if !seen.insert(name.clone()) {
                 return Err(format!("holds tensor `{name}` twice"));
             }
+            if t.size() != shape {
+                return Err(format!(
+                    "tensor `{name}` has shape {:?}, expected {shape:?}",
+                    t.size()
+                ));
+            }
             let d = match (cfg.wire, t.kind()) {
                 (Wire::Fp32, Kind::Float | Kind::BFloat16) => Delta::Value(t),
                 (Wire::Bf16Delta, Kind::BFloat16) => Delta::Dense(t),
@@ -235,12 +241,6 @@ pub fn decode<'a>(
                 ))
                 }
             };
-            if t_size(&d) != shape {
-                return Err(format!(
-                    "tensor `{name}` has shape {:?}, expected {shape:?}",
-                    t_size(&d)
-                ));
-            }
             out.push((name, d));
         }
         return Ok(out);
@@ -290,13 +290,6 @@ pub fn decode<'a>(
             Ok((name, d))
         })
         .collect()
-}
-
-fn t_size(d: &Delta) -> Vec<i64> {
-    match d {
-        Delta::Value(t) | Delta::Dense(t) => t.size(),
-        _ => unreachable!("only whole tensors have the model's shape"),
-    }
 }
 
 /// The two wire parts a lossy form sends per tensor, in [`from_parts`] order.

@@ -320,7 +320,13 @@ pub fn peak_rss_mb() -> f64 {
 
 /// A memory line of `/proc/self/status` in MiB (0 where there is none).
 fn rss_mb(field: &str) -> f64 {
-    std::fs::read_to_string("/proc/self/status")
+    process_mb("self", field)
+}
+
+/// A memory line (`VmRSS:`, `VmHWM:`) of process `pid`'s `/proc/<pid>/status` in MiB (0 where
+/// there is none).
+pub fn process_mb(pid: &str, field: &str) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()

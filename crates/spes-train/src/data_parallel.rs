@@ -277,15 +277,12 @@ impl DataParallel {
     /// One reduce per owner rank of the gradients of tensors `which`, in rank order (the
     /// same on every rank, as c10d requires).
     fn start_reduce(&self, which: &[usize], what: &str) -> Result<Vec<PendingMean>> {
-        let missing: Vec<&Tensor> = which
+        // A tensor no token reached this batch (an expert) still joins the reduce.
+        let of: Vec<Tensor> = which
             .iter()
-            .map(|&i| &self.trained[i])
-            .filter(|p| !p.grad().defined())
+            .map(|&i| self.trained[i].shallow_clone())
             .collect();
-        if !missing.is_empty() {
-            let zero: Tensor = missing.iter().map(|p| (*p * 0.0).sum(Kind::Float)).sum();
-            zero.backward();
-        }
+        spes_model::define_grads(&of);
         let mut pending = Vec::new();
         for r in 0..self.world() {
             let grads: Vec<Tensor> = which

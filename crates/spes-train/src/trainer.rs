@@ -17,13 +17,7 @@ use tch::{Device, Kind, Tensor};
 /// What one optimizer step measured.
 #[derive(Clone, Debug)]
 pub struct StepStats {
-    pub loss: f64,
-    pub ce: f64,
-    pub z_loss: f64,
-    pub lb_loss: f64,
-    pub router_z_loss: f64,
-    pub grad_norm: f64,
-    pub lr: f64,
+    pub losses: StepLosses,
     pub tokens: u64,
     pub seconds: f64,
 }
@@ -33,15 +27,7 @@ impl StepStats {
     pub fn record(&self, step: u64, tokens: u64, tokens_per_s: f64) -> StepRecord {
         StepRecord {
             step,
-            losses: Some(StepLosses {
-                loss: self.loss,
-                ce: self.ce,
-                z_loss: self.z_loss,
-                lb_loss: self.lb_loss,
-                router_z_loss: self.router_z_loss,
-                grad_norm: self.grad_norm,
-                lr: self.lr,
-            }),
+            losses: Some(self.losses.clone()),
             tokens,
             tokens_per_s: Some(tokens_per_s),
             ..StepRecord::default()
@@ -546,13 +532,15 @@ pub fn step_on_batches(
     let v = Vec::<f64>::try_from(&read.to_kind(Kind::Double).to_device(Device::Cpu))
         .expect("six scalars");
     Ok(StepStats {
-        loss: v[0],
-        ce: v[1],
-        z_loss: v[2],
-        lb_loss: v[3],
-        router_z_loss: v[4],
-        grad_norm: v[5],
-        lr,
+        losses: StepLosses {
+            loss: v[0],
+            ce: v[1],
+            z_loss: v[2],
+            lb_loss: v[3],
+            router_z_loss: v[4],
+            grad_norm: v[5],
+            lr,
+        },
         tokens,
         seconds: start.elapsed().as_secs_f64(),
     })
@@ -651,10 +639,10 @@ pub fn run(
     let first_tokens = tr.tokens;
     while tr.step < t.max_steps {
         let s = tr.train_step()?;
-        if !s.loss.is_finite() {
+        if !s.losses.loss.is_finite() {
             bail!(
                 "loss became {} at step {}; lower train.lr or check the data",
-                s.loss,
+                s.losses.loss,
                 tr.step
             );
         }
@@ -664,7 +652,7 @@ pub fn run(
         if tr.step % t.log_every == 0 || tr.step == t.max_steps {
             let tps = window_tokens as f64 / window_s.max(1e-9);
             record = Some(s.record(tr.step, tr.tokens, tps));
-            bar.set_message(format!("loss {:.3} | {:.0} tok/s", s.loss, tps));
+            bar.set_message(format!("loss {:.3} | {:.0} tok/s", s.losses.loss, tps));
             (window_tokens, window_s) = (0, 0.0);
             tr.check_ranks_in_sync()?;
         }

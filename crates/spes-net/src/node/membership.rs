@@ -3,7 +3,7 @@
 //! ownership into the trainer, and asking to join again after an eviction.
 
 use super::saved::Saved;
-use super::transport::explain;
+use super::transport::{explain, Fetched};
 use super::Node;
 use crate::proto::{JoinReply, PayloadHeader};
 use anyhow::Result;
@@ -58,24 +58,8 @@ impl Node {
     /// Rebuilds the weights a checkpoint without a model describes: round `base_round`'s
     /// model (the newest) plus the saved remainder.
     fn restore(&mut self, state: ReplicaState) -> Result<()> {
-        let round = state.base_round;
-        let plan = FetchPlan {
-            round: Some(round),
-            have_previous: false,
-            skip_own: false,
-        };
-        let fetched = match self.link.fetch(&plan) {
-            Ok(f) => f,
-            Err(s) if s.code() == Code::NotFound => {
-                tracing::warn!(
-                    "node {}: {}; taking the newest model",
-                    self.peer(),
-                    s.message()
-                );
-                let header = self.fetch_and_load(None)?;
-                return self.follow(&header);
-            }
-            Err(s) => return Err(explain(s, "the server")),
+        let Some(fetched) = self.fetch_whole(state.base_round)? else {
+            return Ok(());
         };
         let weights = self.weights();
         self.replica.restore(state, fetched.read()?, &weights)?;
@@ -137,13 +121,24 @@ impl Node {
     /// Takes round `round`'s trained tensors as the delta base, keeping the weights (which
     /// hold progress made since that round).
     fn fetch_base(&mut self, round: u64) -> Result<()> {
+        let Some(fetched) = self.fetch_whole(round)? else {
+            return Ok(());
+        };
+        let weights = self.weights();
+        self.replica.take_base(round, fetched.read()?, &weights)?;
+        Ok(())
+    }
+
+    /// Round `round`'s whole model; `None` when the server no longer keeps it, after taking
+    /// the newest model instead (and following its ownership).
+    fn fetch_whole(&mut self, round: u64) -> Result<Option<Fetched>> {
         let plan = FetchPlan {
             round: Some(round),
             have_previous: false,
             skip_own: false,
         };
-        let fetched = match self.link.fetch(&plan) {
-            Ok(f) => f,
+        match self.link.fetch(&plan) {
+            Ok(f) => Ok(Some(f)),
             Err(s) if s.code() == Code::NotFound => {
                 tracing::warn!(
                     "node {}: {}; taking the newest model",
@@ -151,13 +146,11 @@ impl Node {
                     s.message()
                 );
                 let header = self.fetch_and_load(None)?;
-                return self.follow(&header);
+                self.follow(&header)?;
+                Ok(None)
             }
-            Err(s) => return Err(explain(s, "the server")),
-        };
-        let weights = self.weights();
-        self.replica.take_base(round, fetched.read()?, &weights)?;
-        Ok(())
+            Err(s) => Err(explain(s, "the server")),
+        }
     }
 
     /// Takes the ownership a fetched round announces for the next round; waits to be admitted

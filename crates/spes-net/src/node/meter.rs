@@ -86,7 +86,7 @@ impl Meter {
         self.log.write(&record)?;
         self.show(
             NodeLine::Step(record),
-            format!("loss {:.3} | {tps:.0} tok/s", s.loss),
+            format!("loss {:.3} | {tps:.0} tok/s", s.losses.loss),
         );
         Ok(())
     }

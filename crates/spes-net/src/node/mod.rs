@@ -190,11 +190,11 @@ impl Node {
             }
             let s = self.trainer.train_step()?;
             let step = self.trainer.step;
-            if !s.loss.is_finite() {
+            if !s.losses.loss.is_finite() {
                 bail!(
                     "node {}: loss became {} at step {step}",
                     self.peer(),
-                    s.loss
+                    s.losses.loss
                 );
             }
             self.meter.count(&s, step);

@@ -203,14 +203,7 @@ impl Link {
         let results = self.on_all(|i, s| {
             let u = &uploads[i];
             let size = u.bytes.len() as u64;
-            let header = PayloadHeader {
-                peer: self.peer as u32,
-                round,
-                total_bytes: size,
-                parts: vec![payload::part(size, u.xxh3)],
-                session: self.session,
-                ..Default::default()
-            };
+            let header = payload::upload_header(self.peer, self.session, round, size, u.xxh3);
             retry(&self.handle, self.patience, "upload", || {
                 let (mut c, bytes, header) = (s.client.clone(), u.bytes.clone(), header.clone());
                 async move {

@@ -261,13 +261,7 @@ pub fn upload_of(
 }
 
 pub fn header_for(peer: usize, round: u64, total_bytes: u64, xxh3: u64) -> PayloadHeader {
-    PayloadHeader {
-        peer: peer as u32,
-        round,
-        total_bytes,
-        parts: vec![payload::part(total_bytes, xxh3)],
-        ..Default::default()
-    }
+    payload::upload_header(peer, 0, round, total_bytes, xxh3)
 }
 
 /// Streams the file at `path` behind `header`.
