@@ -34,7 +34,7 @@ pub fn prepare_data(out: &Path) -> Result<PathBuf> {
             data.clone(),
             TokenizerSource::Train(8192),
         );
-        let m = spes_data::tokenize(&opts)?;
+        let m = spes_data::tokenize(&opts)?.manifest;
         println!(
             "tokenized the embedded corpus: {} train / {} validation tokens, vocab {}",
             m.train_tokens, m.val_tokens, m.vocab_size

@@ -276,7 +276,7 @@ fn prepare_data(d: &DataSpec, out: &Path) -> Result<PathBuf> {
             (None, v) => TokenizerSource::Train(v.unwrap_or(8192)),
         };
         let inputs = d.inputs.iter().map(|p| p.display().to_string()).collect();
-        let m = spes_data::tokenize(&TokenizeOptions::new(inputs, data.clone(), source))?;
+        let m = spes_data::tokenize(&TokenizeOptions::new(inputs, data.clone(), source))?.manifest;
         println!(
             "tokenized {} train / {} validation tokens, vocab {}",
             m.train_tokens, m.val_tokens, m.vocab_size

@@ -43,6 +43,8 @@ struct Cli {
 enum Command {
     /// Tokenize text into .npy token shards, a validation split and a manifest.
     Tokenize(tokenize_cmd::Args),
+    /// Work on tokenized data: `spes data import` token files other tools wrote.
+    Data(tokenize_cmd::DataArgs),
     /// Train a model on one machine (every parameter), resumable.
     Train(train_cmd::Args),
     /// Write a freshly initialised checkpoint of a config to <out>/step-0 (e.g. to try export-hf).
@@ -119,6 +121,7 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Tokenize(a) => tokenize_cmd::run(a),
+        Command::Data(a) => tokenize_cmd::data(a),
         Command::Train(a) => train_cmd::run(a),
         Command::Init(a) => train_cmd::init(a),
         Command::ExportHf(a) => hf::export(a),

@@ -1,104 +1,224 @@
-//! A deterministic, resumable loader of `[batch, seq+1]` token windows over memory-mapped shards.
+//! A deterministic, resumable loader of `[batch, seq+1]` token windows over memory-mapped token
+//! files, from one tokenized directory or a weighted mixture of several.
 //!
-//! Window `w` of a shard holds tokens `[w·seq, w·seq + seq + 1)`: consecutive windows overlap by
-//! the one token that is the last target of one and the first input of the next. Each epoch
-//! visits every window once in an order shuffled from `(seed, epoch)`, so the whole stream is a
-//! function of the seed and a single position counter.
+//! A split's runs of tokens are read as one stream; window `w` holds stream tokens
+//! `[w·seq, w·seq + seq + 1)`, so consecutive windows overlap by the one token that is the last
+//! target of one and the first input of the next, and the windows do not depend on how the
+//! tokens are cut into files. Each epoch of a source visits its every window once, in an order
+//! that a seeded [`Permutation`] computes index by index; a mixture picks the source of each
+//! draw from a low-discrepancy sequence, so the whole stream is a function of the seed and one
+//! position counter, and memory does not grow with the corpus.
 
+use crate::permute::Permutation;
 use crate::shard::{Manifest, Shard, ShardInfo};
 use anyhow::{bail, Result};
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use std::path::Path;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
 
-/// Shards of one split with the prefix sums of their window counts.
+/// One tokenized directory of a mixture and its share of the windows drawn.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Source {
+    pub path: PathBuf,
+    #[serde(default = "one")]
+    pub weight: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// The runs of one split read as one stream of tokens.
 struct Windows {
-    shards: Vec<Shard>,
-    /// `first[i]` = index of shard i's first window; last entry = total windows.
+    runs: Vec<Shard>,
+    /// `first[i]` = stream index of run i's first token; last entry = total tokens.
     first: Vec<u64>,
     seq: usize,
 }
 
 impl Windows {
     fn open(dir: &Path, manifest: &Manifest, infos: &[ShardInfo], seq: usize) -> Result<Self> {
-        let mut shards = Vec::with_capacity(infos.len());
+        let mut runs = Vec::with_capacity(infos.len());
         let mut first = vec![0u64];
         for info in infos {
-            let shard = Shard::open(dir, info, manifest.dtype)?;
-            let n = if shard.len() > seq as u64 {
-                (shard.len() - 1) / seq as u64
-            } else {
-                0
-            };
-            first.push(first.last().unwrap() + n);
-            shards.push(shard);
+            let run = Shard::open(dir, info, manifest.dtype)?;
+            first.push(first.last().unwrap() + run.len());
+            runs.push(run);
         }
-        Ok(Windows { shards, first, seq })
+        Ok(Windows { runs, first, seq })
     }
 
-    fn count(&self) -> u64 {
+    fn tokens(&self) -> u64 {
         *self.first.last().unwrap()
     }
 
+    fn count(&self) -> u64 {
+        self.tokens().saturating_sub(1) / self.seq as u64
+    }
+
     fn read(&self, window: u64, out: &mut Vec<i64>) {
-        let shard = self.first.partition_point(|&f| f <= window) - 1;
-        let start = (window - self.first[shard]) * self.seq as u64;
-        self.shards[shard].read_into(start, self.seq + 1, out);
+        let mut at = window * self.seq as u64;
+        let mut left = self.seq + 1;
+        let mut run = self.first.partition_point(|&f| f <= at) - 1;
+        while left > 0 {
+            let offset = at - self.first[run];
+            let n = ((self.runs[run].len() - offset) as usize).min(left);
+            self.runs[run].read_into(offset, n, out);
+            left -= n;
+            at += n as u64;
+            run += 1;
+        }
+    }
+}
+
+/// Which source each draw of a mixture comes from: draw `i` takes the source whose share of
+/// `[0, 2^64)` holds `offset + i·φ·2^64` (the golden-ratio sequence), so every prefix of the
+/// stream holds each source in proportion to its weight within a few draws.
+#[derive(Clone, Debug)]
+struct Schedule {
+    /// Upper ends of the sources' shares; the last is `u64::MAX`.
+    ends: Vec<u64>,
+    offset: u64,
+}
+
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+impl Schedule {
+    fn new(weights: &[f64], seed: u64) -> Self {
+        let total: f64 = weights.iter().sum();
+        let mut acc = 0.0;
+        let mut ends: Vec<u64> = weights
+            .iter()
+            .map(|w| {
+                acc += w / total;
+                (acc * u64::MAX as f64) as u64
+            })
+            .collect();
+        *ends.last_mut().expect("at least one source") = u64::MAX;
+        let offset = xxhash_rust::xxh3::xxh3_64_with_seed(b"mixture", seed);
+        Schedule { ends, offset }
+    }
+
+    fn source_of(&self, i: u64) -> usize {
+        let u = self.offset.wrapping_add(i.wrapping_mul(GOLDEN));
+        self.ends.partition_point(|&e| e < u).min(self.ends.len() - 1)
+    }
+
+    /// Draws of each source among the first `position`.
+    fn counts_at(&self, position: u64) -> Vec<u64> {
+        let mut counts = vec![0; self.ends.len()];
+        if self.ends.len() == 1 {
+            counts[0] = position;
+        } else {
+            (0..position).for_each(|i| counts[self.source_of(i)] += 1);
+        }
+        counts
+    }
+}
+
+/// Opens every source's manifest and checks that they share one tokenizer.
+fn open_sources(sources: &[Source]) -> Result<Vec<Manifest>> {
+    if sources.is_empty() {
+        bail!("[data]: no source to read");
+    }
+    let mut manifests: Vec<Manifest> = Vec::with_capacity(sources.len());
+    for s in sources {
+        if !(s.weight.is_finite() && s.weight > 0.0) {
+            bail!(
+                "[data] source {}: weight must be a positive number, got {}",
+                s.path.display(),
+                s.weight
+            );
+        }
+        let m = Manifest::load(&s.path)?;
+        if let Some(first) = manifests.first() {
+            if (m.tokenizer_xxh3.as_str(), m.eos_id) != (first.tokenizer_xxh3.as_str(), first.eos_id)
+            {
+                bail!(
+                    "[data] sources {} and {} were tokenized with different tokenizers \
+                     (checksums {} and {}); a mixture needs one",
+                    sources[0].path.display(),
+                    s.path.display(),
+                    first.tokenizer_xxh3,
+                    m.tokenizer_xxh3
+                );
+            }
+        }
+        manifests.push(m);
+    }
+    Ok(manifests)
+}
+
+/// The permutation seed of source `k`: the run's seed itself for the first, so a single
+/// directory's order depends on the seed alone.
+fn source_seed(seed: u64, k: usize) -> u64 {
+    if k == 0 {
+        seed
+    } else {
+        xxhash_rust::xxh3::xxh3_64_with_seed(&(k as u64).to_le_bytes(), seed)
     }
 }
 
 /// Training windows in a seeded shuffled order, resumable from any position.
 pub struct Loader {
-    windows: Windows,
+    sources: Vec<Windows>,
+    schedule: Schedule,
     seed: u64,
-    epoch: u64,
-    order: Vec<u64>,
+    /// Windows drawn from each source so far.
+    drawn: Vec<u64>,
     position: u64,
 }
 
 impl Loader {
-    /// Opens the train split of a `spes tokenize` directory at `position` windows consumed.
+    /// Opens the train split of one `spes tokenize` directory at `position` windows consumed.
     pub fn open(dir: &Path, seq: usize, seed: u64, position: u64) -> Result<Self> {
-        let manifest = Manifest::load(dir)?;
-        let windows = Windows::open(dir, &manifest, &manifest.train, seq)?;
-        if windows.count() == 0 {
-            bail!(
-                "{}: the train split has {} tokens in shards too short for one window of {} tokens",
-                dir.display(),
-                manifest.train_tokens,
-                seq + 1
-            );
-        }
-        let mut loader = Loader {
-            windows,
-            seed,
-            epoch: u64::MAX,
-            order: Vec::new(),
-            position,
+        let source = Source {
+            path: dir.to_owned(),
+            weight: 1.0,
         };
-        loader.shuffle_for(position);
-        Ok(loader)
+        Self::open_mixture(&[source], seq, seed, position)
     }
 
-    fn shuffle_for(&mut self, position: u64) {
-        let epoch = position / self.windows.count();
-        if epoch != self.epoch {
-            self.order = (0..self.windows.count()).collect();
-            let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
-            rng.set_stream(epoch);
-            self.order.shuffle(&mut rng);
-            self.epoch = epoch;
+    /// Opens the train splits of a weighted mixture of tokenized directories.
+    pub fn open_mixture(sources: &[Source], seq: usize, seed: u64, position: u64) -> Result<Self> {
+        let manifests = open_sources(sources)?;
+        let mut streams = Vec::with_capacity(sources.len());
+        for (s, m) in sources.iter().zip(&manifests) {
+            let w = Windows::open(&s.path, m, &m.train, seq)?;
+            if w.count() == 0 {
+                bail!(
+                    "{}: the train split has {} tokens, too few for one window of {} tokens",
+                    s.path.display(),
+                    m.train_tokens,
+                    seq + 1
+                );
+            }
+            streams.push(w);
         }
+        let weights: Vec<f64> = sources.iter().map(|s| s.weight).collect();
+        let schedule = Schedule::new(&weights, seed);
+        let drawn = schedule.counts_at(position);
+        Ok(Loader {
+            sources: streams,
+            schedule,
+            seed,
+            drawn,
+            position,
+        })
     }
 
     /// The next `batch` windows, row-major `[batch, seq+1]`.
     pub fn next_batch(&mut self, batch: usize) -> Vec<i64> {
-        let mut out = Vec::with_capacity(batch * (self.windows.seq + 1));
+        let seq = self.sources[0].seq;
+        let mut out = Vec::with_capacity(batch * (seq + 1));
         for _ in 0..batch {
-            self.shuffle_for(self.position);
-            let i = self.position % self.windows.count();
-            self.windows.read(self.order[i as usize], &mut out);
+            let k = self.schedule.source_of(self.position);
+            let source = &self.sources[k];
+            let n = source.count();
+            let drawn = self.drawn[k];
+            let order = Permutation::new(n, source_seed(self.seed, k), drawn / n);
+            source.read(order.at(drawn % n), &mut out);
+            self.drawn[k] += 1;
             self.position += 1;
         }
         out
@@ -109,46 +229,99 @@ impl Loader {
         self.position
     }
 
-    /// Windows in one epoch.
+    /// Windows drawn from each source so far, in the order the sources were given.
+    pub fn drawn(&self) -> &[u64] {
+        &self.drawn
+    }
+
+    /// Windows in one epoch of every source together.
     pub fn windows_per_epoch(&self) -> u64 {
-        self.windows.count()
+        self.sources.iter().map(Windows::count).sum()
     }
 }
 
-/// The validation split as consecutive, non-shuffled windows.
+/// The validation split as consecutive, non-shuffled windows (from every source of a mixture,
+/// in proportion to their weights).
 pub struct ValWindows {
-    windows: Windows,
+    sources: Vec<Windows>,
+    schedule: Schedule,
 }
 
 impl ValWindows {
     pub fn open(dir: &Path, seq: usize) -> Result<Self> {
-        let manifest = Manifest::load(dir)?;
-        let windows = Windows::open(dir, &manifest, &manifest.val, seq)?;
-        if windows.count() == 0 {
-            bail!(
-                "{}: the validation split ({} tokens) is shorter than one window of {} tokens; \
-                 tokenize with a larger --val-fraction",
-                dir.display(),
-                manifest.val_tokens,
-                seq + 1
-            );
+        let source = Source {
+            path: dir.to_owned(),
+            weight: 1.0,
+        };
+        Self::open_mixture(&[source], seq)
+    }
+
+    pub fn open_mixture(sources: &[Source], seq: usize) -> Result<Self> {
+        let manifests = open_sources(sources)?;
+        let mut streams = Vec::with_capacity(sources.len());
+        for (s, m) in sources.iter().zip(&manifests) {
+            let w = Windows::open(&s.path, m, &m.val, seq)?;
+            if w.count() == 0 {
+                bail!(
+                    "{}: the validation split ({} tokens) is shorter than one window of {} tokens; \
+                     tokenize with a larger --val-fraction",
+                    s.path.display(),
+                    m.val_tokens,
+                    seq + 1
+                );
+            }
+            streams.push(w);
         }
-        Ok(ValWindows { windows })
+        let weights: Vec<f64> = sources.iter().map(|s| s.weight).collect();
+        Ok(ValWindows {
+            sources: streams,
+            schedule: Schedule::new(&weights, 0),
+        })
     }
 
     /// Up to `max_batches` batches of `batch` windows, the last one possibly smaller.
     pub fn batches(&self, batch: usize, max_batches: usize) -> Vec<(usize, Vec<i64>)> {
-        let total = self.windows.count().min((batch * max_batches) as u64);
-        (0..total)
-            .step_by(batch)
-            .map(|start| {
-                let n = (total - start).min(batch as u64);
-                let mut out = Vec::with_capacity(n as usize * (self.windows.seq + 1));
-                for w in start..start + n {
-                    self.windows.read(w, &mut out);
+        let seq = self.sources[0].seq;
+        let cap: u64 = self.sources.iter().map(Windows::count).sum();
+        let total = cap.min((batch * max_batches) as u64);
+        let mut taken = vec![0u64; self.sources.len()];
+        let mut windows = Vec::with_capacity(total as usize);
+        let mut i = 0u64;
+        while (windows.len() as u64) < total {
+            let k = self.schedule.source_of(i);
+            i += 1;
+            if taken[k] < self.sources[k].count() {
+                windows.push((k, taken[k]));
+                taken[k] += 1;
+            }
+        }
+        windows
+            .chunks(batch)
+            .map(|chunk| {
+                let mut out = Vec::with_capacity(chunk.len() * (seq + 1));
+                for &(k, w) in chunk {
+                    self.sources[k].read(w, &mut out);
                 }
-                (n as usize, out)
+                (chunk.len(), out)
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_keeps_every_prefix_near_the_weights() {
+        let s = Schedule::new(&[0.75, 0.25], 7);
+        let counts = s.counts_at(10_000);
+        assert_eq!(counts.iter().sum::<u64>(), 10_000);
+        let share = counts[0] as f64 / 10_000.0;
+        assert!((share - 0.75).abs() < 0.001, "share {share}");
+        for n in [10u64, 100, 1000] {
+            let c = s.counts_at(n)[0] as f64;
+            assert!((c - 0.75 * n as f64).abs() <= 2.0, "{c} of {n}");
+        }
     }
 }

@@ -1,10 +1,22 @@
 //! `spes tokenize`: documents → token shards + tokenizer + validation split + manifest.
+//!
+//! Files are tokenized in parallel, each into its own shards (`train-<file>-<k>.npy`), so the
+//! output depends on the inputs alone, not on the thread count or the order work finishes in.
+//! A finished file leaves a record under `.progress/`; a run started again with the same
+//! arguments skips the files recorded there and ends byte-identical to one that never stopped.
 
-use crate::input::{estimated_bytes, expand_inputs, for_each_document};
-use crate::shard::{write_shard, Manifest, ShardInfo, TokenDtype};
+use crate::input::{expand_inputs, for_each_document, FileCounts, ReadOptions};
+use crate::shard::{
+    hash_file, write_atomic, Manifest, Part, ShardInfo, ShardWriter, TokenDtype, MANIFEST,
+    MANIFEST_VERSION,
+};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
@@ -27,14 +39,21 @@ pub struct TokenizeOptions {
     pub inputs: Vec<String>,
     pub out: PathBuf,
     pub tokenizer: TokenizerSource,
-    /// JSON field holding the text in `.jsonl` inputs.
+    /// JSON field or parquet column holding the text.
     pub text_field: String,
-    /// Share of documents held out for validation (chosen by a hash of the document index).
+    /// Share of documents held out for validation (chosen by a hash of file and document index).
     pub val_fraction: f64,
+    /// Most tokens per shard file.
     pub shard_tokens: usize,
     /// Override the end-of-text token of a loaded tokenizer.
     pub eos_token: Option<String>,
     pub progress: bool,
+    /// Worker threads; 0 means every core.
+    pub threads: usize,
+    /// Count and skip broken records instead of stopping at the first.
+    pub skip_bad_records: bool,
+    /// Tokenize only this part of the input list (files dealt round robin).
+    pub part: Option<Part>,
 }
 
 impl TokenizeOptions {
@@ -49,86 +68,336 @@ impl TokenizeOptions {
             shard_tokens: 100_000_000,
             eos_token: None,
             progress: true,
+            threads: 0,
+            skip_bad_records: false,
+            part: None,
         }
     }
 }
 
+/// What a run did, for its closing line.
+#[derive(Clone, Debug)]
+pub struct TokenizeReport {
+    pub manifest: Manifest,
+    /// Files found done by an earlier, interrupted run and skipped.
+    pub resumed_files: usize,
+    /// Document bytes tokenized by this run.
+    pub text_bytes: u64,
+    /// Tokens written by this run.
+    pub tokens: u64,
+    pub seconds: f64,
+}
+
 /// Most text fed to BPE training; larger corpora are trained on their first documents.
 const MAX_TRAIN_TOKENIZER_BYTES: usize = 512 << 20;
-/// Documents encoded per parallel batch.
-const ENCODE_BATCH_BYTES: usize = 8 << 20;
+/// Document text encoded per call of the tokenizer.
+const ENCODE_BATCH_BYTES: usize = 1 << 20;
+/// Where finished files are recorded until the manifest is written.
+const PROGRESS: &str = ".progress";
 
-/// Runs the whole pipeline and returns the manifest it wrote.
-pub fn tokenize(opts: &TokenizeOptions) -> Result<Manifest> {
+/// What the output of a run depends on: a resumed run must match it exactly.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct RunKey {
+    /// Every input file of the list with its size (the part's files are chosen from it).
+    inputs: Vec<(String, u64)>,
+    tokenizer: String,
+    text_field: String,
+    val_fraction: f64,
+    shard_tokens: usize,
+    eos_token: Option<String>,
+    skip_bad_records: bool,
+    part: Option<Part>,
+}
+
+/// One finished input file.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct FileRecord {
+    index: usize,
+    counts: FileTotals,
+    train: Vec<ShardInfo>,
+    val: Vec<ShardInfo>,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+struct FileTotals {
+    train_documents: u64,
+    val_documents: u64,
+    text_bytes: u64,
+    skipped: u64,
+}
+
+/// Runs the whole pipeline and returns what it wrote.
+pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
+    let started = Instant::now();
     if !(0.0..1.0).contains(&opts.val_fraction) {
         bail!(
             "--val-fraction must be in [0, 1), got {}",
             opts.val_fraction
         );
     }
-    let files = expand_inputs(&opts.inputs)?;
+    let all = expand_inputs(&opts.inputs)?;
+    let files: Vec<(usize, PathBuf)> = all
+        .iter()
+        .cloned()
+        .enumerate()
+        .filter(|(i, _)| opts.part.is_none_or(|p| p.holds(*i)))
+        .collect();
+    if files.is_empty() {
+        bail!(
+            "part {} of {} input files holds no file",
+            opts.part.expect("only a part can be empty"),
+            all.len()
+        );
+    }
     std::fs::create_dir_all(&opts.out)
         .with_context(|| format!("cannot create {}", opts.out.display()))?;
-    let tokenizer = match &opts.tokenizer {
-        TokenizerSource::File(path) => Tokenizer::from_file(path)
-            .map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", path.display()))?,
-        TokenizerSource::Train(vocab) => train_bpe(&files, opts, *vocab)?,
+    let key = RunKey {
+        inputs: all
+            .iter()
+            .map(|f| (f.display().to_string(), f.metadata().map_or(0, |m| m.len())))
+            .collect(),
+        tokenizer: match &opts.tokenizer {
+            TokenizerSource::File(path) => format!("file {}", hash_file(path)?),
+            TokenizerSource::Train(vocab) => format!("train {vocab}"),
+        },
+        text_field: opts.text_field.clone(),
+        val_fraction: opts.val_fraction,
+        shard_tokens: opts.shard_tokens,
+        eos_token: opts.eos_token.clone(),
+        skip_bad_records: opts.skip_bad_records,
+        part: opts.part,
     };
+    let progress_dir = opts.out.join(PROGRESS);
+    let done = resume(&opts.out, &key)?;
+    let tokenizer_path = opts.out.join("tokenizer.json");
+    let tokenizer = if done.is_some() {
+        // The tokenizer the interrupted run wrote, trained or copied: training again need not
+        // give the same one.
+        Tokenizer::from_file(&tokenizer_path)
+            .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", tokenizer_path.display()))?
+    } else {
+        let tokenizer = match &opts.tokenizer {
+            TokenizerSource::File(path) => Tokenizer::from_file(path)
+                .map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", path.display()))?,
+            TokenizerSource::Train(vocab) => {
+                let inputs: Vec<PathBuf> = files.iter().map(|(_, f)| f.clone()).collect();
+                train_bpe(&inputs, opts, *vocab)?
+            }
+        };
+        let json = tokenizer
+            .to_string(false)
+            .map_err(|e| anyhow::anyhow!("cannot serialise tokenizer: {e}"))?;
+        write_atomic(&tokenizer_path, json.as_bytes())?;
+        std::fs::create_dir_all(&progress_dir)
+            .with_context(|| format!("cannot create {}", progress_dir.display()))?;
+        write_atomic(
+            &progress_dir.join("run.json"),
+            serde_json::to_string_pretty(&key)?.as_bytes(),
+        )?;
+        tokenizer
+    };
+    let mut records = done.unwrap_or_default();
+    let resumed_files = records.len();
     let eos_id = find_eos(&tokenizer, opts.eos_token.as_deref())?;
     let vocab_size = tokenizer.get_vocab_size(true);
-    let tokenizer_json = tokenizer
-        .to_string(false)
-        .map_err(|e| anyhow::anyhow!("cannot serialise tokenizer: {e}"))?;
-    crate::shard::write_atomic(&opts.out.join("tokenizer.json"), tokenizer_json.as_bytes())?;
+    let dtype = TokenDtype::for_vocab(vocab_size);
+    let todo: Vec<&(usize, PathBuf)> = files
+        .iter()
+        .filter(|(i, _)| !records.iter().any(|r| r.index == *i))
+        .collect();
 
-    let mut w = SplitWriter {
-        out: opts.out.clone(),
-        dtype: TokenDtype::for_vocab(vocab_size),
-        shard_tokens: opts.shard_tokens.max(1),
-        train: Split::default(),
-        val: Split::default(),
+    let total: u64 = todo.iter().map(|(_, f)| f.metadata().map_or(0, |m| m.len())).sum();
+    let bar = progress_bar(opts.progress, total, "tokenizing");
+    let read_bytes = AtomicU64::new(0);
+    let job = FileJob {
+        opts,
+        tokenizer: &tokenizer,
+        eos_id,
+        dtype,
+        read_bytes: &read_bytes,
+        bar: &bar,
     };
-    let bar = progress_bar(opts.progress, estimated_bytes(&files), "tokenizing");
-    let mut doc_index = 0u64;
-    let mut batch: Vec<String> = Vec::new();
-    let mut batch_bytes = 0;
-    for file in &files {
-        let mut last = 0;
-        for_each_document(file, &opts.text_field, |doc, seen| {
-            bar.inc(seen - last);
-            last = seen;
-            batch_bytes += doc.len();
-            batch.push(doc);
+    let threads = if opts.threads == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        opts.threads
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .context("cannot start the tokenizing threads")?;
+    let new: Vec<FileRecord> = pool.install(|| {
+        todo.par_iter()
+            .map(|(i, path)| job.run(*i, path))
+            .collect::<Result<_>>()
+    })?;
+    bar.finish_and_clear();
+    let text_bytes = new.iter().map(|r| r.counts.text_bytes).sum();
+    let tokens = new
+        .iter()
+        .flat_map(|r| r.train.iter().chain(&r.val))
+        .map(|s| s.tokens)
+        .sum();
+    records.extend(new);
+    records.sort_by_key(|r| r.index);
+
+    let sum = |f: fn(&FileTotals) -> u64| records.iter().map(|r| f(&r.counts)).sum::<u64>();
+    if sum(|c| c.train_documents) == 0 {
+        bail!("the input holds no document to train on");
+    }
+    let train: Vec<ShardInfo> = records.iter().flat_map(|r| r.train.clone()).collect();
+    let val: Vec<ShardInfo> = records.iter().flat_map(|r| r.val.clone()).collect();
+    let manifest = Manifest {
+        format_version: MANIFEST_VERSION,
+        tokenizer: "tokenizer.json".into(),
+        tokenizer_xxh3: hash_file(&tokenizer_path)?,
+        vocab_size,
+        eos_id,
+        dtype,
+        train_documents: sum(|c| c.train_documents),
+        val_documents: sum(|c| c.val_documents),
+        train_tokens: train.iter().map(|s| s.tokens).sum(),
+        val_tokens: val.iter().map(|s| s.tokens).sum(),
+        train,
+        val,
+        inputs: files.iter().map(|(_, f)| f.display().to_string()).collect(),
+        part: opts.part,
+        skipped_records: sum(|c| c.skipped),
+    };
+    manifest.save(&opts.out)?;
+    std::fs::remove_dir_all(&progress_dir)
+        .with_context(|| format!("cannot remove {}", progress_dir.display()))?;
+    Ok(TokenizeReport {
+        manifest,
+        resumed_files,
+        text_bytes,
+        tokens,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// The files an interrupted run with the same key finished, or `None` to start afresh (which
+/// clears what a run with other arguments left).
+fn resume(out: &Path, key: &RunKey) -> Result<Option<Vec<FileRecord>>> {
+    let dir = out.join(PROGRESS);
+    let same = std::fs::read_to_string(dir.join("run.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<RunKey>(&t).ok())
+        .is_some_and(|k| k == *key);
+    remove_temp_files(out)?;
+    if !same {
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)
+                .with_context(|| format!("cannot remove {}", dir.display()))?;
+        }
+        return Ok(None);
+    }
+    let mut records = Vec::new();
+    for entry in std::fs::read_dir(&dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let path = entry?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if !name.starts_with("file-") || !name.ends_with(".json") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let record: FileRecord = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a progress record", path.display()))?;
+        records.push(record);
+    }
+    // A previous manifest is stale as soon as any file is tokenized again.
+    let _ = std::fs::remove_file(out.join(MANIFEST));
+    Ok(Some(records))
+}
+
+/// Removes the temp files a killed run left beside the shards.
+fn remove_temp_files(out: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(out).with_context(|| format!("cannot list {}", out.display()))? {
+        let path = entry?.path();
+        if path.file_name().unwrap_or_default().to_string_lossy().contains(".tmp-") {
+            std::fs::remove_file(&path)
+                .with_context(|| format!("cannot remove {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Tokenizes one input file into its own shards.
+struct FileJob<'a> {
+    opts: &'a TokenizeOptions,
+    tokenizer: &'a Tokenizer,
+    eos_id: u32,
+    dtype: TokenDtype,
+    read_bytes: &'a AtomicU64,
+    bar: &'a ProgressBar,
+}
+
+impl FileJob<'_> {
+    fn run(&self, index: usize, path: &Path) -> Result<FileRecord> {
+        let out = &self.opts.out;
+        let shard_tokens = self.opts.shard_tokens as u64;
+        let mut train = ShardWriter::new(out, format!("train-{index:06}"), self.dtype, shard_tokens);
+        let mut val = ShardWriter::new(out, format!("val-{index:06}"), self.dtype, shard_tokens);
+        let mut totals = FileTotals::default();
+        let mut batch: Vec<String> = Vec::new();
+        let mut batch_bytes = 0;
+        let mut doc = 0u64;
+        let mut encode = |batch: &mut Vec<String>, totals: &mut FileTotals| -> Result<()> {
+            let docs = std::mem::take(batch);
+            let encodings = self
+                .tokenizer
+                .encode_batch(docs, false)
+                .map_err(|e| anyhow::anyhow!("input {}: tokenizer failed: {e}", path.display()))?;
+            for enc in encodings {
+                let is_val = is_val(index as u64, doc, self.opts.val_fraction);
+                doc += 1;
+                let (w, n) = if is_val {
+                    (&mut val, &mut totals.val_documents)
+                } else {
+                    (&mut train, &mut totals.train_documents)
+                };
+                w.push(enc.get_ids())?;
+                w.push(&[self.eos_id])?;
+                *n += 1;
+            }
+            self.bar.set_position(self.read_bytes.load(Ordering::Relaxed));
+            Ok(())
+        };
+        let read = ReadOptions {
+            text_field: self.opts.text_field.clone(),
+            skip_bad_records: self.opts.skip_bad_records,
+        };
+        let FileCounts {
+            text_bytes,
+            skipped,
+            ..
+        } = for_each_document(path, &read, self.read_bytes, |d| {
+            batch_bytes += d.len();
+            batch.push(d);
             if batch_bytes >= ENCODE_BATCH_BYTES {
-                encode_batch(&tokenizer, &mut batch, eos_id, &mut doc_index, opts, &mut w)?;
                 batch_bytes = 0;
+                encode(&mut batch, &mut totals)?;
             }
             Ok(())
         })?;
+        encode(&mut batch, &mut totals)?;
+        if skipped > 0 {
+            tracing::warn!("input {}: skipped {skipped} broken records", path.display());
+        }
+        totals.text_bytes = text_bytes;
+        totals.skipped = skipped;
+        let record = FileRecord {
+            index,
+            counts: totals,
+            train: train.finish()?,
+            val: val.finish()?,
+        };
+        write_atomic(
+            &out.join(PROGRESS).join(format!("file-{index:06}.json")),
+            serde_json::to_string(&record)?.as_bytes(),
+        )?;
+        Ok(record)
     }
-    encode_batch(&tokenizer, &mut batch, eos_id, &mut doc_index, opts, &mut w)?;
-    bar.finish_and_clear();
-    if w.train.documents == 0 {
-        bail!("the input holds no document to train on");
-    }
-    w.flush(false, true)?;
-    w.flush(true, true)?;
-    let manifest = Manifest {
-        format_version: 1,
-        tokenizer: "tokenizer.json".into(),
-        vocab_size,
-        eos_id,
-        dtype: w.dtype,
-        train_documents: w.train.documents,
-        val_documents: w.val.documents,
-        train_tokens: w.train.shards.iter().map(|s| s.tokens).sum(),
-        val_tokens: w.val.shards.iter().map(|s| s.tokens).sum(),
-        train: w.train.shards,
-        val: w.val.shards,
-        inputs: files.iter().map(|f| f.display().to_string()).collect(),
-    };
-    manifest.save(&opts.out)?;
-    Ok(manifest)
 }
 
 fn progress_bar(show: bool, len: u64, what: &'static str) -> ProgressBar {
@@ -147,75 +416,18 @@ fn progress_bar(show: bool, len: u64, what: &'static str) -> ProgressBar {
     bar
 }
 
-/// Whether document `i` goes to validation: a fixed hash, so the split is reproducible.
-fn is_val(i: u64, fraction: f64) -> bool {
-    let h = xxhash_rust::xxh3::xxh3_64(&i.to_le_bytes());
+/// Whether document `doc` of input file `file` goes to validation: a fixed hash, so the split
+/// is the same whichever part or run tokenizes the file.
+fn is_val(file: u64, doc: u64, fraction: f64) -> bool {
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&file.to_le_bytes());
+    key[8..].copy_from_slice(&doc.to_le_bytes());
+    let h = xxhash_rust::xxh3::xxh3_64(&key);
     (h % 1_000_000) < (fraction * 1_000_000.0) as u64
 }
 
-fn encode_batch(
-    tokenizer: &Tokenizer,
-    batch: &mut Vec<String>,
-    eos_id: u32,
-    doc_index: &mut u64,
-    opts: &TokenizeOptions,
-    w: &mut SplitWriter,
-) -> Result<()> {
-    if batch.is_empty() {
-        return Ok(());
-    }
-    let docs = std::mem::take(batch);
-    let encodings = tokenizer
-        .encode_batch(docs, false)
-        .map_err(|e| anyhow::anyhow!("tokenizer failed: {e}"))?;
-    for enc in encodings {
-        let val = is_val(*doc_index, opts.val_fraction);
-        *doc_index += 1;
-        let split = if val { &mut w.val } else { &mut w.train };
-        split.buffer.extend_from_slice(enc.get_ids());
-        split.buffer.push(eos_id);
-        split.documents += 1;
-        w.flush(val, false)?;
-    }
-    Ok(())
-}
-
-#[derive(Default)]
-struct Split {
-    buffer: Vec<u32>,
-    shards: Vec<ShardInfo>,
-    documents: u64,
-}
-
-struct SplitWriter {
-    out: PathBuf,
-    dtype: TokenDtype,
-    shard_tokens: usize,
-    train: Split,
-    val: Split,
-}
-
-impl SplitWriter {
-    /// Writes full shards; with `all`, also the remainder.
-    fn flush(&mut self, val: bool, all: bool) -> Result<()> {
-        let (split, prefix) = if val {
-            (&mut self.val, "val")
-        } else {
-            (&mut self.train, "train")
-        };
-        while split.buffer.len() >= self.shard_tokens || (all && !split.buffer.is_empty()) {
-            let n = split.buffer.len().min(self.shard_tokens);
-            let name = format!("{prefix}-{:05}.npy", split.shards.len());
-            let info = write_shard(&self.out, &name, &split.buffer[..n], self.dtype)?;
-            split.shards.push(info);
-            split.buffer.drain(..n);
-        }
-        Ok(())
-    }
-}
-
 /// The end-of-text id: the override, else the first known EOS spelling in the vocabulary.
-fn find_eos(tokenizer: &Tokenizer, name: Option<&str>) -> Result<u32> {
+pub(crate) fn find_eos(tokenizer: &Tokenizer, name: Option<&str>) -> Result<u32> {
     if let Some(name) = name {
         return tokenizer
             .token_to_id(name)
@@ -236,11 +448,16 @@ fn train_bpe(files: &[PathBuf], opts: &TokenizeOptions, vocab: usize) -> Result<
     }
     let mut docs = Vec::new();
     let mut bytes = 0;
+    let read = ReadOptions {
+        text_field: opts.text_field.clone(),
+        skip_bad_records: opts.skip_bad_records,
+    };
+    let seen = AtomicU64::new(0);
     for file in files {
         if bytes >= MAX_TRAIN_TOKENIZER_BYTES {
             break;
         }
-        for_each_document(file, &opts.text_field, |doc, _| {
+        for_each_document(file, &read, &seen, |doc| {
             if bytes < MAX_TRAIN_TOKENIZER_BYTES {
                 bytes += doc.len();
                 docs.push(doc);

@@ -24,7 +24,7 @@ fn tokenized(dir: &Path, vocab: usize) -> Manifest {
     opts.progress = false;
     opts.val_fraction = 0.05;
     opts.shard_tokens = 10_000;
-    tokenize(&opts).unwrap()
+    tokenize(&opts).unwrap().manifest
 }
 
 #[test]
@@ -58,7 +58,7 @@ fn tokenize_writes_shards_manifest_and_a_reusable_tokenizer() {
     );
     opts.progress = false;
     opts.val_fraction = 0.05;
-    let m2 = tokenize(&opts).unwrap();
+    let m2 = tokenize(&opts).unwrap().manifest;
     assert_eq!(
         m2.train_tokens, m.train_tokens,
         "same tokenizer, same split, same count"
@@ -78,13 +78,13 @@ fn a_large_vocabulary_gets_uint32_shards() {
         TokenizerSource::File(shared_tok),
     );
     opts.progress = false;
-    let m = tokenize(&opts).unwrap();
+    let m = tokenize(&opts).unwrap().manifest;
     assert!(m.vocab_size > 50_000);
     assert_eq!(m.dtype, TokenDtype::for_vocab(m.vocab_size));
     // Sanity: a 50k vocabulary still fits uint16; force the uint32 path through the writer.
     assert_eq!(TokenDtype::for_vocab(70_000), TokenDtype::Uint32);
     let info =
-        spes_data::shard::write_shard(tmp.path(), "big.npy", &[70_000, 1, 2], TokenDtype::Uint32)
+        spes_data::shard::write_shard(tmp.path(), "big", &[70_000, 1, 2], TokenDtype::Uint32)
             .unwrap();
     let shard = spes_data::shard::Shard::open(tmp.path(), &info, TokenDtype::Uint32).unwrap();
     let mut out = Vec::new();
@@ -203,6 +203,6 @@ fn jsonl_gz_documents_are_read() {
         TokenizerSource::Train(300),
     );
     opts.progress = false;
-    let m = tokenize(&opts).unwrap();
+    let m = tokenize(&opts).unwrap().manifest;
     assert_eq!(m.train_documents + m.val_documents, 400);
 }
