@@ -111,13 +111,13 @@ pub fn scoring(
     batch: usize,
     device: tch::Device,
 ) -> Result<spes_eval::Scoring> {
-    let manifest = spes_data::Manifest::load(&cfg.data.path).ok();
+    let manifest = spes_data::Manifest::load(cfg.data.primary()).ok();
     let tok_path = match (tokenizer, &manifest) {
         (Some(t), _) => t.to_owned(),
-        (None, Some(m)) => cfg.data.path.join(&m.tokenizer),
+        (None, Some(m)) => cfg.data.primary().join(&m.tokenizer),
         (None, None) => anyhow::bail!(
             "the checkpoint's data directory {} is gone; pass --tokenizer",
-            cfg.data.path.display()
+            cfg.data.primary().display()
         ),
     };
     let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)

@@ -209,7 +209,7 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
         );
     }
     let cfg = &state.config;
-    let manifest = spes_data::Manifest::load(&cfg.data.path).ok();
+    let manifest = spes_data::Manifest::load(cfg.data.primary()).ok();
     let eos = manifest.as_ref().map(|m| m.eos_id);
     let hf = hf_config(&cfg.model, cfg.train.seq_len, eos, o.dtype)?;
     std::fs::create_dir_all(&o.out)
@@ -302,7 +302,7 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
 
     let tokenizer = o.tokenizer.clone().or_else(|| {
         let m = manifest.as_ref()?;
-        Some(cfg.data.path.join(&m.tokenizer))
+        Some(cfg.data.primary().join(&m.tokenizer))
     });
     let shipped = match tokenizer {
         Some(t) if t.exists() => {

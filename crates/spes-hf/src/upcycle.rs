@@ -190,6 +190,7 @@ pub fn upcycle(o: &UpcycleOptions) -> Result<PathBuf> {
         model: cfg.clone(),
         data: spes_train::config::DataConfig {
             path: o.data.clone(),
+            sources: Vec::new(),
         },
         train: TrainConfig {
             seq_len: cfg.context_length.min(2048),

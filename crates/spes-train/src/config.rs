@@ -18,11 +18,58 @@ pub struct RunConfig {
     pub sync: SyncConfig,
 }
 
+/// `[data]`: where training windows come from. Node-local: every node names its own copy.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// A `spes tokenize` output directory.
+    /// A `spes tokenize` or `spes data import` output directory; or leave it out and give
+    /// `sources`.
+    #[serde(default, skip_serializing_if = "path_is_empty")]
     pub path: PathBuf,
+    /// A weighted mixture of tokenized directories: `[{ path = "...", weight = 0.6 }, ...]`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<spes_data::Source>,
+}
+
+fn path_is_empty(p: &Path) -> bool {
+    p.as_os_str().is_empty()
+}
+
+impl DataConfig {
+    /// The sources drawn from: `path` alone, or the mixture.
+    pub fn sources(&self) -> Vec<spes_data::Source> {
+        if self.sources.is_empty() {
+            vec![spes_data::Source {
+                path: self.path.clone(),
+                weight: 1.0,
+            }]
+        } else {
+            self.sources.clone()
+        }
+    }
+
+    /// The directory whose tokenizer and manifest stand for the run's (the first source).
+    pub fn primary(&self) -> &Path {
+        self.sources.first().map_or(&self.path, |s| &s.path)
+    }
+
+    fn validate(&self) -> Result<()> {
+        match (path_is_empty(&self.path), self.sources.is_empty()) {
+            (true, true) => bail!("[data]: set `path` (a tokenized directory) or `sources`"),
+            (false, false) => bail!("[data]: set `path` or `sources`, not both"),
+            _ => {}
+        }
+        for s in &self.sources {
+            if !(s.weight.is_finite() && s.weight > 0.0) {
+                bail!(
+                    "[data] source {}: weight must be a positive number, got {}",
+                    s.path.display(),
+                    s.weight
+                );
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Numeric precision of the forward/backward pass; master weights are always fp32.
@@ -233,6 +280,7 @@ impl RunConfig {
 
     fn validate(&self) -> Result<()> {
         self.model.validate()?;
+        self.data.validate()?;
         let t = &self.train;
         if t.seq_len == 0 || t.seq_len > self.model.context_length {
             bail!(
@@ -486,6 +534,21 @@ mod tests {
         for k in SyncConfig::PER_ROLE {
             assert!(sync.get(k).is_some(), "{k}");
         }
+    }
+
+    #[test]
+    fn data_is_one_path_or_a_weighted_mixture() {
+        let mix = "[model]\npreset = \"tiny\"\n[data]\nsources = [{ path = \"web\", weight = 0.75 }, { path = \"code\", weight = 0.25 }]\n[train]\nmax_steps = 5\n";
+        let c = RunConfig::parse(mix, &[]).unwrap();
+        let s = c.data.sources();
+        assert_eq!((s.len(), s[1].weight), (2, 0.25));
+        assert_eq!(c.data.primary(), Path::new("web"));
+        assert_eq!(RunConfig::parse(BASE, &[]).unwrap().data.sources()[0].path, Path::new("d"));
+        let both = RunConfig::parse(mix, &["data.path=d".into()]).unwrap_err();
+        assert!(format!("{both:#}").contains("not both"), "{both:#}");
+        let bad = mix.replace("0.25", "-1");
+        let err = RunConfig::parse(&bad, &[]).unwrap_err();
+        assert!(format!("{err:#}").contains("source code: weight"), "{err:#}");
     }
 
     #[test]

@@ -23,6 +23,9 @@ pub struct StepRecord {
     /// Measured over the steps since the last logged one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_s: Option<f64>,
+    /// Training tokens drawn from each `[data]` source so far (mixtures only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub source_tokens: Vec<u64>,
     /// The sync round the step belongs to (nodes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub round: Option<u64>,

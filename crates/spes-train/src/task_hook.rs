@@ -23,8 +23,8 @@ impl TaskHook {
         if t.eval_tasks.is_empty() || t.eval_tasks_every == 0 {
             return Ok(None);
         }
-        let manifest = spes_data::Manifest::load(&cfg.data.path)?;
-        let tokenizer = spes_data::tokenize::load_tokenizer(&cfg.data.path, &manifest)?;
+        let manifest = spes_data::Manifest::load(cfg.data.primary())?;
+        let tokenizer = spes_data::tokenize::load_tokenizer(cfg.data.primary(), &manifest)?;
         let tasks = t
             .eval_tasks
             .iter()

@@ -20,6 +20,8 @@ pub struct StepStats {
     pub losses: StepLosses,
     pub tokens: u64,
     pub seconds: f64,
+    /// Training tokens drawn from each `[data]` source so far; empty for a single source.
+    pub source_tokens: Vec<u64>,
 }
 
 impl StepStats {
@@ -30,6 +32,7 @@ impl StepStats {
             losses: Some(self.losses.clone()),
             tokens,
             tokens_per_s: Some(tokens_per_s),
+            source_tokens: self.source_tokens.clone(),
             ..StepRecord::default()
         }
     }
@@ -118,11 +121,11 @@ impl Trainer {
         trainable: impl Fn(Role) -> bool,
         data_position: u64,
     ) -> Result<Self> {
-        let manifest = spes_data::Manifest::load(&cfg.data.path)?;
+        let manifest = spes_data::Manifest::load(cfg.data.primary())?;
         if manifest.vocab_size > cfg.model.vocab_size {
             bail!(
                 "data {} has a {}-token vocabulary but model.vocab_size is {}",
-                cfg.data.path.display(),
+                cfg.data.primary().display(),
                 manifest.vocab_size,
                 cfg.model.vocab_size
             );
@@ -133,8 +136,9 @@ impl Trainer {
         model.set_trainable(trainable);
         let opt = AdamW::new(model.trainable_params(), &cfg.train);
         let seq = cfg.train.seq_len;
-        let loader = Loader::open(&cfg.data.path, seq, cfg.train.seed, data_position)?;
-        let val = ValWindows::open(&cfg.data.path, seq)?;
+        let sources = cfg.data.sources();
+        let loader = Loader::open_mixture(&sources, seq, cfg.train.seed, data_position)?;
+        let val = ValWindows::open_mixture(&sources, seq)?;
         let options = StepOptions::from_config(&cfg.train);
         Ok(Trainer {
             cfg,
@@ -200,7 +204,7 @@ impl Trainer {
             })
             .collect();
         let lr = lr_at(self.step, &self.cfg.train);
-        let s = step_on_batches(
+        let mut s = step_on_batches(
             &self.model,
             &mut self.opt,
             &self.options,
@@ -208,6 +212,10 @@ impl Trainer {
             lr,
             &batches,
         )?;
+        if self.loader.drawn().len() > 1 {
+            let seq = self.cfg.train.seq_len as u64;
+            s.source_tokens = self.loader.drawn().iter().map(|w| w * seq).collect();
+        }
         self.step += 1;
         self.tokens += s.tokens;
         Ok(s)
@@ -311,8 +319,8 @@ impl Trainer {
         let world = self.dp.as_ref().map_or(1, DataParallel::world);
         let rows = (self.cfg.train.batch_size * self.cfg.train.grad_accum * world) as u64;
         let position = self.loader.position() + (step - self.step) * rows;
-        self.loader = spes_data::Loader::open(
-            &self.cfg.data.path,
+        self.loader = spes_data::Loader::open_mixture(
+            &self.cfg.data.sources(),
             self.cfg.train.seq_len,
             self.cfg.train.seed,
             position,
@@ -543,6 +551,7 @@ pub fn step_on_batches(
         },
         tokens,
         seconds: start.elapsed().as_secs_f64(),
+        source_tokens: Vec::new(),
     })
 }
 

@@ -259,7 +259,7 @@ pub async fn serve(
         ),
         None => (cfg.sync.scope(cfg.model.n_experts)?, 0, BTreeSet::new()),
     };
-    let eval = match ValWindows::open(&cfg.data.path, cfg.train.seq_len) {
+    let eval = match ValWindows::open_mixture(&cfg.data.sources(), cfg.train.seq_len) {
         // A shard holds part of the model; score with `spes eval` on a node's checkpoint.
         Ok(_) if opts.shard.1 > 1 => None,
         Ok(val) => Some(Evaluator {
