@@ -246,6 +246,7 @@ async fn join_all(peers: &Arc<Vec<Peer>>) -> Result<()> {
                 peer: p.id as u32,
                 session: 1000 + p.id as u64,
                 join: false,
+                data_parts: Vec::new(),
             };
             match c.join(req).await {
                 Ok(_) => break,

@@ -93,7 +93,11 @@ pub fn import(opts: &ImportOptions) -> Result<Manifest> {
                 first,
             })
         };
-        let held = if i + 1 == found.len() { opts.val_tokens } else { 0 };
+        let held = if i + 1 == found.len() {
+            opts.val_tokens
+        } else {
+            0
+        };
         train.push(info(0, f.tokens - held)?);
         if held > 0 {
             val.push(info(f.tokens - held, held)?);
@@ -115,6 +119,7 @@ pub fn import(opts: &ImportOptions) -> Result<Manifest> {
         val,
         inputs: found.iter().map(|f| f.path.display().to_string()).collect(),
         part: None,
+        input_list_xxh3: String::new(),
         skipped_records: 0,
     };
     manifest.save(&opts.out)?;
@@ -172,9 +177,7 @@ fn inspect(path: &Path, dtype: Option<TokenDtype>) -> Result<Found> {
         );
     };
     if size % dtype.size() as u64 != 0 {
-        bail!(
-            "{name}: {size} bytes is not a whole number of {dtype:?} tokens; is --dtype right?"
-        );
+        bail!("{name}: {size} bytes is not a whole number of {dtype:?} tokens; is --dtype right?");
     }
     Ok(Found {
         path: path.to_owned(),
@@ -197,7 +200,10 @@ fn megatron_index(idx: &Path) -> Result<(TokenDtype, u64)> {
     }
     let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
     if u64_at(9) != 1 {
-        bail!("{name}: Megatron index version {} is not supported (expected 1)", u64_at(9));
+        bail!(
+            "{name}: Megatron index version {} is not supported (expected 1)",
+            u64_at(9)
+        );
     }
     let dtype = match bytes[17] {
         4 => TokenDtype::Int32,
@@ -223,7 +229,8 @@ fn megatron_index(idx: &Path) -> Result<(TokenDtype, u64)> {
 pub fn write_megatron(prefix: &Path, docs: &[Vec<u16>]) -> Result<()> {
     let mut bin = Vec::new();
     for d in docs {
-        d.iter().for_each(|t| bin.extend_from_slice(&t.to_le_bytes()));
+        d.iter()
+            .for_each(|t| bin.extend_from_slice(&t.to_le_bytes()));
     }
     let mut idx = MEGATRON_MAGIC.to_vec();
     idx.extend_from_slice(&1u64.to_le_bytes());

@@ -101,7 +101,9 @@ impl Schedule {
 
     fn source_of(&self, i: u64) -> usize {
         let u = self.offset.wrapping_add(i.wrapping_mul(GOLDEN));
-        self.ends.partition_point(|&e| e < u).min(self.ends.len() - 1)
+        self.ends
+            .partition_point(|&e| e < u)
+            .min(self.ends.len() - 1)
     }
 
     /// Draws of each source among the first `position`.
@@ -132,7 +134,8 @@ fn open_sources(sources: &[Source]) -> Result<Vec<Manifest>> {
         }
         let m = Manifest::load(&s.path)?;
         if let Some(first) = manifests.first() {
-            if (m.tokenizer_xxh3.as_str(), m.eos_id) != (first.tokenizer_xxh3.as_str(), first.eos_id)
+            if (m.tokenizer_xxh3.as_str(), m.eos_id)
+                != (first.tokenizer_xxh3.as_str(), first.eos_id)
             {
                 bail!(
                     "[data] sources {} and {} were tokenized with different tokenizers \
@@ -149,21 +152,25 @@ fn open_sources(sources: &[Source]) -> Result<Vec<Manifest>> {
     Ok(manifests)
 }
 
-/// The permutation seed of source `k`: the run's seed itself for the first, so a single
-/// directory's order depends on the seed alone.
-fn source_seed(seed: u64, k: usize) -> u64 {
-    if k == 0 {
-        seed
-    } else {
-        xxhash_rust::xxh3::xxh3_64_with_seed(&(k as u64).to_le_bytes(), seed)
+/// The permutation seed of source `k`: a part of a corpus is seeded by its identity, so
+/// whichever node reads it reads it in the same order; else the run's seed itself for the
+/// first source (a single directory's order depends on the seed alone) and one derived from
+/// its place for the others.
+fn source_seed(seed: u64, k: usize, m: &Manifest) -> u64 {
+    match m.part_id() {
+        Some(id) => xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), seed),
+        None if k == 0 => seed,
+        None => xxhash_rust::xxh3::xxh3_64_with_seed(&(k as u64).to_le_bytes(), seed),
     }
 }
 
 /// Training windows in a seeded shuffled order, resumable from any position.
 pub struct Loader {
     sources: Vec<Windows>,
+    /// Each source's permutation seed.
+    seeds: Vec<u64>,
+    part_ids: Vec<Option<String>>,
     schedule: Schedule,
-    seed: u64,
     /// Windows drawn from each source so far.
     drawn: Vec<u64>,
     position: u64,
@@ -198,10 +205,16 @@ impl Loader {
         let weights: Vec<f64> = sources.iter().map(|s| s.weight).collect();
         let schedule = Schedule::new(&weights, seed);
         let drawn = schedule.counts_at(position);
+        let seeds = manifests
+            .iter()
+            .enumerate()
+            .map(|(k, m)| source_seed(seed, k, m))
+            .collect();
         Ok(Loader {
+            part_ids: manifests.iter().map(Manifest::part_id).collect(),
             sources: streams,
+            seeds,
             schedule,
-            seed,
             drawn,
             position,
         })
@@ -216,7 +229,7 @@ impl Loader {
             let source = &self.sources[k];
             let n = source.count();
             let drawn = self.drawn[k];
-            let order = Permutation::new(n, source_seed(self.seed, k), drawn / n);
+            let order = Permutation::new(n, self.seeds[k], drawn / n);
             source.read(order.at(drawn % n), &mut out);
             self.drawn[k] += 1;
             self.position += 1;
@@ -232,6 +245,11 @@ impl Loader {
     /// Windows drawn from each source so far, in the order the sources were given.
     pub fn drawn(&self) -> &[u64] {
         &self.drawn
+    }
+
+    /// The part each source holds ([`Manifest::part_id`]), `None` for whole corpora.
+    pub fn part_ids(&self) -> &[Option<String>] {
+        &self.part_ids
     }
 
     /// Windows in one epoch of every source together.

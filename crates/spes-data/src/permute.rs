@@ -72,7 +72,11 @@ mod tests {
         assert_ne!(a, order(1, 1));
         assert_eq!(a, order(1, 0));
         // Shuffled, not shifted: few elements stay in place and neighbours do not stay together.
-        let fixed = a.iter().enumerate().filter(|(i, &x)| *i as u64 == x).count();
+        let fixed = a
+            .iter()
+            .enumerate()
+            .filter(|(i, &x)| *i as u64 == x)
+            .count();
         assert!(fixed < 20, "{fixed} fixed points");
         let adjacent = a.windows(2).filter(|w| w[1] == w[0] + 1).count();
         assert!(adjacent < 20, "{adjacent} neighbours kept");

@@ -152,6 +152,10 @@ pub struct Manifest {
     /// The part of the input list this directory holds; `None` for the whole list.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub part: Option<Part>,
+    /// xxh3-64 of the whole input list (every file and its size), hex: the parts of one list
+    /// share it, so it names the corpus a part belongs to.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub input_list_xxh3: String,
     /// Records skipped as broken (`--skip-bad-records`).
     #[serde(default)]
     pub skipped_records: u64,
@@ -186,6 +190,16 @@ impl Manifest {
             m.tokenizer_xxh3 = hash_file(&dir.join(&m.tokenizer))?;
         }
         Ok(m)
+    }
+
+    /// The identity of the part this directory holds, `<list>:<p>/<N>`, the same on every
+    /// machine that tokenized that part of that input list; `None` for a whole corpus.
+    pub fn part_id(&self) -> Option<String> {
+        let list = self
+            .input_list_xxh3
+            .get(..8)
+            .unwrap_or(&self.input_list_xxh3);
+        self.part.map(|p| format!("{list}:{p}"))
     }
 
     pub fn save(&self, dir: &Path) -> Result<()> {
@@ -310,8 +324,11 @@ pub fn parse_npy_header(bytes: &[u8]) -> std::result::Result<(TokenDtype, u64, u
         .and_then(|r| r.strip_prefix('\''))
         .and_then(|r| r.split('\'').next())
         .ok_or("no descr in the .npy header")?;
-    let dtype = TokenDtype::from_npy_descr(descr)
-        .ok_or_else(|| format!("dtype `{descr}` is not a token dtype (uint16, uint32, int32, int64, little-endian)"))?;
+    let dtype = TokenDtype::from_npy_descr(descr).ok_or_else(|| {
+        format!(
+            "dtype `{descr}` is not a token dtype (uint16, uint32, int32, int64, little-endian)"
+        )
+    })?;
     if field("fortran_order").is_some_and(|r| r.starts_with("True")) {
         return Err("a Fortran-order array".into());
     }
@@ -319,11 +336,17 @@ pub fn parse_npy_header(bytes: &[u8]) -> std::result::Result<(TokenDtype, u64, u
         .and_then(|r| r.strip_prefix('('))
         .and_then(|r| r.split(')').next())
         .ok_or("no shape in the .npy header")?;
-    let dims: Vec<&str> = shape.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
+    let dims: Vec<&str> = shape
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .collect();
     let [dim] = dims[..] else {
         return Err(format!("shape ({shape}) is not one-dimensional"));
     };
-    let len = dim.parse().map_err(|_| format!("shape ({shape}) is not a length"))?;
+    let len = dim
+        .parse()
+        .map_err(|_| format!("shape ({shape}) is not a length"))?;
     Ok((dtype, len, end as u64))
 }
 
@@ -385,10 +408,15 @@ impl ShardWriter {
     fn start(&self) -> Result<OpenShard> {
         let name = self.name(self.done.len());
         let tmp = temp_sibling(&self.dir.join(&name));
-        let file = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        let file =
+            File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
         let mut file = BufWriter::with_capacity(1 << 20, file);
         file.write_all(&npy_header(self.dtype, 0))?;
-        Ok(OpenShard { tmp, file, tokens: 0 })
+        Ok(OpenShard {
+            tmp,
+            file,
+            tokens: 0,
+        })
     }
 
     fn name(&self, k: usize) -> String {
@@ -429,10 +457,18 @@ impl ShardWriter {
 fn write_tokens(w: &mut impl Write, ids: &[u32], dtype: TokenDtype) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(ids.len() * dtype.size());
     match dtype {
-        TokenDtype::Uint16 => ids.iter().for_each(|&t| buf.extend_from_slice(&(t as u16).to_le_bytes())),
-        TokenDtype::Uint32 => ids.iter().for_each(|&t| buf.extend_from_slice(&t.to_le_bytes())),
-        TokenDtype::Int32 => ids.iter().for_each(|&t| buf.extend_from_slice(&(t as i32).to_le_bytes())),
-        TokenDtype::Int64 => ids.iter().for_each(|&t| buf.extend_from_slice(&(t as i64).to_le_bytes())),
+        TokenDtype::Uint16 => ids
+            .iter()
+            .for_each(|&t| buf.extend_from_slice(&(t as u16).to_le_bytes())),
+        TokenDtype::Uint32 => ids
+            .iter()
+            .for_each(|&t| buf.extend_from_slice(&t.to_le_bytes())),
+        TokenDtype::Int32 => ids
+            .iter()
+            .for_each(|&t| buf.extend_from_slice(&(t as i32).to_le_bytes())),
+        TokenDtype::Int64 => ids
+            .iter()
+            .for_each(|&t| buf.extend_from_slice(&(t as i64).to_le_bytes())),
     }
     w.write_all(&buf)
 }
@@ -535,16 +571,24 @@ impl Shard {
         let bytes = &self.map[a..a + n * size];
         match self.dtype {
             TokenDtype::Uint16 => out.extend(
-                bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]) as i64),
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| u16::from_le_bytes([b[0], b[1]]) as i64),
             ),
             TokenDtype::Uint32 => out.extend(
-                bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap()) as i64),
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| u32::from_le_bytes(b.try_into().unwrap()) as i64),
             ),
             TokenDtype::Int32 => out.extend(
-                bytes.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64),
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64),
             ),
             TokenDtype::Int64 => out.extend(
-                bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())),
+                bytes
+                    .chunks_exact(8)
+                    .map(|b| i64::from_le_bytes(b.try_into().unwrap())),
             ),
         }
     }

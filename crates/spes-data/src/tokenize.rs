@@ -206,7 +206,10 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
         .filter(|(i, _)| !records.iter().any(|r| r.index == *i))
         .collect();
 
-    let total: u64 = todo.iter().map(|(_, f)| f.metadata().map_or(0, |m| m.len())).sum();
+    let total: u64 = todo
+        .iter()
+        .map(|(_, f)| f.metadata().map_or(0, |m| m.len()))
+        .sum();
     let bar = progress_bar(opts.progress, total, "tokenizing");
     let read_bytes = AtomicU64::new(0);
     let job = FileJob {
@@ -262,6 +265,10 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
         val,
         inputs: files.iter().map(|(_, f)| f.display().to_string()).collect(),
         part: opts.part,
+        input_list_xxh3: format!(
+            "{:016x}",
+            xxhash_rust::xxh3::xxh3_64(&serde_json::to_vec(&key.inputs)?)
+        ),
         skipped_records: sum(|c| c.skipped),
     };
     manifest.save(&opts.out)?;
@@ -293,7 +300,9 @@ fn resume(out: &Path, key: &RunKey) -> Result<Option<Vec<FileRecord>>> {
         return Ok(None);
     }
     let mut records = Vec::new();
-    for entry in std::fs::read_dir(&dir).with_context(|| format!("cannot list {}", dir.display()))? {
+    for entry in
+        std::fs::read_dir(&dir).with_context(|| format!("cannot list {}", dir.display()))?
+    {
         let path = entry?.path();
         let name = path.file_name().unwrap_or_default().to_string_lossy();
         if !name.starts_with("file-") || !name.ends_with(".json") {
@@ -314,7 +323,12 @@ fn resume(out: &Path, key: &RunKey) -> Result<Option<Vec<FileRecord>>> {
 fn remove_temp_files(out: &Path) -> Result<()> {
     for entry in std::fs::read_dir(out).with_context(|| format!("cannot list {}", out.display()))? {
         let path = entry?.path();
-        if path.file_name().unwrap_or_default().to_string_lossy().contains(".tmp-") {
+        if path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .contains(".tmp-")
+        {
             std::fs::remove_file(&path)
                 .with_context(|| format!("cannot remove {}", path.display()))?;
         }
@@ -336,7 +350,8 @@ impl FileJob<'_> {
     fn run(&self, index: usize, path: &Path) -> Result<FileRecord> {
         let out = &self.opts.out;
         let shard_tokens = self.opts.shard_tokens as u64;
-        let mut train = ShardWriter::new(out, format!("train-{index:06}"), self.dtype, shard_tokens);
+        let mut train =
+            ShardWriter::new(out, format!("train-{index:06}"), self.dtype, shard_tokens);
         let mut val = ShardWriter::new(out, format!("val-{index:06}"), self.dtype, shard_tokens);
         let mut totals = FileTotals::default();
         let mut batch: Vec<String> = Vec::new();
@@ -360,7 +375,8 @@ impl FileJob<'_> {
                 w.push(&[self.eos_id])?;
                 *n += 1;
             }
-            self.bar.set_position(self.read_bytes.load(Ordering::Relaxed));
+            self.bar
+                .set_position(self.read_bytes.load(Ordering::Relaxed));
             Ok(())
         };
         let read = ReadOptions {

@@ -37,7 +37,12 @@ fn documents(n: usize) -> Vec<String> {
 fn jsonl(docs: &[String]) -> Vec<u8> {
     let mut out = Vec::new();
     for d in docs {
-        writeln!(out, "{}", serde_json::json!({ "text": d, "meta": {"n": d.len()} })).unwrap();
+        writeln!(
+            out,
+            "{}",
+            serde_json::json!({ "text": d, "meta": {"n": d.len()} })
+        )
+        .unwrap();
     }
     out
 }
@@ -68,8 +73,12 @@ fn write_parquet(path: &Path, docs: &[String], per_group: usize) {
     for (g, chunk) in docs.chunks(per_group).enumerate() {
         let mut rg = w.next_row_group().unwrap();
         let mut id = rg.next_column().unwrap().unwrap();
-        let ids: Vec<i64> = (0..chunk.len()).map(|i| (g * per_group + i) as i64).collect();
-        id.typed::<Int64Type>().write_batch(&ids, None, None).unwrap();
+        let ids: Vec<i64> = (0..chunk.len())
+            .map(|i| (g * per_group + i) as i64)
+            .collect();
+        id.typed::<Int64Type>()
+            .write_batch(&ids, None, None)
+            .unwrap();
         id.close().unwrap();
         let mut text = rg.next_column().unwrap().unwrap();
         let values: Vec<ByteArray> = chunk.iter().map(|d| ByteArray::from(d.as_str())).collect();
@@ -133,16 +142,30 @@ fn every_format_gives_the_same_tokens() {
     std::fs::write(t.join("docs.jsonl"), &body).unwrap();
     std::fs::write(t.join("docs.jsonl.gz"), gzip(&body)).unwrap();
     std::fs::write(t.join("docs.json.gz"), gzip(&body)).unwrap();
-    std::fs::write(t.join("docs.jsonl.zst"), zstd::encode_all(&body[..], 3).unwrap()).unwrap();
+    std::fs::write(
+        t.join("docs.jsonl.zst"),
+        zstd::encode_all(&body[..], 3).unwrap(),
+    )
+    .unwrap();
     write_parquet(&t.join("docs.parquet"), &docs, 64);
     let reference = {
-        let m = tokenize(&options(vec![txt], t.join("out-txt"))).unwrap().manifest;
+        let m = tokenize(&options(vec![txt], t.join("out-txt")))
+            .unwrap()
+            .manifest;
         assert_eq!(m.train_documents, 300);
         stream(&t.join("out-txt"))
     };
-    for name in ["docs.jsonl", "docs.jsonl.gz", "docs.json.gz", "docs.jsonl.zst", "docs.parquet"] {
+    for name in [
+        "docs.jsonl",
+        "docs.jsonl.gz",
+        "docs.json.gz",
+        "docs.jsonl.zst",
+        "docs.parquet",
+    ] {
         let out = t.join(format!("out-{name}"));
-        let m = tokenize(&options(vec![t.join(name)], out.clone())).unwrap().manifest;
+        let m = tokenize(&options(vec![t.join(name)], out.clone()))
+            .unwrap()
+            .manifest;
         assert_eq!(m.train_documents, 300, "{name}");
         let got = stream(&out);
         let first_difference = got.iter().zip(&reference).position(|(a, b)| a != b);
@@ -170,8 +193,14 @@ fn broken_records_are_named_or_counted() {
     body.extend_from_slice(&jsonl(&docs[20..]));
     let bad = t.join("bad.jsonl.zst");
     std::fs::write(&bad, zstd::encode_all(&body[..], 3).unwrap()).unwrap();
-    let err = format!("{:#}", tokenize(&options(vec![bad.clone()], t.join("a"))).unwrap_err());
-    assert!(err.contains("bad.jsonl.zst:21") && err.contains("--skip-bad-records"), "{err}");
+    let err = format!(
+        "{:#}",
+        tokenize(&options(vec![bad.clone()], t.join("a"))).unwrap_err()
+    );
+    assert!(
+        err.contains("bad.jsonl.zst:21") && err.contains("--skip-bad-records"),
+        "{err}"
+    );
     let mut opts = options(vec![bad], t.join("b"));
     opts.skip_bad_records = true;
     let m = tokenize(&opts).unwrap().manifest;
@@ -190,7 +219,10 @@ fn broken_records_are_named_or_counted() {
     };
     bytes[start..start + len].iter_mut().for_each(|b| *b = 0xA5);
     std::fs::write(&pq, &bytes).unwrap();
-    let err = format!("{:#}", tokenize(&options(vec![pq.clone()], t.join("c"))).unwrap_err());
+    let err = format!(
+        "{:#}",
+        tokenize(&options(vec![pq.clone()], t.join("c"))).unwrap_err()
+    );
     assert!(err.contains("bad.parquet: row group 2 (10 rows)"), "{err}");
     let mut opts = options(vec![pq], t.join("d"));
     opts.skip_bad_records = true;
@@ -237,11 +269,23 @@ fn output_is_the_same_for_any_thread_count_and_after_a_resume() {
     assert!(tokenize(&run("resumed", 1)).is_err());
     let resumed = t.join("resumed");
     assert!(!resumed.join("manifest.json").exists());
-    std::fs::write(resumed.join("train-000002-000.npy.tmp-999"), b"half a shard").unwrap();
+    std::fs::write(
+        resumed.join("train-000002-000.npy.tmp-999"),
+        b"half a shard",
+    )
+    .unwrap();
     std::fs::write(&files[2], &third).unwrap();
     let report = tokenize(&run("resumed", 2)).unwrap();
-    assert!((2..6).contains(&report.resumed_files), "{}", report.resumed_files);
-    assert_eq!(tree(&resumed), one, "a resumed run differs from an uninterrupted one");
+    assert!(
+        (2..6).contains(&report.resumed_files),
+        "{}",
+        report.resumed_files
+    );
+    assert_eq!(
+        tree(&resumed),
+        one,
+        "a resumed run differs from an uninterrupted one"
+    );
 }
 
 #[test]
@@ -281,8 +325,14 @@ fn a_mixture_draws_by_weight_and_resumes() {
     tokenize(&a).unwrap();
     tokenize(&b).unwrap();
     let sources = [
-        Source { path: t.join("a"), weight: 0.75 },
-        Source { path: t.join("b"), weight: 0.25 },
+        Source {
+            path: t.join("a"),
+            weight: 0.75,
+        },
+        Source {
+            path: t.join("b"),
+            weight: 0.25,
+        },
     ];
     let mut loader = Loader::open_mixture(&sources, 32, 5, 0).unwrap();
     let first = loader.next_batch(10_000);
@@ -300,8 +350,14 @@ fn a_mixture_draws_by_weight_and_resumes() {
     pa.val_fraction = 0.1;
     tokenize(&pa).unwrap();
     let parted = [
-        Source { path: t.join("pa"), weight: 0.5 },
-        Source { path: t.join("b"), weight: 0.5 },
+        Source {
+            path: t.join("pa"),
+            weight: 0.5,
+        },
+        Source {
+            path: t.join("b"),
+            weight: 0.5,
+        },
     ];
     let mut l = Loader::open_mixture(&parted, 32, 5, 0).unwrap();
     l.next_batch(100);
@@ -315,8 +371,17 @@ fn a_mixture_draws_by_weight_and_resumes() {
     other.progress = false;
     other.val_fraction = 0.1;
     tokenize(&other).unwrap();
-    let bad = [sources[0].clone(), Source { path: t.join("other"), weight: 1.0 }];
-    let err = Loader::open_mixture(&bad, 32, 5, 0).err().unwrap().to_string();
+    let bad = [
+        sources[0].clone(),
+        Source {
+            path: t.join("other"),
+            weight: 1.0,
+        },
+    ];
+    let err = Loader::open_mixture(&bad, 32, 5, 0)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("different tokenizers"), "{err}");
 }
 
@@ -339,7 +404,13 @@ fn token_files_of_other_tools_give_spes_batches() {
     std::fs::write(&raw, bytes(&tokens)).unwrap();
     let npy = t.join("numpy");
     std::fs::create_dir_all(&npy).unwrap();
-    spes_data::shard::write_shard(&npy, "tokens", &tokens.iter().map(|&x| x as u32).collect::<Vec<_>>(), TokenDtype::Uint16).unwrap();
+    spes_data::shard::write_shard(
+        &npy,
+        "tokens",
+        &tokens.iter().map(|&x| x as u32).collect::<Vec<_>>(),
+        TokenDtype::Uint16,
+    )
+    .unwrap();
     let npy = npy.join("tokens-000.npy");
     let docs: Vec<Vec<u16>> = tokens.chunks(777).map(<[u16]>::to_vec).collect();
     let mega = t.join("mega_text_document");
@@ -356,7 +427,11 @@ fn token_files_of_other_tools_give_spes_batches() {
             val_tokens: val,
         })
         .unwrap();
-        assert_eq!((m.train_tokens, m.val_tokens), (tokens.len() as u64 - val, val), "{name}");
+        assert_eq!(
+            (m.train_tokens, m.val_tokens),
+            (tokens.len() as u64 - val, val),
+            "{name}"
+        );
         out
     };
     // The same tokens tokenized by spes give the same batches from every layout.

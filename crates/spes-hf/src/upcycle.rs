@@ -191,6 +191,7 @@ pub fn upcycle(o: &UpcycleOptions) -> Result<PathBuf> {
         data: spes_train::config::DataConfig {
             path: o.data.clone(),
             sources: Vec::new(),
+            partition: Default::default(),
         },
         train: TrainConfig {
             seq_len: cfg.context_length.min(2048),

@@ -38,6 +38,11 @@ pub fn of_round_error(e: &RoundError) -> Status {
 }
 
 /// The refusal a status carries, if any.
+/// The status of a refused claim of data parts.
+pub fn of_part_error(e: &spes_sync::PartError) -> Status {
+    status(Code::FailedPrecondition, Kind::PartTaken, 0, e.to_string())
+}
+
 pub fn of_status(s: &Status) -> Option<Refusal> {
     Refusal::decode(s.details())
         .ok()

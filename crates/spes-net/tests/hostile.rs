@@ -94,13 +94,13 @@ fn hostile_inputs_are_refused_and_leave_the_model_unchanged() {
         // A wrong credential, and a valid one used for another peer id.
         let mut wrong = raw_client(&url, &spes_net::auth::credential("another run", 0)).await;
         let e = wrong
-            .join(JoinRequest { peer: 0, session: 1, join: false })
+            .join(JoinRequest { peer: 0, session: 1, join: false, ..Default::default() })
             .await
             .unwrap_err();
         assert_eq!(e.code(), Code::Unauthenticated);
         let mut c1 = raw_client(&url, &cred(1)).await;
         let e = c1
-            .join(JoinRequest { peer: 0, session: 1, join: false })
+            .join(JoinRequest { peer: 0, session: 1, join: false, ..Default::default() })
             .await
             .unwrap_err();
         assert_eq!(e.code(), Code::PermissionDenied);
@@ -210,6 +210,7 @@ fn hostile_inputs_are_refused_and_leave_the_model_unchanged() {
                     peer: 0,
                     session: 1,
                     join: false,
+                    ..Default::default()
                 })
                 .await
                 .is_err()

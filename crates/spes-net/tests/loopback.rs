@@ -256,6 +256,7 @@ fn bad_input_is_rejected_and_the_round_still_completes() {
                 peer: 0,
                 session: 1,
                 join: false,
+                ..Default::default()
             })
             .await
             .unwrap_err();
@@ -267,6 +268,7 @@ fn bad_input_is_rejected_and_the_round_still_completes() {
                 peer: 7,
                 session: 1,
                 join: false,
+                ..Default::default()
             })
             .await
             .unwrap_err();

@@ -298,7 +298,8 @@ impl Coordinator {
             .collect()
     }
 
-    fn is_live(&self, peer: usize, now: f64) -> bool {
+    /// Whether `peer` holds a current lease, member or not.
+    pub fn is_live(&self, peer: usize, now: f64) -> bool {
         self.leases
             .get(&peer)
             .is_some_and(|l| now - l.renewed < self.cfg.lease_s)

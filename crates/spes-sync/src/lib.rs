@@ -3,7 +3,7 @@
 //! global model); the node's half is the [`Replica`] (what a node uploads, what it fetches, how
 //! a published round becomes its weights). Around them: the `[sync]` config both read
 //! (`config`), named tensors and the model's layout (`named`), who owns which expert
-//! (`ownership`), one round's aggregation and expert merging (`round`), the server's optional
+//! (`ownership`), who reads which data part (`parts`), one round's aggregation and expert merging (`round`), the server's optional
 //! outer optimizer (`outer`), and the one delta type that travels between them (`delta`).
 
 pub mod config;
@@ -12,6 +12,7 @@ pub mod delta;
 pub mod named;
 pub mod outer;
 pub mod ownership;
+pub mod parts;
 pub mod replica;
 pub mod round;
 
@@ -21,5 +22,6 @@ pub use delta::{Delta, Deltas, RoundDelta};
 pub use named::{Layout, Named};
 pub use outer::OuterRule;
 pub use ownership::Ownership;
+pub use parts::{PartBook, PartError};
 pub use replica::{Applied, FetchPlan, Follow, Published, Replica, ReplicaError, ReplicaState};
 pub use round::{merge_experts, validate, Aggregator, Combined, MergeEvent, Scope};

@@ -29,6 +29,21 @@ pub struct DataConfig {
     /// A weighted mixture of tokenized directories: `[{ path = "...", weight = 0.6 }, ...]`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sources: Vec<spes_data::Source>,
+    /// How a decentralized run's nodes share the corpus. The same on every node and the server.
+    #[serde(default)]
+    pub partition: Partition,
+}
+
+/// How a decentralized run's nodes share the corpus.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Partition {
+    /// Every node reads the whole corpus in its own seeded order (the published recipe).
+    #[default]
+    Shuffle,
+    /// Every node reads only the parts its data directory holds (`spes tokenize --part p/N`),
+    /// and no part is read by two live nodes: the server refuses a second reader.
+    Disjoint,
 }
 
 fn path_is_empty(p: &Path) -> bool {
@@ -250,11 +265,22 @@ impl RunConfig {
                 }
             }
         }
+        if local.data.partition != server.data.partition {
+            bail!(
+                "config key `data.partition` differs: this node has {:?}, the server has {:?}",
+                local.data.partition,
+                server.data.partition
+            );
+        }
         let mut cfg = server;
         cfg.data = local.data.clone();
         cfg.train.take_node_local(&local.train);
         cfg.sync.take_per_role(&local.sync);
-        cfg.train.seed += 1000 * peer as u64;
+        // Shuffled copies of one corpus need an order per node; disjoint parts are each the
+        // node's own already, and are seeded by their identity so any holder reads one order.
+        if cfg.data.partition == Partition::Shuffle {
+            cfg.train.seed += 1000 * peer as u64;
+        }
         Ok(cfg)
     }
 
@@ -543,12 +569,18 @@ mod tests {
         let s = c.data.sources();
         assert_eq!((s.len(), s[1].weight), (2, 0.25));
         assert_eq!(c.data.primary(), Path::new("web"));
-        assert_eq!(RunConfig::parse(BASE, &[]).unwrap().data.sources()[0].path, Path::new("d"));
+        assert_eq!(
+            RunConfig::parse(BASE, &[]).unwrap().data.sources()[0].path,
+            Path::new("d")
+        );
         let both = RunConfig::parse(mix, &["data.path=d".into()]).unwrap_err();
         assert!(format!("{both:#}").contains("not both"), "{both:#}");
         let bad = mix.replace("0.25", "-1");
         let err = RunConfig::parse(&bad, &[]).unwrap_err();
-        assert!(format!("{err:#}").contains("source code: weight"), "{err:#}");
+        assert!(
+            format!("{err:#}").contains("source code: weight"),
+            "{err:#}"
+        );
     }
 
     #[test]

@@ -134,6 +134,9 @@ pub struct RoundRecord {
     pub members: Vec<usize>,
     /// `owners[e]`: who trains expert e in the next round (empty for DiLoCo).
     pub owners: Vec<usize>,
+    /// `data.partition = "disjoint"`: the data parts each of the round's members read.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub data_parts: std::collections::BTreeMap<usize, Vec<String>>,
     /// How the round closed; absent for round 0 (θ⁰).
     #[serde(flatten, default, skip_serializing_if = "Option::is_none")]
     pub close: Option<RoundClose>,

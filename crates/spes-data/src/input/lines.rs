@@ -48,7 +48,9 @@ pub(super) fn read(
             Ok(_) => {}
             Err(e) => {
                 // A truncated or corrupt compressed stream: what follows cannot be read.
-                bad(format!("input {name}: unreadable after line {line_no}: {e}"))?;
+                bad(format!(
+                    "input {name}: unreadable after line {line_no}: {e}"
+                ))?;
                 break;
             }
         }

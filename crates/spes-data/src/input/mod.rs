@@ -30,8 +30,7 @@ pub enum Compression {
 }
 
 /// Extensions `spes tokenize` reads, for error messages and directory scans.
-pub const SUPPORTED: &str =
-    ".txt, .jsonl, .json (each optionally .gz or .zst) and .parquet";
+pub const SUPPORTED: &str = ".txt, .jsonl, .json (each optionally .gz or .zst) and .parquet";
 
 impl Format {
     /// The format of `path` from its extension, or `None` if spes does not read it.
@@ -102,7 +101,10 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
         let path = entry
             .with_context(|| format!("cannot list {}", dir.display()))?
             .path();
-        if path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')) {
+        if path
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+        {
             continue;
         }
         if path.is_dir() {
@@ -164,7 +166,17 @@ pub fn for_each_document(
             let file = File::open(path)
                 .with_context(|| format!("cannot open input {}", path.display()))?;
             let json = matches!(format, Format::JsonLines(_));
-            lines::read(path, Counting { inner: file, progress }, c, json, opts, &mut pass)?
+            lines::read(
+                path,
+                Counting {
+                    inner: file,
+                    progress,
+                },
+                c,
+                json,
+                opts,
+                &mut pass,
+            )?
         }
     };
     counts.skipped = skipped;

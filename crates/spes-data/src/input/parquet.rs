@@ -57,7 +57,8 @@ pub(super) fn read(
                 // The callback failed (a full disk, say), not the file: never skip that.
                 return Err(e.downcast::<Pass>().expect("checked").0);
             }
-            let what = format!("input {name}: row group {group} ({rows} rows) is unreadable: {e:#}");
+            let what =
+                format!("input {name}: row group {group} ({rows} rows) is unreadable: {e:#}");
             if !opts.skip_bad_records {
                 bail!("{what} (pass --skip-bad-records to count and skip broken records)");
             }

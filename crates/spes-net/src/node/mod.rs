@@ -22,7 +22,7 @@ mod transport;
 use crate::fault;
 use anyhow::{bail, Result};
 use meter::Meter;
-use session::Session;
+use session::{DataClaim, Session};
 use spes_model::MoeModel;
 use spes_sync::{Named, Replica};
 use spes_train::data_parallel::DataParallel;
@@ -106,9 +106,11 @@ impl Node {
     /// (or, for a node joining a running run, to the round it becomes a member from).
     pub fn connect(opts: NodeOptions) -> Result<Node> {
         let session = Session::open(&opts)?;
-        let mut link = Link::open(&opts, &session.rt, session.id)?;
+        let claim = DataClaim::of(&opts.cfg)?;
+        let mut link = Link::open(&opts, &session.rt, session.id, claim.parts.clone())?;
         let reply = link.join(opts.join).map_err(|e| explain(e, &opts.server))?;
         let cfg = session.config(&opts.cfg, &reply.config_toml)?;
+        claim.check(&cfg, &reply.tokenizer_xxh3)?;
         let resumed = checkpoint::latest(&opts.out.join("checkpoints"))?;
         let mut trainer = match &resumed {
             Some(dir) => Trainer::resume_as_saved(cfg.clone(), opts.device, dir)?,

@@ -11,6 +11,7 @@ use crate::proto::refusal::Kind as Refused;
 use crate::proto::JoinRequest;
 use crate::refusal;
 use anyhow::{bail, Context, Result};
+use spes_train::config::Partition;
 use spes_train::RunConfig;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -73,6 +74,7 @@ impl Session {
                         peer,
                         session,
                         join: false,
+                        data_parts: Vec::new(),
                     });
                     req.set_timeout(every.max(Duration::from_secs(2)));
                     match c.heartbeat(req).await {
@@ -104,6 +106,54 @@ impl Session {
     pub fn config(&self, local: &RunConfig, server_toml: &str) -> Result<RunConfig> {
         let server = RunConfig::parse(server_toml, &[]).context("the server's config")?;
         RunConfig::for_node(server, local, self.peer)
+    }
+}
+
+/// What a node's data is, for the server to check at join.
+pub(super) struct DataClaim {
+    /// `data.partition = "disjoint"`: the part each source holds; empty when shuffling.
+    pub parts: Vec<String>,
+    pub tokenizer_xxh3: String,
+}
+
+impl DataClaim {
+    /// Reads the node's own `[data]` manifests.
+    pub fn of(cfg: &RunConfig) -> Result<DataClaim> {
+        let mut parts = Vec::new();
+        let mut tokenizer_xxh3 = String::new();
+        for source in cfg.data.sources() {
+            let m = spes_data::Manifest::load(&source.path)?;
+            if tokenizer_xxh3.is_empty() {
+                tokenizer_xxh3 = m.tokenizer_xxh3.clone();
+            }
+            if cfg.data.partition == Partition::Disjoint {
+                let id = m.part_id().with_context(|| {
+                    format!(
+                        "data.partition = \"disjoint\" but {} holds a whole corpus: give each \
+                         node a part (spes tokenize --part p/N)",
+                        source.path.display()
+                    )
+                })?;
+                parts.push(id);
+            }
+        }
+        Ok(DataClaim {
+            parts,
+            tokenizer_xxh3,
+        })
+    }
+
+    /// Refuses to train on data tokenized otherwise than the server's.
+    pub fn check(&self, cfg: &RunConfig, server_xxh3: &str) -> Result<()> {
+        if !server_xxh3.is_empty() && server_xxh3 != self.tokenizer_xxh3 {
+            bail!(
+                "this node's data ({}) was tokenized with another tokenizer than the server's \
+                 (checksum {} against {server_xxh3}): tokenize it with the server's tokenizer.json",
+                cfg.data.primary().display(),
+                self.tokenizer_xxh3
+            );
+        }
+        Ok(())
     }
 }
 

@@ -59,6 +59,7 @@ pub(super) fn join_run(
     peer: usize,
     session: u64,
     join: bool,
+    data_parts: &[String],
 ) -> Result<JoinReply, Status> {
     retry(rt, patience, "join", || {
         let mut c = client.clone();
@@ -66,6 +67,7 @@ pub(super) fn join_run(
             peer: peer as u32,
             session,
             join,
+            data_parts: data_parts.to_vec(),
         };
         async move { c.join(call(req)).await }
     })
@@ -141,6 +143,8 @@ pub(super) struct Link {
     pub session: u64,
     pub patience: Duration,
     pub out: PathBuf,
+    /// The data parts this node reads (`data.partition = "disjoint"`), declared at each join.
+    pub data_parts: Vec<String>,
 }
 
 impl Link {
@@ -184,7 +188,15 @@ impl Link {
     pub fn join(&self, join: bool) -> Result<JoinReply, Status> {
         let k = self.shards.len();
         let replies = self.on_all(|i, s| {
-            let reply = join_run(&self.handle, &s.client, self.patience, self.peer, self.session, join)?;
+            let reply = join_run(
+                &self.handle,
+                &s.client,
+                self.patience,
+                self.peer,
+                self.session,
+                join,
+                &self.data_parts,
+            )?;
             let (shard, shards) = (reply.shard as usize, (reply.shards as usize).max(1));
             if (shard, shards) != (i, k) {
                 return Err(Status::failed_precondition(format!(

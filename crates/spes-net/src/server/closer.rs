@@ -164,7 +164,13 @@ pub(super) fn run_closer(
                 io.done = done;
                 taken
             };
-            let record = round_record(&report, tokens, io, aggregation_s, now - opened_at);
+            let mut record = round_record(&report, tokens, io, aggregation_s, now - opened_at);
+            record.data_parts = s
+                .progress
+                .lock()
+                .unwrap()
+                .data_parts
+                .of_members(&report.members);
             let publication = Publication {
                 round: report.round,
                 global: &global,
@@ -194,7 +200,6 @@ pub(super) fn run_closer(
                 last_full = Instant::now();
             }
             opened_at = s.now();
-            let mut record = record;
             if let Some(c) = &mut record.close {
                 let written = spes_train::bench::bytes_written();
                 c.bytes_written = written.saturating_sub(written_before);

@@ -18,6 +18,7 @@ use serde::Serialize;
 use service::Service;
 use spes_data::ValWindows;
 use spes_sync::{Coordinator, Layout, Scope, Standing, Start};
+use spes_train::config::Partition;
 use spes_train::metrics::{MetricsLog, RoundRecord};
 use spes_train::RunConfig;
 use std::collections::BTreeSet;
@@ -103,6 +104,8 @@ struct State {
     shard: (usize, usize),
     /// The newest round's whole model, written when a fetch first asks for it.
     served: Mutex<Option<(u64, Stored)>>,
+    /// Of the server's data's tokenizer (hex), for nodes to check theirs; empty without data.
+    tokenizer_xxh3: String,
 }
 
 impl State {
@@ -176,19 +179,42 @@ impl State {
     /// Joins or renews `peer`'s lease. If that admitted it into the open round at once (no
     /// node was live), the newest round's record of who trains next is updated and persisted,
     /// so fetches and a restarted server see the new members.
+    /// With `data.partition = "disjoint"`, a join first claims the data parts the node
+    /// declares (`parts`, `None` for a heartbeat), refused while another live node reads one.
     fn join(
         &self,
         peer: usize,
         session: u64,
         join: bool,
+        parts: Option<&[String]>,
     ) -> Result<(Standing, Scope, u64), Status> {
         let mut coord = self.coord.lock().unwrap();
+        let now = self.now();
+        let disjoint = self.cfg.data.partition == Partition::Disjoint;
+        let claimed = match parts.filter(|_| disjoint) {
+            Some(parts) => {
+                let mut book = self.progress.lock().unwrap().data_parts.clone();
+                book.claim(peer, parts, |q| coord.is_live(q, now))
+                    .map_err(|e| refusal::of_part_error(&e))?;
+                Some(book)
+            }
+            None => None,
+        };
         let before = coord.scope().members();
         let standing = coord
-            .join(peer, session, join, self.now())
+            .join(peer, session, join, now)
             .map_err(|e| refusal::of_round_error(&e))?;
         let scope = coord.scope().clone();
         let published = coord.global().1;
+        if let Some(book) = claimed {
+            let mut st = self.progress.lock().unwrap();
+            if st.data_parts != book {
+                st.data_parts = book;
+                if let Err(e) = st.save(&self.store.out) {
+                    tracing::error!("cannot record the data parts node {peer} reads: {e:#}");
+                }
+            }
+        }
         if scope.members() != before {
             let mut st = self.progress.lock().unwrap();
             if let Some(newest) = st.rounds.last_mut().filter(|r| r.round == published) {
@@ -259,6 +285,10 @@ pub async fn serve(
         ),
         None => (cfg.sync.scope(cfg.model.n_experts)?, 0, BTreeSet::new()),
     };
+    // Nodes compare their data's tokenizer with the server's, when the server has data.
+    let tokenizer_xxh3 = spes_data::Manifest::load(cfg.data.primary())
+        .map(|m| m.tokenizer_xxh3)
+        .unwrap_or_default();
     let eval = match ValWindows::open_mixture(&cfg.data.sources(), cfg.train.seq_len) {
         // A shard holds part of the model; score with `spes eval` on a node's checkpoint.
         Ok(_) if opts.shard.1 > 1 => None,
@@ -323,6 +353,7 @@ pub async fn serve(
         wake: wake_tx,
         last_val_loss: Mutex::new(logged.as_ref().and_then(|l| l.val_loss)),
         shard: opts.shard,
+        tokenizer_xxh3,
     });
     let (score_tx, score_rx) = mpsc::channel();
     if opened.fresh {

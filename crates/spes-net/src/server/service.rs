@@ -36,7 +36,8 @@ impl Spes for Service {
         let s = &self.state;
         let peer = authorize(&req, req.get_ref().peer)?;
         let r = req.get_ref();
-        let (standing, scope, published_round) = s.join(peer, r.session, r.join)?;
+        let (standing, scope, published_round) =
+            s.join(peer, r.session, r.join, Some(&r.data_parts))?;
         let owned = (0..s.cfg.model.n_experts)
             .filter(|&e| {
                 standing == Standing::Member
@@ -59,6 +60,7 @@ impl Spes for Service {
             member_from: standing_from(standing),
             shard: s.shard.0 as u32,
             shards: s.shard.1 as u32,
+            tokenizer_xxh3: s.tokenizer_xxh3.clone(),
         }))
     }
 
@@ -68,7 +70,7 @@ impl Spes for Service {
     ) -> Result<Response<HeartbeatReply>, Status> {
         let s = &self.state;
         let peer = authorize(&req, req.get_ref().peer)?;
-        let (standing, _, published_round) = s.join(peer, req.get_ref().session, false)?;
+        let (standing, _, published_round) = s.join(peer, req.get_ref().session, false, None)?;
         Ok(Response::new(HeartbeatReply {
             published_round,
             member_from: standing_from(standing),

@@ -19,7 +19,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use spes_data::shard::write_atomic;
 use spes_model::MoeModel;
-use spes_sync::{delta, Layout, Named, RoundDelta, Scope};
+use spes_sync::{delta, Layout, Named, PartBook, RoundDelta, Scope};
 use spes_train::metrics::RoundRecord;
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -83,6 +83,9 @@ pub(super) struct ServerState {
     pub gone: Vec<usize>,
     /// The newest round's metrics line without its scores, to write again after a crash.
     pub record: Option<RoundRecord>,
+    /// `data.partition = "disjoint"`: who reads which data part.
+    #[serde(default, skip_serializing_if = "PartBook::is_empty")]
+    pub data_parts: PartBook,
 }
 
 impl ServerState {
@@ -190,6 +193,7 @@ impl From<StateV2> for ServerState {
             initial_val_loss: v2.initial_val_loss,
             gone: v2.gone,
             record: v2.record,
+            data_parts: PartBook::default(),
         }
     }
 }
@@ -508,6 +512,7 @@ pub(super) fn open(opts: &ServerOptions) -> Result<Opened> {
             initial_val_loss: None,
             gone: Vec::new(),
             record: None,
+            data_parts: PartBook::default(),
         };
         return Ok(Opened {
             model,
