@@ -43,6 +43,100 @@ pub fn prepare_data(out: &Path) -> Result<PathBuf> {
     Ok(data)
 }
 
+/// How the demo's nodes share the corpus.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoPartition {
+    /// Every node reads the whole corpus in its own order (the published recipe).
+    Shuffle,
+    /// Each node holds and reads only its own part; the parts are alike (documents dealt
+    /// round robin).
+    Disjoint,
+    /// Each node holds only its own part, cut from a run of the corpus's sources of its own:
+    /// the deliberately unlike split, where reading only one's part should cost the most.
+    BySource,
+}
+
+/// Cuts the embedded corpus into one part per node under `<out>/parts-<kind>/part-<p>`,
+/// tokenized with `<data>`'s tokenizer as `spes tokenize --part p/N` would on each machine,
+/// unless already there. The corpus lists its documents source by source, so contiguous runs of
+/// documents are runs of sources.
+pub fn prepare_parts(
+    out: &Path,
+    data: &Path,
+    nodes: usize,
+    kind: DemoPartition,
+) -> Result<Vec<PathBuf>> {
+    let name = match kind {
+        DemoPartition::Shuffle => bail!("a shuffled run has no parts"),
+        DemoPartition::Disjoint => "disjoint",
+        DemoPartition::BySource => "by-source",
+    };
+    let root = out.join(format!("parts-{name}"));
+    let dirs: Vec<PathBuf> = (0..nodes).map(|p| root.join(format!("part-{p}"))).collect();
+    if dirs
+        .iter()
+        .all(|d| d.join(spes_data::shard::MANIFEST).exists())
+    {
+        return Ok(dirs);
+    }
+    let mut docs = Vec::new();
+    let read = spes_data::input::ReadOptions {
+        text_field: "text".into(),
+        skip_bad_records: false,
+    };
+    let corpus = out.join("default-corpus.jsonl.gz");
+    if !corpus.exists() {
+        spes_data::shard::write_atomic(&corpus, CORPUS)?;
+    }
+    spes_data::input::for_each_document(&corpus, &read, &Default::default(), |d| {
+        docs.push(d);
+        Ok(())
+    })?;
+    // Several files per part, dealt round robin to the parts as `--part` deals them.
+    let files = 4 * nodes;
+    let mut chunks: Vec<Vec<&String>> = vec![Vec::new(); files];
+    for (i, d) in docs.iter().enumerate() {
+        let f = match kind {
+            DemoPartition::BySource => {
+                // File f holds part f % nodes: part p gets the p-th contiguous run.
+                let run = i * nodes / docs.len();
+                let within = i % 4;
+                within * nodes + run
+            }
+            _ => i % files,
+        };
+        chunks[f].push(d);
+    }
+    let input = root.join("input");
+    std::fs::create_dir_all(&input)?;
+    let mut inputs = Vec::new();
+    for (f, chunk) in chunks.iter().enumerate() {
+        let path = input.join(format!("{f:03}.jsonl"));
+        let mut text = String::new();
+        for d in chunk {
+            text.push_str(&serde_json::json!({ "text": d }).to_string());
+            text.push('\n');
+        }
+        spes_data::shard::write_atomic(&path, text.as_bytes())?;
+        inputs.push(path.display().to_string());
+    }
+    for (p, dir) in dirs.iter().enumerate() {
+        let mut opts = TokenizeOptions::new(
+            inputs.clone(),
+            dir.clone(),
+            TokenizerSource::File(data.join("tokenizer.json")),
+        );
+        opts.part = Some(spes_data::Part {
+            index: p,
+            of: nodes,
+        });
+        opts.progress = false;
+        let m = spes_data::tokenize(&opts)?.manifest;
+        println!("part {p}/{nodes} ({name}): {} train tokens", m.train_tokens);
+    }
+    Ok(dirs)
+}
+
 /// A random run secret from the OS, kept in `<out>/secret` (owner-only) across resumes, and
 /// each node's credential derived from it in `<out>/node-<p>.credential`.
 fn secret_files(out: &Path, nodes: usize) -> Result<(PathBuf, Vec<PathBuf>)> {
@@ -100,22 +194,34 @@ pub struct Args {
     /// `up=20mbit,down=100mbit,rtt=40ms,loss=0.1%` (rtt is the round trip).
     #[arg(long)]
     pub link: Option<LinkSpec>,
+    /// How the nodes share the corpus (data.partition): each node's own part makes its data
+    /// directory hold only that part.
+    #[arg(long, value_enum, default_value_t = DemoPartition::Shuffle)]
+    pub partition: DemoPartition,
 }
 
 /// Runs the demo: data, server and nodes, then `summary.json` and `report.md`.
 pub fn run(a: Args) -> Result<()> {
     let Args {
         out,
-        overrides,
+        mut overrides,
         device,
         link,
+        partition,
     } = a;
-    let (out, overrides, device) = (out.as_path(), overrides.as_slice(), device.arg());
     let started = Instant::now();
-    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    let data = prepare_data(out)?;
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let data = prepare_data(&out)?;
+    if partition != DemoPartition::Shuffle {
+        overrides.push("data.partition=disjoint".into());
+    }
+    let (out, overrides, device) = (out.as_path(), overrides.as_slice(), device.arg());
     let cfg = config(&data, overrides)?;
-    let config_toml = launch(out, &cfg, &device, link, true).map_err(|e| {
+    let parts = match partition {
+        DemoPartition::Shuffle => None,
+        kind => Some(prepare_parts(out, &data, cfg.sync.nodes, kind)?),
+    };
+    let config_toml = launch(out, &cfg, &device, link, true, parts.as_deref()).map_err(|e| {
         if e.is::<Interrupted>() {
             anyhow::anyhow!(
                 "{e}. Run `spes demo --out {}` again to resume",
@@ -142,13 +248,15 @@ impl std::fmt::Display for Interrupted {
 impl std::error::Error for Interrupted {}
 
 /// Starts one server and `cfg.sync.nodes` node processes under `out` (each node behind its own
-/// shaped link if `link` is given) and waits for all of them; returns the config as written.
+/// shaped link if `link` is given, each on its own data directory if `node_data` is given) and
+/// waits for all of them; returns the config as written.
 pub fn launch(
     out: &Path,
     cfg: &RunConfig,
     device: &str,
     link: Option<LinkSpec>,
     show_progress: bool,
+    node_data: Option<&[PathBuf]>,
 ) -> Result<String> {
     std::fs::create_dir_all(out.join("logs"))
         .with_context(|| format!("cannot create {}", out.display()))?;
@@ -215,6 +323,10 @@ pub fn launch(
         node.arg("--out").arg(out.join(format!("node-{peer}")));
         node.arg("--credential-file").arg(credential);
         common(&mut node);
+        if let Some(dir) = node_data.and_then(|d| d.get(peer)) {
+            node.arg("--set")
+                .arg(format!("data.path={}", dir.display()));
+        }
         let mut child = node
             .stdout(Stdio::piped())
             .stderr(log_file(out, &format!("node-{peer}"))?)
