@@ -225,3 +225,66 @@ fn frozen_experts_stay_bit_identical_with_no_optimizer_state() {
         "2 layers × 2 frozen experts × 3 matrices"
     );
 }
+
+/// Every token of one split of a tokenized directory, in stream order.
+fn split_tokens(dir: &Path, val: bool) -> Vec<u16> {
+    let m = spes_data::Manifest::load(dir).unwrap();
+    let mut out = Vec::new();
+    for info in if val { &m.val } else { &m.train } {
+        let shard = spes_data::shard::Shard::open(dir, info, m.dtype).unwrap();
+        shard.read_into(0, shard.len() as usize, &mut out);
+    }
+    out.into_iter().map(|t| t as u16).collect()
+}
+
+#[test]
+fn token_files_of_other_tools_train_as_spes_shards() {
+    use spes_data::import::{import, write_megatron, ImportOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let ours = data(tmp.path());
+    // The same stream another tool would have written: train tokens, then validation tokens.
+    let mut tokens = split_tokens(&ours, false);
+    let val = split_tokens(&ours, true);
+    tokens.extend_from_slice(&val);
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let raw = tmp.path().join("memmap.npy");
+    std::fs::write(&raw, &bytes).unwrap();
+    let npy = spes_data::shard::write_shard(
+        tmp.path(),
+        "numpy",
+        &tokens.iter().map(|&t| t as u32).collect::<Vec<_>>(),
+        spes_data::TokenDtype::Uint16,
+    )
+    .unwrap();
+    let mega = tmp.path().join("mega_text_document");
+    let docs: Vec<Vec<u16>> = tokens.chunks(1000).map(<[u16]>::to_vec).collect();
+    write_megatron(&mega, &docs).unwrap();
+    let inputs = [
+        (raw, Some(spes_data::TokenDtype::Uint16)),
+        (tmp.path().join(npy.file), None),
+        (mega.with_extension("bin"), None),
+    ];
+
+    let train = |dir: &Path| -> Vec<f64> {
+        let mut tr = Trainer::new(config(dir, &[]), Device::Cpu, |_| true).unwrap();
+        let mut l: Vec<f64> = (0..3)
+            .map(|_| tr.train_step().unwrap().losses.loss)
+            .collect();
+        l.push(tr.evaluate());
+        l
+    };
+    let expected = train(&ours);
+    for (i, (input, dtype)) in inputs.into_iter().enumerate() {
+        let out = tmp.path().join(format!("imported-{i}"));
+        import(&ImportOptions {
+            inputs: vec![input],
+            out: out.clone(),
+            tokenizer: ours.join("tokenizer.json"),
+            eos_token: None,
+            dtype,
+            val_tokens: val.len() as u64,
+        })
+        .unwrap();
+        assert_eq!(train(&out), expected, "layout {i}");
+    }
+}
