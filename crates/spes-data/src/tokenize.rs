@@ -41,7 +41,7 @@ pub struct TokenizeOptions {
     pub tokenizer: TokenizerSource,
     /// JSON field or parquet column holding the text.
     pub text_field: String,
-    /// Share of documents held out for validation (chosen by a hash of file and document index).
+    /// Share of documents held out for validation (chosen by a hash of each document's text).
     pub val_fraction: f64,
     /// Most tokens per shard file.
     pub shard_tokens: usize,
@@ -356,16 +356,15 @@ impl FileJob<'_> {
         let mut totals = FileTotals::default();
         let mut batch: Vec<String> = Vec::new();
         let mut batch_bytes = 0;
-        let mut doc = 0u64;
         let mut encode = |batch: &mut Vec<String>, totals: &mut FileTotals| -> Result<()> {
             let docs = std::mem::take(batch);
+            let fraction = self.opts.val_fraction;
+            let held_out: Vec<bool> = docs.iter().map(|d| is_val(d, fraction)).collect();
             let encodings = self
                 .tokenizer
                 .encode_batch(docs, false)
                 .map_err(|e| anyhow::anyhow!("input {}: tokenizer failed: {e}", path.display()))?;
-            for enc in encodings {
-                let is_val = is_val(index as u64, doc, self.opts.val_fraction);
-                doc += 1;
+            for (enc, is_val) in encodings.into_iter().zip(held_out) {
                 let (w, n) = if is_val {
                     (&mut val, &mut totals.val_documents)
                 } else {
@@ -432,13 +431,11 @@ fn progress_bar(show: bool, len: u64, what: &'static str) -> ProgressBar {
     bar
 }
 
-/// Whether document `doc` of input file `file` goes to validation: a fixed hash, so the split
-/// is the same whichever part or run tokenizes the file.
-fn is_val(file: u64, doc: u64, fraction: f64) -> bool {
-    let mut key = [0u8; 16];
-    key[..8].copy_from_slice(&file.to_le_bytes());
-    key[8..].copy_from_slice(&doc.to_le_bytes());
-    let h = xxhash_rust::xxh3::xxh3_64(&key);
+/// Whether a document goes to validation: a fixed hash of its text, so a document (and every
+/// copy of it) lands in the same split whichever file, part, format or run holds it, and a
+/// run on parts is scored on the same documents as one on the whole list.
+fn is_val(doc: &str, fraction: f64) -> bool {
+    let h = xxhash_rust::xxh3::xxh3_64(doc.as_bytes());
     (h % 1_000_000) < (fraction * 1_000_000.0) as u64
 }
 
