@@ -70,7 +70,7 @@ pub fn import(opts: &ImportOptions) -> Result<Manifest> {
     let tokenizer = Tokenizer::from_file(&opts.tokenizer)
         .map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", opts.tokenizer.display()))?;
     let eos_id = find_eos(&tokenizer, opts.eos_token.as_deref())?;
-    let vocab_size = tokenizer.get_vocab_size(true);
+    let vocab_size = crate::tokenize::vocab_size(&tokenizer);
     if TokenDtype::for_vocab(vocab_size).size() > dtype.size() && dtype == TokenDtype::Uint16 {
         bail!("the tokenizer has {vocab_size} tokens, more than uint16 token files can hold");
     }
@@ -136,7 +136,7 @@ fn inspect(path: &Path, dtype: Option<TokenDtype>) -> Result<Found> {
     let idx = path.with_extension("idx");
     if path.extension().is_some_and(|e| e == "bin") && idx.is_file() {
         let (dtype, tokens) = megatron_index(&idx)?;
-        if tokens * dtype.size() as u64 != size {
+        if tokens.checked_mul(dtype.size() as u64) != Some(size) {
             bail!(
                 "{name}: its index {} lists {tokens} {dtype:?} tokens but the file is {size} bytes",
                 idx.display()
@@ -157,7 +157,10 @@ fn inspect(path: &Path, dtype: Option<TokenDtype>) -> Result<Found> {
     if head.starts_with(b"\x93NUMPY") {
         let (found, tokens, offset) =
             parse_npy_header(&head).map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
-        if offset + tokens * found.size() as u64 != size {
+        let fits = tokens
+            .checked_mul(found.size() as u64)
+            .and_then(|b| b.checked_add(offset));
+        if fits != Some(size) {
             bail!("{name}: its header says {tokens} tokens but the file is {size} bytes");
         }
         if let Some(d) = dtype.filter(|d| *d != found) {
@@ -213,14 +216,19 @@ fn megatron_index(idx: &Path) -> Result<(TokenDtype, u64)> {
             "{name}: Megatron dtype code {code} is not a token dtype spes reads (4 int32, 5 int64, 8 uint16)"
         ),
     };
-    let sequences = u64_at(18) as usize;
-    let sizes = bytes
-        .get(34..34 + 4 * sequences)
+    let sequences = u64_at(18);
+    let sizes = usize::try_from(sequences)
+        .ok()
+        .and_then(|n| n.checked_mul(4))
+        .and_then(|n| bytes.get(34..34usize.checked_add(n)?))
         .with_context(|| format!("{name}: truncated: {sequences} sequence lengths expected"))?;
-    let tokens = sizes
-        .chunks_exact(4)
-        .map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")) as u64)
-        .sum();
+    let mut tokens = 0u64;
+    for b in sizes.chunks_exact(4) {
+        let n = i32::from_le_bytes(b.try_into().expect("4 bytes"));
+        let n = u64::try_from(n)
+            .with_context(|| format!("{name}: a negative sequence length ({n})"))?;
+        tokens += n;
+    }
     Ok((dtype, tokens))
 }
 

@@ -124,10 +124,19 @@ fn open_sources(sources: &[Source]) -> Result<Vec<Manifest>> {
         bail!("[data]: no source to read");
     }
     let mut manifests: Vec<Manifest> = Vec::with_capacity(sources.len());
+    let total: f64 = sources.iter().map(|s| s.weight).sum();
     for s in sources {
         if !(s.weight.is_finite() && s.weight > 0.0) {
             bail!(
                 "[data] source {}: weight must be a positive number, got {}",
+                s.path.display(),
+                s.weight
+            );
+        }
+        if s.weight / total < 1e-6 {
+            bail!(
+                "[data] source {}: weight {} is under a millionth of the total {total}: it \
+                 would never be drawn",
                 s.path.display(),
                 s.weight
             );

@@ -529,7 +529,10 @@ impl Shard {
                         path.display()
                     );
                 }
-                if offset + len * dtype.size() as u64 != map.len() as u64 {
+                let fits = len
+                    .checked_mul(dtype.size() as u64)
+                    .and_then(|b| b.checked_add(offset));
+                if fits != Some(map.len() as u64) {
                     bail!(
                         "token file {}: its header says {len} tokens but the file is {} bytes",
                         path.display(),

@@ -173,8 +173,9 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
     let tokenizer = if done.is_some() {
         // The tokenizer the interrupted run wrote, trained or copied: training again need not
         // give the same one.
-        Tokenizer::from_file(&tokenizer_path)
-            .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", tokenizer_path.display()))?
+        let t = Tokenizer::from_file(&tokenizer_path)
+            .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", tokenizer_path.display()))?;
+        for_corpus(t)?
     } else {
         let tokenizer = match &opts.tokenizer {
             TokenizerSource::File(path) => Tokenizer::from_file(path)
@@ -188,6 +189,7 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
             .to_string(false)
             .map_err(|e| anyhow::anyhow!("cannot serialise tokenizer: {e}"))?;
         write_atomic(&tokenizer_path, json.as_bytes())?;
+        let tokenizer = for_corpus(tokenizer)?;
         std::fs::create_dir_all(&progress_dir)
             .with_context(|| format!("cannot create {}", progress_dir.display()))?;
         write_atomic(
@@ -199,7 +201,7 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
     let mut records = done.unwrap_or_default();
     let resumed_files = records.len();
     let eos_id = find_eos(&tokenizer, opts.eos_token.as_deref())?;
-    let vocab_size = tokenizer.get_vocab_size(true);
+    let vocab_size = vocab_size(&tokenizer);
     let dtype = TokenDtype::for_vocab(vocab_size);
     let todo: Vec<&(usize, PathBuf)> = files
         .iter()
@@ -265,10 +267,7 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
         val,
         inputs: files.iter().map(|(_, f)| f.display().to_string()).collect(),
         part: opts.part,
-        input_list_xxh3: format!(
-            "{:016x}",
-            xxhash_rust::xxh3::xxh3_64(&serde_json::to_vec(&key.inputs)?)
-        ),
+        input_list_xxh3: list_checksum(&all)?,
         skipped_records: sum(|c| c.skipped),
     };
     manifest.save(&opts.out)?;
@@ -283,6 +282,56 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
     })
 }
 
+/// The checksum naming an input list: every file's path below the list's common directory, and
+/// its size, so machines that mount the corpus in different places agree on it.
+fn list_checksum(files: &[PathBuf]) -> Result<String> {
+    let dirs: Vec<&Path> = files.iter().filter_map(|f| f.parent()).collect();
+    let mut common = dirs.first().map(|d| d.to_path_buf()).unwrap_or_default();
+    for d in &dirs {
+        while !d.starts_with(&common) {
+            if !common.pop() {
+                break;
+            }
+        }
+    }
+    let entries: Vec<(String, u64)> = files
+        .iter()
+        .map(|f| {
+            let rel = f.strip_prefix(&common).unwrap_or(f);
+            (
+                rel.display().to_string(),
+                f.metadata().map_or(0, |m| m.len()),
+            )
+        })
+        .collect();
+    Ok(format!(
+        "{:016x}",
+        xxhash_rust::xxh3::xxh3_64(&serde_json::to_vec(&entries)?)
+    ))
+}
+
+/// A loaded tokenizer as a corpus needs it: many `tokenizer.json` files carry truncation (to
+/// 512 tokens, say) or padding for inference, which would cut documents or write pad ids into
+/// the training stream. The file written to the output keeps them.
+fn for_corpus(mut t: Tokenizer) -> Result<Tokenizer> {
+    t.with_truncation(None)
+        .map_err(|e| anyhow::anyhow!("cannot turn the tokenizer's truncation off: {e}"))?;
+    t.with_padding(None);
+    Ok(t)
+}
+
+/// Ids the token files must hold: the largest id + 1, which a vocabulary with gaps makes more
+/// than its number of entries.
+pub(crate) fn vocab_size(t: &Tokenizer) -> usize {
+    let largest = t
+        .get_vocab(true)
+        .values()
+        .copied()
+        .max()
+        .map_or(0, |m| m as usize + 1);
+    largest.max(t.get_vocab_size(true))
+}
+
 /// The files an interrupted run with the same key finished, or `None` to start afresh (which
 /// clears what a run with other arguments left).
 fn resume(out: &Path, key: &RunKey) -> Result<Option<Vec<FileRecord>>> {
@@ -292,6 +341,8 @@ fn resume(out: &Path, key: &RunKey) -> Result<Option<Vec<FileRecord>>> {
         .and_then(|t| serde_json::from_str::<RunKey>(&t).ok())
         .is_some_and(|k| k == *key);
     remove_temp_files(out)?;
+    // A previous manifest is stale as soon as any file is tokenized again.
+    let _ = std::fs::remove_file(out.join(MANIFEST));
     if !same {
         if dir.exists() {
             std::fs::remove_dir_all(&dir)
@@ -314,8 +365,6 @@ fn resume(out: &Path, key: &RunKey) -> Result<Option<Vec<FileRecord>>> {
             .with_context(|| format!("{}: not a progress record", path.display()))?;
         records.push(record);
     }
-    // A previous manifest is stale as soon as any file is tokenized again.
-    let _ = std::fs::remove_file(out.join(MANIFEST));
     Ok(Some(records))
 }
 

@@ -462,3 +462,26 @@ fn token_files_of_other_tools_give_spes_batches() {
     .to_string();
     assert!(err.contains("--dtype"), "{err}");
 }
+
+#[test]
+fn a_tokenizer_made_for_inference_neither_truncates_nor_pads_documents() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let docs = documents(50);
+    let input = t.join("docs.jsonl");
+    std::fs::write(&input, jsonl(&docs)).unwrap();
+    let plain = tokenize(&options(vec![input.clone()], t.join("plain")))
+        .unwrap()
+        .manifest;
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(shared_tokenizer()).unwrap()).unwrap();
+    json["truncation"] = serde_json::json!({"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0});
+    json["padding"] = serde_json::json!({"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": null, "pad_id": 1, "pad_type_id": 0, "pad_token": "<|padding|>"});
+    let limited = t.join("limited.json");
+    std::fs::write(&limited, json.to_string()).unwrap();
+    let mut opts = options(vec![input], t.join("limited"));
+    opts.tokenizer = TokenizerSource::File(limited);
+    let m = tokenize(&opts).unwrap().manifest;
+    assert_eq!(m.train_tokens, plain.train_tokens);
+    assert_eq!(stream(&t.join("limited")), stream(&t.join("plain")));
+}

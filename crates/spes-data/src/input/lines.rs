@@ -71,11 +71,18 @@ pub(super) fn read(
             each(end_document(&mut doc))?;
         } else {
             doc.push_str(text);
+            // A text without blank lines must not become one document the size of its file.
+            if doc.len() >= MAX_TEXT_DOCUMENT {
+                each(end_document(&mut doc))?;
+            }
         }
     }
     each(end_document(&mut doc))?;
     Ok(skipped)
 }
+
+/// The longest `.txt` document: longer runs of lines without a blank one are cut at a line.
+const MAX_TEXT_DOCUMENT: usize = 16 << 20;
 
 /// A text document: its lines, without the line break that ends the last one, so a paragraph
 /// reads the same as the string a JSON line would hold.

@@ -50,7 +50,27 @@ pub(super) fn read(
         let rows = meta.num_rows().max(0) as u64;
         let bytes = meta.compressed_size().max(0) as u64;
         let mut done = 0u64;
-        let result = read_group(&reader, group, column, nullable, &mut done, each);
+        let mut bad_values = 0u64;
+        // The parquet crate can panic on corrupt pages: that is a broken row group too.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            read_group(
+                &reader,
+                group,
+                column,
+                nullable,
+                opts,
+                &mut done,
+                &mut bad_values,
+                each,
+            )
+        }))
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("the parquet reader panicked on its pages")));
+        if bad_values > 0 {
+            tracing::debug!(
+                "input {name}: row group {group}: skipped {bad_values} values that are not UTF-8"
+            );
+            skipped += bad_values;
+        }
         progress.fetch_add(bytes, Ordering::Relaxed);
         if let Err(e) = result {
             if e.is::<Pass>() {
@@ -81,12 +101,15 @@ impl std::fmt::Display for Pass {
 
 impl std::error::Error for Pass {}
 
+#[allow(clippy::too_many_arguments)]
 fn read_group(
     reader: &SerializedFileReader<File>,
     group: usize,
     column: usize,
     nullable: bool,
+    opts: &ReadOptions,
     done: &mut u64,
+    bad_values: &mut u64,
     each: &mut dyn FnMut(String) -> Result<()>,
 ) -> Result<()> {
     let rg = reader.get_row_group(group)?;
@@ -103,9 +126,12 @@ fn read_group(
             return Ok(());
         }
         for v in values.drain(..) {
-            let text = String::from_utf8(v.data().to_vec())
-                .map_err(|_| anyhow::anyhow!("a value of the text column is not UTF-8"))?;
-            each(text).map_err(|e| anyhow::Error::new(Pass(e)))?;
+            match String::from_utf8(v.data().to_vec()) {
+                Ok(text) => each(text).map_err(|e| anyhow::Error::new(Pass(e)))?,
+                // One bad value is one bad record, not its whole row group.
+                Err(_) if opts.skip_bad_records => *bad_values += 1,
+                Err(_) => bail!("a value of the text column is not UTF-8"),
+            }
         }
         *done += records as u64;
     }
