@@ -50,12 +50,7 @@ pub(super) async fn connect_client(opts: &NodeOptions, url: &str) -> Result<Clie
 impl Link {
     /// Clients for every `--server` URL (comma-separated, in shard order), on `rt`; no call is
     /// made yet.
-    pub fn open(
-        opts: &NodeOptions,
-        rt: &tokio::runtime::Runtime,
-        session: u64,
-        data_parts: Vec<String>,
-    ) -> Result<Link> {
+    pub fn open(opts: &NodeOptions, rt: &tokio::runtime::Runtime, session: u64) -> Result<Link> {
         let urls: Vec<&str> = opts
             .server
             .split(',')
@@ -83,7 +78,7 @@ impl Link {
             session,
             patience: Duration::from_secs_f64(opts.patience_s),
             out: opts.out.clone(),
-            data_parts,
+            data_parts: Vec::new(),
         })
     }
 }

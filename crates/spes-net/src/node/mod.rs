@@ -106,8 +106,9 @@ impl Node {
     /// (or, for a node joining a running run, to the round it becomes a member from).
     pub fn connect(opts: NodeOptions) -> Result<Node> {
         let session = Session::open(&opts)?;
+        let mut link = Link::open(&opts, &session.rt, session.id)?;
         let claim = DataClaim::of(&opts.cfg)?;
-        let mut link = Link::open(&opts, &session.rt, session.id, claim.parts.clone())?;
+        link.data_parts = claim.parts.clone();
         let reply = link.join(opts.join).map_err(|e| explain(e, &opts.server))?;
         let cfg = session.config(&opts.cfg, &reply.config_toml)?;
         claim.check(&cfg, &reply.tokenizer_xxh3)?;
