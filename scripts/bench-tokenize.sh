@@ -41,10 +41,7 @@ run_spes() {  # threads -> "tokens_per_s mb_per_s seconds rss_mb"
 
 read -r t1 m1 s1 r1 <<<"$(run_spes 1)"
 read -r t2 m2 s2 r2 <<<"$(run_spes 2)"
-anchor=$(RAYON_NUM_THREADS=2 "$py" "$root/scripts/bench_tokenize.py" anchor --input "$corpus" --tokenizer "$tokenizer")
-at=$("$py" -c "import json,sys; a=json.loads(sys.argv[1]); print(round(a['tokens']/a['seconds']))" "$anchor")
-am=$("$py" -c "import json,sys; a=json.loads(sys.argv[1]); print(round(a['text_bytes']/1e6/a['seconds'], 2))" "$anchor")
-as=$("$py" -c "import json,sys; a=json.loads(sys.argv[1]); print(round(a['seconds'], 1))" "$anchor")
+read -r at am as <<<"$(RAYON_NUM_THREADS=2 "$py" "$root/scripts/bench_tokenize.py" anchor --input "$corpus" --tokenizer "$tokenizer")"
 ratio() { "$py" -c "print(f'{$1/$2:.2f}')"; }
 echo "corpus: $corpus (16 files, $text_mb MB of zstd JSON lines, $mb MB uncompressed); tokenizer: gpt-neox-olmo-dolma-v1_5"
 echo

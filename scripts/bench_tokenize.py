@@ -6,8 +6,8 @@
          (seeded) from the given texts, each line {"text": ..., "id": ...}.
   anchor --input DIR --tokenizer tokenizer.json
          the same documents through the `tokenizers` library's own encode_batch, in batches of
-         1 MB of text as spes encodes them; prints one JSON line: documents, tokens, the bytes
-         of text and the seconds spent in encode_batch alone (reading is not counted).
+         1 MB of text as spes encodes them; prints tokens/s, MB/s of text and the seconds spent
+         in encode_batch alone (reading is not counted).
 """
 import argparse
 import glob
@@ -59,29 +59,28 @@ def anchor(a):
 
     tok = Tokenizer.from_file(a.tokenizer)
     files = sorted(glob.glob(os.path.join(a.input, "*.jsonl*")))
-    docs = tokens = text_bytes = 0
-    seconds = 0.0
+    totals = {"documents": 0, "tokens": 0, "text_bytes": 0, "seconds": 0.0}
+
+    def encode(batch, size):
+        t = time.perf_counter()
+        enc = tok.encode_batch(batch, add_special_tokens=False)
+        totals["seconds"] += time.perf_counter() - t
+        totals["documents"] += len(batch)
+        totals["tokens"] += sum(len(e.ids) for e in enc) + len(batch)  # + one EOS each
+        totals["text_bytes"] += size
+
     for path in files:
         batch, size = [], 0
         for text in documents(path):
             batch.append(text)
             size += len(text.encode("utf-8"))
             if size >= 1 << 20:
-                t = time.perf_counter()
-                enc = tok.encode_batch(batch, add_special_tokens=False)
-                seconds += time.perf_counter() - t
-                docs += len(batch)
-                tokens += sum(len(e.ids) for e in enc) + len(batch)
-                text_bytes += size
+                encode(batch, size)
                 batch, size = [], 0
         if batch:
-            t = time.perf_counter()
-            enc = tok.encode_batch(batch, add_special_tokens=False)
-            seconds += time.perf_counter() - t
-            docs += len(batch)
-            tokens += sum(len(e.ids) for e in enc) + len(batch)
-            text_bytes += size
-    print(json.dumps({"documents": docs, "tokens": tokens, "text_bytes": text_bytes, "seconds": seconds}))
+            encode(batch, size)
+    t = totals
+    print(f"{t['tokens'] / t['seconds']:.0f} {t['text_bytes'] / 1e6 / t['seconds']:.2f} {t['seconds']:.1f}")
 
 
 def main():

@@ -5,8 +5,7 @@
 //! out for validation.
 
 use crate::shard::{
-    hash_file, parse_npy_header, write_atomic, FileLayout, Manifest, ShardInfo, TokenDtype,
-    MANIFEST_VERSION,
+    self, hash_file, parse_npy_header, write_atomic, FileLayout, Manifest, ShardInfo, TokenDtype,
 };
 use crate::tokenize::find_eos;
 use anyhow::{bail, Context, Result};
@@ -71,12 +70,12 @@ pub fn import(opts: &ImportOptions) -> Result<Manifest> {
         .map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", opts.tokenizer.display()))?;
     let eos_id = find_eos(&tokenizer, opts.eos_token.as_deref())?;
     let vocab_size = crate::tokenize::vocab_size(&tokenizer);
-    if TokenDtype::for_vocab(vocab_size).size() > dtype.size() && dtype == TokenDtype::Uint16 {
+    if dtype == TokenDtype::Uint16 && TokenDtype::for_vocab(vocab_size) != TokenDtype::Uint16 {
         bail!("the tokenizer has {vocab_size} tokens, more than uint16 token files can hold");
     }
     let json = std::fs::read(&opts.tokenizer)
         .with_context(|| format!("cannot read {}", opts.tokenizer.display()))?;
-    let tokenizer_path = opts.out.join("tokenizer.json");
+    let tokenizer_path = opts.out.join(shard::TOKENIZER);
     write_atomic(&tokenizer_path, &json)?;
 
     let mut train = Vec::new();
@@ -103,25 +102,18 @@ pub fn import(opts: &ImportOptions) -> Result<Manifest> {
             val.push(info(f.tokens - held, held)?);
         }
     }
-    let manifest = Manifest {
-        format_version: MANIFEST_VERSION,
-        tokenizer: "tokenizer.json".into(),
-        tokenizer_xxh3: hash_file(&tokenizer_path)?,
-        vocab_size,
-        eos_id,
-        dtype,
-        // Document boundaries are not counted: the tokens stream as they are.
-        train_documents: 0,
-        val_documents: 0,
-        train_tokens: train.iter().map(|s: &ShardInfo| s.tokens).sum(),
-        val_tokens: val.iter().map(|s: &ShardInfo| s.tokens).sum(),
+    // Document boundaries are not counted: the tokens stream as they are.
+    let manifest = Manifest::over(
+        &opts.out,
+        &shard::Vocab {
+            vocab_size,
+            eos_id,
+            dtype,
+        },
         train,
         val,
-        inputs: found.iter().map(|f| f.path.display().to_string()).collect(),
-        part: None,
-        input_list_xxh3: String::new(),
-        skipped_records: 0,
-    };
+        found.iter().map(|f| f.path.display().to_string()).collect(),
+    )?;
     manifest.save(&opts.out)?;
     Ok(manifest)
 }

@@ -118,13 +118,8 @@ impl Schedule {
     }
 }
 
-/// Opens every source's manifest and checks that they share one tokenizer.
-fn open_sources(sources: &[Source]) -> Result<Vec<Manifest>> {
-    if sources.is_empty() {
-        bail!("[data]: no source to read");
-    }
-    let mut manifests: Vec<Manifest> = Vec::with_capacity(sources.len());
-    let total: f64 = sources.iter().map(|s| s.weight).sum();
+/// Checks a mixture's weights: each positive, and none so small it would never be drawn.
+pub fn check_weights(sources: &[Source]) -> Result<()> {
     for s in sources {
         if !(s.weight.is_finite() && s.weight > 0.0) {
             bail!(
@@ -133,6 +128,9 @@ fn open_sources(sources: &[Source]) -> Result<Vec<Manifest>> {
                 s.weight
             );
         }
+    }
+    let total: f64 = sources.iter().map(|s| s.weight).sum();
+    for s in sources {
         if s.weight / total < 1e-6 {
             bail!(
                 "[data] source {}: weight {} is under a millionth of the total {total}: it \
@@ -141,6 +139,18 @@ fn open_sources(sources: &[Source]) -> Result<Vec<Manifest>> {
                 s.weight
             );
         }
+    }
+    Ok(())
+}
+
+/// Opens every source's manifest and checks that they share one tokenizer.
+fn open_sources(sources: &[Source]) -> Result<Vec<Manifest>> {
+    if sources.is_empty() {
+        bail!("[data]: no source to read");
+    }
+    check_weights(sources)?;
+    let mut manifests: Vec<Manifest> = Vec::with_capacity(sources.len());
+    for s in sources {
         let m = Manifest::load(&s.path)?;
         if let Some(first) = manifests.first() {
             if (m.tokenizer_xxh3.as_str(), m.eos_id)
@@ -178,7 +188,6 @@ pub struct Loader {
     sources: Vec<Windows>,
     /// Each source's permutation seed.
     seeds: Vec<u64>,
-    part_ids: Vec<Option<String>>,
     schedule: Schedule,
     /// Windows drawn from each source so far.
     drawn: Vec<u64>,
@@ -220,7 +229,6 @@ impl Loader {
             .map(|(k, m)| source_seed(seed, k, m))
             .collect();
         Ok(Loader {
-            part_ids: manifests.iter().map(Manifest::part_id).collect(),
             sources: streams,
             seeds,
             schedule,
@@ -254,11 +262,6 @@ impl Loader {
     /// Windows drawn from each source so far, in the order the sources were given.
     pub fn drawn(&self) -> &[u64] {
         &self.drawn
-    }
-
-    /// The part each source holds ([`Manifest::part_id`]), `None` for whole corpora.
-    pub fn part_ids(&self) -> &[Option<String>] {
-        &self.part_ids
     }
 
     /// Windows in one epoch of every source together.

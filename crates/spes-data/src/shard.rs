@@ -161,6 +161,17 @@ pub struct Manifest {
     pub skipped_records: u64,
 }
 
+/// The tokenizer file of a tokenized directory.
+pub const TOKENIZER: &str = "tokenizer.json";
+
+/// What a manifest records of the tokenizer its tokens were made with.
+#[derive(Clone, Copy, Debug)]
+pub struct Vocab {
+    pub vocab_size: usize,
+    pub eos_id: u32,
+    pub dtype: TokenDtype,
+}
+
 /// The manifest format this version writes; it reads 1 as well.
 pub const MANIFEST_VERSION: u32 = 2;
 
@@ -190,6 +201,36 @@ impl Manifest {
             m.tokenizer_xxh3 = hash_file(&dir.join(&m.tokenizer))?;
         }
         Ok(m)
+    }
+
+    /// A manifest of the current format over `train` and `val` runs, with `<dir>/tokenizer.json`
+    /// checksummed and the token totals counted; document counts, part and skips are zero
+    /// until the caller sets them.
+    pub fn over(
+        dir: &Path,
+        vocab: &Vocab,
+        train: Vec<ShardInfo>,
+        val: Vec<ShardInfo>,
+        inputs: Vec<String>,
+    ) -> Result<Manifest> {
+        Ok(Manifest {
+            format_version: MANIFEST_VERSION,
+            tokenizer: TOKENIZER.into(),
+            tokenizer_xxh3: hash_file(&dir.join(TOKENIZER))?,
+            vocab_size: vocab.vocab_size,
+            eos_id: vocab.eos_id,
+            dtype: vocab.dtype,
+            train_documents: 0,
+            val_documents: 0,
+            train_tokens: train.iter().map(|s| s.tokens).sum(),
+            val_tokens: val.iter().map(|s| s.tokens).sum(),
+            train,
+            val,
+            inputs,
+            part: None,
+            input_list_xxh3: String::new(),
+            skipped_records: 0,
+        })
     }
 
     /// The identity of the part this directory holds, `<list>:<p>/<N>`, the same on every

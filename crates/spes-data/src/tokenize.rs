@@ -7,8 +7,7 @@
 
 use crate::input::{expand_inputs, for_each_document, FileCounts, ReadOptions};
 use crate::shard::{
-    hash_file, write_atomic, Manifest, Part, ShardInfo, ShardWriter, TokenDtype, MANIFEST,
-    MANIFEST_VERSION,
+    self, hash_file, write_atomic, Manifest, Part, ShardInfo, ShardWriter, TokenDtype, MANIFEST,
 };
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -169,7 +168,7 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
     };
     let progress_dir = opts.out.join(PROGRESS);
     let done = resume(&opts.out, &key)?;
-    let tokenizer_path = opts.out.join("tokenizer.json");
+    let tokenizer_path = opts.out.join(shard::TOKENIZER);
     let tokenizer = if done.is_some() {
         // The tokenizer the interrupted run wrote, trained or copied: training again need not
         // give the same one.
@@ -253,22 +252,22 @@ pub fn tokenize(opts: &TokenizeOptions) -> Result<TokenizeReport> {
     let train: Vec<ShardInfo> = records.iter().flat_map(|r| r.train.clone()).collect();
     let val: Vec<ShardInfo> = records.iter().flat_map(|r| r.val.clone()).collect();
     let manifest = Manifest {
-        format_version: MANIFEST_VERSION,
-        tokenizer: "tokenizer.json".into(),
-        tokenizer_xxh3: hash_file(&tokenizer_path)?,
-        vocab_size,
-        eos_id,
-        dtype,
         train_documents: sum(|c| c.train_documents),
         val_documents: sum(|c| c.val_documents),
-        train_tokens: train.iter().map(|s| s.tokens).sum(),
-        val_tokens: val.iter().map(|s| s.tokens).sum(),
-        train,
-        val,
-        inputs: files.iter().map(|(_, f)| f.display().to_string()).collect(),
         part: opts.part,
         input_list_xxh3: list_checksum(&all)?,
         skipped_records: sum(|c| c.skipped),
+        ..Manifest::over(
+            &opts.out,
+            &shard::Vocab {
+                vocab_size,
+                eos_id,
+                dtype,
+            },
+            train,
+            val,
+            files.iter().map(|(_, f)| f.display().to_string()).collect(),
+        )?
     };
     manifest.save(&opts.out)?;
     std::fs::remove_dir_all(&progress_dir)
@@ -434,7 +433,6 @@ impl FileJob<'_> {
         let FileCounts {
             text_bytes,
             skipped,
-            ..
         } = for_each_document(path, &read, self.read_bytes, |d| {
             batch_bytes += d.len();
             batch.push(d);

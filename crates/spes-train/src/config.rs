@@ -74,16 +74,7 @@ impl DataConfig {
             (false, false) => bail!("[data]: set `path` or `sources`, not both"),
             _ => {}
         }
-        for s in &self.sources {
-            if !(s.weight.is_finite() && s.weight > 0.0) {
-                bail!(
-                    "[data] source {}: weight must be a positive number, got {}",
-                    s.path.display(),
-                    s.weight
-                );
-            }
-        }
-        Ok(())
+        spes_data::loader::check_weights(&self.sources)
     }
 }
 

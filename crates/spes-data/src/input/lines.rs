@@ -95,9 +95,7 @@ fn end_document(doc: &mut String) -> String {
 
 /// The text field of one JSON line, or why it has none.
 fn document_of(line: &str, field: &str) -> std::result::Result<String, String> {
-    #[derive(serde::Deserialize)]
-    struct Any(serde_json::Map<String, serde_json::Value>);
-    let Any(mut object) = serde_json::from_str(line)
+    let mut object: serde_json::Map<String, serde_json::Value> = serde_json::from_str(line)
         .map_err(|e| format!("not a JSON object ({e}); expected one object per line"))?;
     match object.remove(field) {
         Some(serde_json::Value::String(s)) => Ok(s),

@@ -129,8 +129,6 @@ pub struct ReadOptions {
 /// What reading one file found.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FileCounts {
-    /// Documents passed on (empty ones are not).
-    pub documents: u64,
     /// Bytes of document text passed on.
     pub text_bytes: u64,
     /// Records skipped as broken (only with `skip_bad_records`).
@@ -156,7 +154,6 @@ pub fn for_each_document(
         if doc.trim().is_empty() {
             return Ok(());
         }
-        counts.documents += 1;
         counts.text_bytes += doc.len() as u64;
         each(doc)
     };
