@@ -87,8 +87,7 @@ pub fn init(a: InitArgs) -> Result<()> {
 
 /// A freshly initialised checkpoint (`<out>/step-0`) of a config; needs no data.
 fn init_checkpoint(cfg: &RunConfig, out: &Path) -> Result<PathBuf> {
-    tch::manual_seed(cfg.train.seed as i64);
-    let model = spes_model::MoeModel::new(&cfg.model, tch::Device::Cpu)?;
+    let model = spes_model::MoeModel::seeded(&cfg.model, tch::Device::Cpu, cfg.train.seed)?;
     let tensors: Vec<(String, tch::Tensor)> = model
         .params()
         .into_iter()

@@ -267,8 +267,21 @@ struct HeadLosses {
 /// keep matmuls efficient, small beside the `[B·T, V]` tensor it replaces.
 const LOGITS_CHUNK_ELEMENTS: i64 = 1 << 26;
 
+/// Held while a model is initialised from libtorch's process-wide generator, so a seeded model
+/// is exactly θ⁰ even when other threads of the process (tests, in-process roles) draw too.
+static INIT_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 impl MoeModel {
-    /// A freshly initialised model: truncated normal(0.02) matrices, norms at 1. Seed first.
+    /// The model `new` makes after seeding libtorch's generator with `seed`, drawn under a
+    /// process-wide lock so concurrent draws elsewhere cannot change it.
+    pub fn seeded(cfg: &ModelConfig, device: Device, seed: u64) -> Result<Self> {
+        let _rng = INIT_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(seed as i64);
+        Self::new(cfg, device)
+    }
+
+    /// A freshly initialised model: truncated normal(0.02) matrices, norms at 1, drawn from
+    /// libtorch's generator as it stands (`seeded` fixes it).
     pub fn new(cfg: &ModelConfig, device: Device) -> Result<Self> {
         cfg.validate()?;
         let (d, v, hd) = (

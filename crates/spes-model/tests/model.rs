@@ -44,8 +44,7 @@ fn actual_tensors_match_analytic_counts() {
             ..small(QkNorm::Full, 2, false)
         },
     ] {
-        tch::manual_seed(0);
-        let m = MoeModel::new(&cfg, Device::Cpu).unwrap();
+        let m = MoeModel::seeded(&cfg, Device::Cpu, 0).unwrap();
         let n = cfg.param_counts();
         let params = m.params();
         let total: i64 = params.iter().map(|p| p.tensor.numel() as i64).sum();
@@ -67,8 +66,7 @@ fn actual_tensors_match_analytic_counts() {
 
 #[test]
 fn init_is_truncated_normal() {
-    tch::manual_seed(1);
-    let m = MoeModel::new(&ModelConfig::preset("tiny").unwrap(), Device::Cpu).unwrap();
+    let m = MoeModel::seeded(&ModelConfig::preset("tiny").unwrap(), Device::Cpu, 1).unwrap();
     let head = m
         .params()
         .into_iter()
@@ -238,8 +236,7 @@ fn load_balancing_loss_matches_hand_computation() {
 
 #[test]
 fn frozen_experts_get_no_gradient_but_pass_activations() {
-    tch::manual_seed(3);
-    let mut m = MoeModel::new(&small(QkNorm::Full, 2, false), Device::Cpu).unwrap();
+    let mut m = MoeModel::seeded(&small(QkNorm::Full, 2, false), Device::Cpu, 3).unwrap();
     let own = |r: Role| matches!(r, Role::Shared | Role::Expert { index: 0..=1, .. });
     m.set_trainable(own);
     let batch = Tensor::randint(97, [4, 13], (Kind::Int64, Device::Cpu));
@@ -263,8 +260,7 @@ fn frozen_experts_get_no_gradient_but_pass_activations() {
 
 #[test]
 fn gqa_and_per_head_norm_run_and_initial_loss_is_uniform() {
-    tch::manual_seed(4);
-    let m = MoeModel::new(&small(QkNorm::PerHead, 2, true), Device::Cpu).unwrap();
+    let m = MoeModel::seeded(&small(QkNorm::PerHead, 2, true), Device::Cpu, 4).unwrap();
     let batch = Tensor::randint(97, [2, 9], (Kind::Int64, Device::Cpu));
     let l = m.backward(&batch, &W, 1.0, false);
     let ce = l.ce.double_value(&[]);
@@ -368,8 +364,7 @@ fn assert_close(a: &[(String, Tensor)], b: &[(String, Tensor)], rel: f64, what: 
 /// `token_losses` within 1e-5, and the same gradient for every parameter, scale included.
 #[test]
 fn chunked_head_loss_matches_full_logits() {
-    tch::manual_seed(6);
-    let mut m = MoeModel::new(&small(QkNorm::Full, 2, false), Device::Cpu).unwrap();
+    let mut m = MoeModel::seeded(&small(QkNorm::Full, 2, false), Device::Cpu, 6).unwrap();
     m.set_trainable(|_| true);
     let batch = Tensor::randint(97, [3, 12], (Kind::Int64, Device::Cpu));
     let w = LossWeights { z_loss: 0.05, ..W };

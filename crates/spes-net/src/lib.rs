@@ -22,7 +22,4 @@ pub mod proto {
 
 pub use node::{Node, NodeOptions, NodeSummary, Progress};
 
-/// Held while a model is initialised from libtorch's process-wide generator, so a server
-/// (or a shard) seeding it gets θ⁰ exactly even when other roles share the process (tests).
-pub(crate) static INIT_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
 pub use server::{Limits, ServerOptions, ServerSummary};

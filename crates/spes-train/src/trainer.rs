@@ -108,8 +108,7 @@ pub fn frozen_experts_bf16(choice: Option<bool>, device: Device) -> bool {
 impl Trainer {
     /// A fresh model from `cfg.train.seed`, training the parameters for which `trainable` holds.
     pub fn new(cfg: RunConfig, device: Device, trainable: impl Fn(Role) -> bool) -> Result<Self> {
-        tch::manual_seed(cfg.train.seed as i64);
-        let model = MoeModel::new(&cfg.model, device)?;
+        let model = MoeModel::seeded(&cfg.model, device, cfg.train.seed)?;
         Self::with_model(cfg, device, model, trainable, 0)
     }
 

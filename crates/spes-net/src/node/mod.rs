@@ -116,10 +116,9 @@ impl Node {
         let mut trainer = match &resumed {
             Some(dir) => Trainer::resume_as_saved(cfg.clone(), opts.device, dir)?,
             None => {
-                let model = {
-                    let _rng = crate::INIT_RNG.lock().unwrap_or_else(|e| e.into_inner());
-                    MoeModel::new(&cfg.model, opts.device)?
-                };
+                // The server's θ⁰ replaces it at the first pull; seeded so it never draws
+                // from the generator while another role in the process seeds a model.
+                let model = MoeModel::seeded(&cfg.model, opts.device, cfg.train.seed)?;
                 Trainer::with_model(cfg.clone(), opts.device, model, |_| false, 0)?
             }
         };

@@ -485,11 +485,7 @@ pub(super) fn open(opts: &ServerOptions) -> Result<Opened> {
     for stale in std::fs::read_dir(opts.out.join("incoming"))? {
         let _ = std::fs::remove_file(stale?.path());
     }
-    let model = {
-        let _rng = crate::INIT_RNG.lock().unwrap_or_else(|e| e.into_inner());
-        tch::manual_seed(opts.cfg.train.seed as i64);
-        MoeModel::new(&opts.cfg.model, opts.device)?
-    };
+    let model = MoeModel::seeded(&opts.cfg.model, opts.device, opts.cfg.train.seed)?;
     let (i, k) = opts.shard;
     let layout = Layout::of(&model).shard(i, k);
     let state_path = opts.out.join(STATE_FILE);

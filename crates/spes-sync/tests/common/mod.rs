@@ -29,8 +29,7 @@ pub fn model(n_layers: usize, n_experts: usize) -> MoeModel {
         norm_placement: NormPlacement::Pre,
         qkv_bias: false,
     };
-    tch::manual_seed(0);
-    MoeModel::new(&cfg, Device::Cpu).unwrap()
+    MoeModel::seeded(&cfg, Device::Cpu, 0).unwrap()
 }
 
 pub fn snapshot(m: &MoeModel) -> Named {
