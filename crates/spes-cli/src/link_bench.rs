@@ -29,6 +29,9 @@ pub struct Args {
     /// value of the tensors covered; `spes bench-sync` measures about 0.15–0.3 on 2 cores).
     #[arg(long, default_value_t = 0.15)]
     lossy_gvps: f64,
+    /// The same for sparse uploads.
+    #[arg(long, default_value_t = crate::plan_sync::SPARSE_GVPS)]
+    sparse_gvps: f64,
     #[arg(long, default_value_t = 1.0)]
     disk_gbps: f64,
     /// Wire options to run, by label (`fp32`, `bf16-delta`, …, `int4+overlap`); default: all.
@@ -109,9 +112,11 @@ pub fn run(a: Args) -> Result<()> {
             shards: 1,
             step_s: m.compute_s / a.sync_steps as f64,
             sync_steps: a.sync_steps,
-            density: cfg.sync.sparse_density,
+            sparse_chunk: cfg.sync.sparse_chunk,
+            sparse_k: cfg.sync.sparse_k,
             aggregate_bytes_per_s: a.aggregate_gbps * 1e9,
             lossy_values_per_s: a.lossy_gvps * 1e9,
+            sparse_values_per_s: a.sparse_gvps * 1e9,
             disk_bytes_per_s: a.disk_gbps * 1e9,
         };
         rows.push((option, m, plan::plan(&input, option)));

@@ -25,9 +25,12 @@ pub struct Args {
     step_s: f64,
     #[arg(long, default_value_t = 100)]
     sync_steps: u64,
-    /// Sparse wire: fraction of each tensor's entries sent per round.
-    #[arg(long, default_value_t = 0.03)]
-    density: f64,
+    /// Sparse wire: values per chunk (`sync.sparse_chunk`).
+    #[arg(long, default_value_t = 4096)]
+    sparse_chunk: i64,
+    /// Sparse wire: entries sent per chunk (`sync.sparse_k`).
+    #[arg(long, default_value_t = 64)]
+    sparse_k: i64,
     /// GB of uploads the server folds in per second (`spes bench-sync` measures it).
     #[arg(long, default_value_t = 1.0)]
     aggregate_gbps: f64,
@@ -35,6 +38,9 @@ pub struct Args {
     /// value of the tensors covered; `spes bench-sync` measures about 0.15–0.3 on 2 cores).
     #[arg(long, default_value_t = 0.15)]
     lossy_gvps: f64,
+    /// The same for sparse uploads (`spes bench-sync` measures it).
+    #[arg(long, default_value_t = SPARSE_GVPS)]
+    sparse_gvps: f64,
     /// GB per second the server writes a published round at.
     #[arg(long, default_value_t = 1.0)]
     disk_gbps: f64,
@@ -42,6 +48,9 @@ pub struct Args {
     #[arg(long)]
     diloco: bool,
 }
+
+/// Billions of values per second one 2-core server folds of sparse uploads (`spes bench-sync`).
+pub const SPARSE_GVPS: f64 = 1.0;
 
 /// The planner's input for `preset` with `nodes` nodes.
 pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
@@ -61,9 +70,11 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
         shards: a.shards.max(1),
         step_s: a.step_s,
         sync_steps: a.sync_steps,
-        density: a.density,
+        sparse_chunk: a.sparse_chunk,
+        sparse_k: a.sparse_k,
         aggregate_bytes_per_s: a.aggregate_gbps * 1e9,
         lossy_values_per_s: a.lossy_gvps * 1e9,
+        sparse_values_per_s: a.sparse_gvps * 1e9,
         disk_bytes_per_s: a.disk_gbps * 1e9,
     })
 }

@@ -149,12 +149,13 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
     let scope = Scope::Spes(Ownership::resolve(&[], cfg.n_experts, nodes)?);
     let dir = tempfile::tempdir()?;
     println!();
-    println!("| {preset}, {nodes} nodes | upload bytes / round | read | validate + fold | close | throughput | values / s |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| {preset}, {nodes} nodes | upload bytes / round | read | validate + fold | close | throughput | values / s | folded values / s |");
+    println!("|---|---|---|---|---|---|---|---|");
     let forms = [
         ("bf16_delta", Wire::Bf16Delta),
         ("int4_delta", Wire::Int4Delta),
-        ("sparse_delta (3 %)", Wire::SparseDelta),
+        ("int2_delta", Wire::Int2Delta),
+        ("sparse_delta (64 of 4096)", Wire::SparseDelta),
         ("fp32", Wire::Fp32),
     ];
     for (label, wire) in forms {
@@ -162,7 +163,6 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
             mode: spes_sync::Mode::Spes,
             sync_steps: 100,
             wire,
-            sparse_density: 0.03,
             round_timeout_s: 1e9,
             lease_s: 1e9,
             evict_after_s: 1e9,
@@ -233,12 +233,13 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
         times.sort_by(|a, b| a.0.total_cmp(&b.0));
         let (total, read, fold, close) = times[times.len() / 2];
         println!(
-            "| {label} | {} | {read:.3} s | {fold:.3} s | {close:.3} s | {:.2} GB/s | {:.2} G |",
+            "| {label} | {} | {read:.3} s | {fold:.3} s | {close:.3} s | {:.2} GB/s | {:.2} G | {:.2} G |",
             mib(bytes),
             bytes as f64 / total / 1e9,
-            values as f64 / total / 1e9
+            values as f64 / total / 1e9,
+            values as f64 / (read + fold) / 1e9
         );
     }
-    println!("\n(median round of {rounds}; throughput = upload bytes / (read + validate + fold + close); values: of the tensors uploaded, sent or not — `spes plan-sync --aggregate-gbps / --lossy-gvps` take these)");
+    println!("\n(median round of {rounds}; throughput = upload bytes / (read + validate + fold + close); values: of the tensors uploaded, sent or not, per second of the whole path; folded values: per second of read + validate + fold, the rate `spes plan-sync --lossy-gvps / --sparse-gvps` take)");
     Ok(())
 }

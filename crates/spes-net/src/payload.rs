@@ -25,21 +25,23 @@ pub const CHUNK_BYTES: usize = 1 << 20;
 /// The largest gRPC message a peer may send: a full chunk plus framing.
 pub const MAX_MESSAGE_BYTES: usize = CHUNK_BYTES + 64 * 1024;
 
-/// The safetensors dtype and element size of a wire kind: f32, bf16, int32 or uint8.
+/// The safetensors dtype and element size of a wire kind: f32, bf16, int32, int16 or uint8.
 fn st_dtype(kind: Kind) -> (Dtype, usize) {
     match kind {
         Kind::BFloat16 => (Dtype::BF16, 2),
         Kind::Int => (Dtype::I32, 4),
+        Kind::Int16 => (Dtype::I16, 2),
         Kind::Uint8 => (Dtype::U8, 1),
         _ => (Dtype::F32, 4),
     }
 }
 
-/// The kind a tensor of kind `t` travels as when floats travel as `float`: integers as int32,
-/// bytes (packed codes) as uint8.
+/// The kind a tensor of kind `t` travels as when floats travel as `float`: wide integers as
+/// int32, int16 (sparse indices) and bytes (packed codes) as they are.
 fn wire_kind(t: Kind, float: Kind) -> Kind {
     match t {
         Kind::Int | Kind::Int64 => Kind::Int,
+        Kind::Int16 => Kind::Int16,
         Kind::Uint8 => Kind::Uint8,
         _ => float,
     }
@@ -187,8 +189,9 @@ fn decode_with(
             Dtype::F32 => (Kind::Float, 4usize),
             Dtype::BF16 => (Kind::BFloat16, 2),
             Dtype::I32 => (Kind::Int, 4),
+            Dtype::I16 => (Kind::Int16, 2),
             Dtype::U8 => (Kind::Uint8, 1),
-            other => bail!("tensor `{name}` is {other:?}, expected F32, BF16, I32 or U8"),
+            other => bail!("tensor `{name}` is {other:?}, expected F32, BF16, I32, I16 or U8"),
         };
         let numel = view
             .shape()

@@ -29,7 +29,8 @@ pub enum WireOption {
     Int4Overlap,
     /// 2-bit quantized deltas (0.28 bytes per value with scales), skip-own, overlapped.
     Int2Overlap,
-    /// Sparse deltas of `PlanInput::density` (6 bytes per sent value), skip-own, overlapped.
+    /// Sparse deltas (`PlanInput::sparse_k` of every `sparse_chunk` values, 2.25 bytes per
+    /// sent value and 4 per chunk), skip-own, overlapped.
     SparseOverlap,
 }
 
@@ -89,10 +90,18 @@ impl WireOption {
         out
     }
 
-    fn bytes_per_value(self, density: f64) -> f64 {
+    fn bytes_per_value(self, input: &PlanInput) -> f64 {
         match self {
             WireOption::Fp32 => 4.0,
-            WireOption::SparseOverlap => 6.0 * density,
+            WireOption::SparseOverlap => {
+                let (chunk, k) = (input.sparse_chunk, input.sparse_k);
+                let one = spes_sync::delta::Chunking {
+                    numel: chunk,
+                    chunk,
+                    k,
+                };
+                one.bytes() as f64 / chunk as f64
+            }
             // Codes plus one bf16 scale per group.
             WireOption::Int4Overlap => 0.5 + 2.0 / GROUP as f64,
             WireOption::Int2Overlap => 0.25 + 2.0 / GROUP as f64,
@@ -128,14 +137,17 @@ pub struct PlanInput {
     pub shards: usize,
     pub step_s: f64,
     pub sync_steps: u64,
-    /// Sparse wire: the fraction of each tensor's entries a round sends.
-    pub density: f64,
+    /// Sparse wire: values per chunk and entries sent per chunk.
+    pub sparse_chunk: i64,
+    pub sparse_k: i64,
     /// Bytes of dense (fp32 or bf16) uploads the server folds in per second, and a node
     /// applies a download at (`spes bench-sync` measures it).
     pub aggregate_bytes_per_s: f64,
-    /// Values per second the server decodes and folds of quantized or sparse uploads (each
-    /// value of the tensors covered, sent or not), and a node decodes a download at.
+    /// Values per second the server decodes and folds of quantized uploads (each value of the
+    /// tensors covered), and a node decodes a download at.
     pub lossy_values_per_s: f64,
+    /// The same for sparse uploads (each value of the tensors covered, sent or not).
+    pub sparse_values_per_s: f64,
     /// Bytes per second the server writes a published round at (fsynced).
     pub disk_bytes_per_s: f64,
 }
@@ -239,7 +251,7 @@ pub fn transfers(flows: &[(f64, f64, f64)], shared: f64) -> Vec<f64> {
 pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     let counts = input.model.param_counts();
     let total = counts.total as f64;
-    let b = option.bytes_per_value(input.density);
+    let b = option.bytes_per_value(input);
     let values = node_values(input);
     let up: Vec<f64> = values.iter().map(|(v, _)| v * b).collect();
     let skip_own = option.skips_own();
@@ -264,7 +276,9 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     let last_in = landed.iter().copied().fold(0.0, f64::max);
     // Seconds to fold (server) or apply (node) a payload of `bytes` on this wire.
     let fold_s = |bytes: f64| {
-        if option.lossy() {
+        if option == WireOption::SparseOverlap {
+            bytes / b / input.sparse_values_per_s
+        } else if option.lossy() {
             bytes / b / input.lossy_values_per_s
         } else {
             bytes / input.aggregate_bytes_per_s
@@ -374,6 +388,7 @@ pub fn unlimited_server(input: &PlanInput) -> PlanInput {
     free.server_link.down_bps = f64::INFINITY;
     free.aggregate_bytes_per_s = f64::INFINITY;
     free.lossy_values_per_s = f64::INFINITY;
+    free.sparse_values_per_s = f64::INFINITY;
     free.disk_bytes_per_s = f64::INFINITY;
     free
 }
@@ -392,9 +407,11 @@ mod tests {
             shards: 1,
             step_s: 0.45,
             sync_steps: 100,
-            density: 0.03,
+            sparse_chunk: 4096,
+            sparse_k: 64,
             aggregate_bytes_per_s: 1e9,
             lossy_values_per_s: 0.15e9,
+            sparse_values_per_s: 1e9,
             disk_bytes_per_s: 1e9,
         }
     }
@@ -447,6 +464,7 @@ mod tests {
         i.diloco = true;
         i.server_link = "1gbit".parse().unwrap();
         i.lossy_values_per_s = f64::INFINITY;
+        i.sparse_values_per_s = f64::INFINITY;
         let one = plan(&i, WireOption::SparseOverlap);
         assert!(one.idle_share > 0.05, "{}", one.idle_share);
         let k = shards_needed(&i, WireOption::SparseOverlap, 0.05).unwrap();

@@ -810,7 +810,11 @@ fn lossy_wire_run(wire: &[&str], up_limit: f64, down_limit: f64) {
 fn sparse_deltas_with_overlap_train_on_a_fraction_of_the_bytes() {
     // About 10 % of the values at 6 bytes each, against 4 bytes each in fp32.
     lossy_wire_run(
-        &["sync.wire=sparse_delta", "sync.sparse_density=0.1"],
+        &[
+            "sync.wire=sparse_delta",
+            "sync.sparse_chunk=64",
+            "sync.sparse_k=8",
+        ],
         0.25,
         0.2,
     );

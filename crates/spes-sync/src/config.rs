@@ -32,9 +32,10 @@ pub enum Wire {
     /// server and every node keep bit-identical: half the bytes of fp32, and fp32 master
     /// weights are never rounded.
     Bf16Delta,
-    /// Each round sends only the `sync.sparse_density` largest entries of each tensor's delta
-    /// (6 bytes each) and carries the rest over to later rounds (error feedback); the global
-    /// model stays bit-identical everywhere.
+    /// SparseLoCo's form: each chunk of `sync.sparse_chunk` values of a delta sends its
+    /// `sync.sparse_k` largest entries (an int16 index and a 2-bit code each, two bf16 levels
+    /// per chunk: 0.036 bytes per value at the default 64 of 4096) and carries the rest over to
+    /// later rounds (error feedback); the global model stays bit-identical everywhere.
     SparseDelta,
     /// Deltas in 8 bits per value plus a bf16 scale per 64 values (0.53× the bytes of
     /// `bf16_delta`), the rounding carried over to later rounds (error feedback); bit-identical.
@@ -68,6 +69,19 @@ impl Wire {
     }
 }
 
+/// Where a node keeps what a lossy wire has not sent yet (error feedback).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Feedback {
+    /// In its weights: the node trains on from the global model plus its unsent change, and
+    /// the next upload's change includes it.
+    Weights,
+    /// In a buffer beside them, as SparseLoCo does: every node trains from the global model
+    /// exactly; the buffer, decayed by `sync.feedback_decay` each round, is added to the next
+    /// change before it is compressed. The decayed buffer stands in for outer momentum.
+    Buffer,
+}
+
 /// How the server combines the averaged (shared) parameters of a round's uploads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -95,8 +109,16 @@ pub struct SyncConfig {
     /// "bf16_delta" (default), "int8_delta", "int4_delta", "int2_delta", "sparse_delta" or
     /// "fp32" (docs/design/wire-formats.md).
     pub wire: Wire,
-    /// Sparse wire: the fraction of each tensor's entries a round sends, in (0, 0.3].
-    pub sparse_density: f64,
+    /// Sparse wire: values per chunk (at most 32768, so an index fits int16). Tensors of at
+    /// most one chunk travel whole in bf16.
+    pub sparse_chunk: i64,
+    /// Sparse wire: entries each chunk sends per round.
+    pub sparse_k: i64,
+    /// Lossy wires: where a node keeps what it has not sent yet, "weights" or "buffer".
+    pub feedback: Feedback,
+    /// `feedback = "buffer"`: the factor β in [0, 1] the buffer is multiplied by each round
+    /// before the round's change is added.
+    pub feedback_decay: f64,
     /// Delta wire: a node does not download back its own experts on rounds without a merge
     /// (the server publishes them as the node sent them).
     pub skip_own_experts: bool,
@@ -176,7 +198,10 @@ impl Default for SyncConfig {
             sync_steps: 100,
             ownership: Vec::new(),
             wire: Wire::Bf16Delta,
-            sparse_density: 0.03,
+            sparse_chunk: 4096,
+            sparse_k: 64,
+            feedback: Feedback::Weights,
+            feedback_decay: 0.95,
             skip_own_experts: true,
             overlap: true,
             round_timeout_s: 600.0,
@@ -238,7 +263,17 @@ impl SyncConfig {
     /// Whether a node's weights carry more than the global model after a sync: steps trained
     /// since the upload (overlap) or what a lossy wire has not sent yet.
     pub fn keeps_progress(&self) -> bool {
-        self.overlaps() || self.wire.is_lossy()
+        self.overlaps() || self.feeds_back_in_weights()
+    }
+
+    /// Whether what a lossy wire leaves out stays in the node's weights.
+    pub fn feeds_back_in_weights(&self) -> bool {
+        self.wire.is_lossy() && self.feedback == Feedback::Weights
+    }
+
+    /// Whether what a lossy wire leaves out stays in a buffer beside the weights.
+    pub fn feeds_back_in_buffer(&self) -> bool {
+        self.wire.is_lossy() && self.feedback == Feedback::Buffer
     }
 
     /// What nodes upload and how the server combines it at the start of a run: the initial

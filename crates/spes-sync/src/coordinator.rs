@@ -120,6 +120,9 @@ pub struct Coordinator {
     last_delta: Option<RoundDelta>,
     /// Lossy wires: what the published deltas have not carried yet, per tensor (fp32).
     residual: HashMap<String, Tensor>,
+    /// The run's last round, which publishes every change whole with its residual
+    /// ([`Coordinator::ending_at`]).
+    last_round: Option<u64>,
     outer: OuterState,
 }
 
@@ -189,6 +192,7 @@ impl Coordinator {
             agg: aggregator(&cfg, scope),
             last_delta: None,
             residual: HashMap::new(),
+            last_round: None,
             outer: OuterState::default(),
             layout,
             cfg,
@@ -560,6 +564,14 @@ impl Coordinator {
 }
 
 impl Coordinator {
+    /// The run ends with round `last`: on a lossy wire that round publishes every change whole
+    /// in bf16, residual included, as the nodes upload it, so the final model holds all that
+    /// was trained.
+    pub fn ending_at(mut self, last: u64) -> Self {
+        self.last_round = Some(last);
+        self
+    }
+
     /// The next global model, its merges and (delta wires) what the round publishes. Each
     /// combined tensor gets its outer step, then merge rounds mix the experts. On the fp32 wire
     /// the result is the model. On the delta wires, an owned expert on a round without a merge
@@ -663,11 +675,20 @@ impl Coordinator {
             }
             None => Vec::new(),
         };
+        let last = self.last_round == Some(self.round);
         let mut global: Named = Vec::with_capacity(self.global.len());
         for (n, (name, base)) in next.into_iter().zip(&self.global) {
             let value = match n {
                 Next::Unchanged => base.shallow_clone(),
                 Next::Value(v) => v,
+                Next::Change(mut v) if last && self.cfg.wire.is_lossy() => {
+                    if let Some(r) = self.residual.remove(name) {
+                        v += r;
+                    }
+                    let (d, value) = delta::encode_into(base, v);
+                    out.delta.extend(d.into_wire(name));
+                    value
+                }
                 Next::Change(mut v) if self.cfg.wire.is_lossy() => {
                     if let Some(r) = self.residual.get(name) {
                         v += r;

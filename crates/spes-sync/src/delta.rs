@@ -35,7 +35,7 @@ pub enum Delta {
     Value(Tensor),
     /// `wire = "bf16_delta"`: the whole change in bf16.
     Dense(Tensor),
-    /// `wire = "sparse_delta"`: the largest entries of the change.
+    /// `wire = "sparse_delta"`: the largest entries of each chunk of the change, 2 bits each.
     Sparse(Sparse),
     /// `wire = "int8_delta" | "int4_delta" | "int2_delta"`: the change quantized.
     Quantized(Quantized),
@@ -47,16 +47,22 @@ impl Delta {
     pub fn of_change(change: &Tensor, cfg: &SyncConfig) -> Delta {
         match cfg.wire {
             Wire::Fp32 => unreachable!("the fp32 wire sends values, not changes"),
-            Wire::Bf16Delta => Delta::Dense(tch::no_grad(|| change.to_kind(Kind::BFloat16))),
-            Wire::SparseDelta => Delta::Sparse(top_k(
-                change,
-                sparse_k(change.numel() as i64, cfg.sparse_density),
-            )),
+            Wire::Bf16Delta => Delta::whole(change),
+            Wire::SparseDelta => match Chunking::of(change.numel() as i64, cfg) {
+                Some(c) => Delta::Sparse(top_k(change, c)),
+                None => Delta::whole(change),
+            },
             wire => Delta::Quantized(quantize(
                 change,
                 wire.quantized_bits().expect("a quantized wire"),
             )),
         }
+    }
+
+    /// The change `change` (fp32) whole in bf16: the `bf16_delta` form, which every delta wire
+    /// also accepts (the sparse wire's small tensors, and a run's last round on a lossy wire).
+    pub fn whole(change: &Tensor) -> Delta {
+        Delta::Dense(tch::no_grad(|| change.to_kind(Kind::BFloat16)))
     }
 
     /// In place: `base ← base + f32(self)` (a value replaces `base`), the one formula the server
@@ -69,7 +75,7 @@ impl Delta {
             Delta::Dense(d) => {
                 let _ = base.g_add_(&d.to_device(base.device()).to_kind(Kind::Float));
             }
-            Delta::Sparse(s) => apply_sparse_(base, s),
+            Delta::Sparse(s) => s.add_into(base, 1.0),
             Delta::Quantized(q) => {
                 let d = q.on(base.device()).dequantize(base.numel() as i64);
                 let _ = base.g_add_(&d.view(base.size().as_slice()));
@@ -81,7 +87,11 @@ impl Delta {
     pub fn to_f32(&self, like: &Tensor) -> Tensor {
         tch::no_grad(|| match self {
             Delta::Value(t) | Delta::Dense(t) => t.to_device(like.device()).to_kind(Kind::Float),
-            Delta::Sparse(s) => dense(s, like),
+            Delta::Sparse(s) => {
+                let out = Tensor::zeros(like.size().as_slice(), (Kind::Float, like.device()));
+                s.add_into(&out, 1.0);
+                out
+            }
             Delta::Quantized(q) => q
                 .on(like.device())
                 .dequantize(like.numel() as i64)
@@ -93,12 +103,8 @@ impl Delta {
     pub fn subtract_from(&self, x: &Tensor) -> Tensor {
         tch::no_grad(|| match self {
             Delta::Sparse(s) => {
-                let mut out = x.copy();
-                let neg = Sparse {
-                    idx: s.idx.shallow_clone(),
-                    val: -&s.val,
-                };
-                apply_sparse_(&mut out, &neg);
+                let out = x.copy();
+                s.add_into(&out, -1.0);
                 out
             }
             _ => x - self.to_f32(x),
@@ -109,7 +115,7 @@ impl Delta {
     pub fn norm(&self) -> Tensor {
         match self {
             Delta::Value(t) | Delta::Dense(t) => t.norm(),
-            Delta::Sparse(s) => s.val.norm(),
+            Delta::Sparse(s) => s.entries_on(s.idx.device()).1.norm(),
             Delta::Quantized(q) => q.norm(),
         }
     }
@@ -137,7 +143,7 @@ impl Delta {
     pub fn device(&self) -> tch::Device {
         match self {
             Delta::Value(t) | Delta::Dense(t) => t.device(),
-            Delta::Sparse(s) => s.val.device(),
+            Delta::Sparse(s) => s.idx.device(),
             Delta::Quantized(q) => q.codes.device(),
         }
     }
@@ -148,7 +154,8 @@ impl Delta {
             Delta::Value(t) | Delta::Dense(t) => vec![(name.to_owned(), t)],
             Delta::Sparse(s) => vec![
                 (WirePart::Idx.name(name), s.idx),
-                (WirePart::Val.name(name), s.val),
+                (WirePart::Codes.name(name), s.codes),
+                (WirePart::Scale.name(name), s.scale),
             ],
             Delta::Quantized(q) => vec![
                 (WirePart::Codes.name(name), q.codes),
@@ -180,19 +187,37 @@ pub fn payload_kind(wire: Wire) -> Kind {
 }
 
 /// The wire tensors (name, shape, kind) that carry tensor `name` of `shape` in `cfg.wire`:
-/// what an upload or a published round of it takes, exactly.
-pub fn wire_entries(cfg: &SyncConfig, name: &str, shape: &[i64]) -> Vec<(String, Vec<i64>, Kind)> {
+/// what an upload or a published round of it takes, exactly. A run's `last` round sends every
+/// delta whole in bf16 ([`Delta::whole`]).
+pub fn wire_entries(
+    cfg: &SyncConfig,
+    name: &str,
+    shape: &[i64],
+    last: bool,
+) -> Vec<(String, Vec<i64>, Kind)> {
+    if last && cfg.wire.is_delta() {
+        return vec![(name.to_owned(), shape.to_vec(), Kind::BFloat16)];
+    }
     let numel = shape.iter().product();
     match cfg.wire {
         Wire::Fp32 => vec![(name.to_owned(), shape.to_vec(), Kind::Float)],
         Wire::Bf16Delta => vec![(name.to_owned(), shape.to_vec(), Kind::BFloat16)],
-        Wire::SparseDelta => {
-            let k = sparse_k(numel, cfg.sparse_density);
-            vec![
-                (WirePart::Idx.name(name), vec![k], Kind::Int),
-                (WirePart::Val.name(name), vec![k], Kind::BFloat16),
-            ]
-        }
+        Wire::SparseDelta => match Chunking::of(numel, cfg) {
+            None => vec![(name.to_owned(), shape.to_vec(), Kind::BFloat16)],
+            Some(c) => vec![
+                (WirePart::Idx.name(name), vec![c.entries()], Kind::Int16),
+                (
+                    WirePart::Codes.name(name),
+                    vec![c.code_bytes()],
+                    Kind::Uint8,
+                ),
+                (
+                    WirePart::Scale.name(name),
+                    vec![2 * c.chunks()],
+                    Kind::BFloat16,
+                ),
+            ],
+        },
         wire => {
             let bits = wire.quantized_bits().expect("a quantized wire");
             let (groups, bytes) = quantized_sizes(numel, bits);
@@ -205,23 +230,30 @@ pub fn wire_entries(cfg: &SyncConfig, name: &str, shape: &[i64]) -> Vec<(String,
 }
 
 /// The deltas a payload of `cfg.wire` carries, each checked: tensors the layout of `shape_of`
-/// knows, each once, the kind and shape of its wire form; compressed parts paired (`name#…`)
-/// with their sizes, sparse indices unique and in range, quantized scales not negative. Says
-/// what is wrong otherwise. The one place that turns wire tensors back into deltas, for the
-/// server's uploads and the node's published rounds alike.
+/// knows, each once, the kind and shape of its wire form; compressed parts grouped (`name#…`)
+/// with their sizes, sparse indices unique and in range, scales not negative. Says what is
+/// wrong otherwise. The one place that turns wire tensors back into deltas, for the server's
+/// uploads and the node's published rounds alike.
 pub fn decode<'a>(
     named: Named,
     cfg: &SyncConfig,
     shape_of: impl Fn(&str) -> Option<&'a [i64]>,
 ) -> Result<Deltas, String> {
-    let unknown = |name: &str| format!("holds unknown tensor `{name}`");
-    let Some((first, second)) = parts_of(cfg.wire) else {
-        let mut seen = std::collections::HashSet::new();
-        let mut out = Vec::with_capacity(named.len());
-        for (name, t) in named {
-            let shape = shape_of(&name).ok_or_else(|| unknown(&name))?;
-            if !seen.insert(name.clone()) {
-                return Err(format!("holds tensor `{name}` twice"));
+    let parts = parts_of(cfg.wire);
+    let mut order: Vec<String> = Vec::new();
+    let mut whole: HashMap<String, Delta> = HashMap::new();
+    let mut split: HashMap<String, [Option<Tensor>; 3]> = HashMap::new();
+    for (wire, t) in named {
+        let part = split_wire_name(&wire).filter(|(_, p)| parts.contains(p));
+        let name = part.map_or(wire.as_str(), |(n, _)| n).to_owned();
+        let shape = shape_of(&name).ok_or_else(|| format!("holds unknown tensor `{name}`"))?;
+        let numel: i64 = shape.iter().product();
+        if whole.contains_key(&name) {
+            return Err(format!("holds tensor `{name}` twice"));
+        }
+        let Some((_, part)) = part else {
+            if split.contains_key(&name) {
+                return Err(format!("holds tensor `{name}` both whole and in parts"));
             }
             if t.size() != shape {
                 return Err(format!(
@@ -231,85 +263,76 @@ pub fn decode<'a>(
             }
             let d = match (cfg.wire, t.kind()) {
                 (Wire::Fp32, Kind::Float | Kind::BFloat16) => Delta::Value(t),
-                (Wire::Bf16Delta, Kind::BFloat16) => Delta::Dense(t),
                 (Wire::Fp32, k) => {
                     return Err(format!("tensor `{name}` is {k:?}, expected f32 or bf16"))
                 }
+                (_, Kind::BFloat16) => Delta::Dense(t),
                 (_, k) => {
                     return Err(format!(
-                    "tensor `{name}` is {k:?}, expected a bf16 delta (sync.wire = \"bf16_delta\")"
-                ))
+                        "tensor `{name}` is {k:?}, expected a bf16 delta (sync.wire = {:?})",
+                        cfg.wire
+                    ))
                 }
             };
-            out.push((name, d));
-        }
-        return Ok(out);
-    };
-    let mut order: Vec<String> = Vec::new();
-    let mut parts: HashMap<String, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
-    for (wire, t) in named {
-        let Some((name, part)) =
-            split_wire_name(&wire).filter(|(_, p)| *p == first || *p == second)
-        else {
+            order.push(name.clone());
+            whole.insert(name, d);
+            continue;
+        };
+        if cfg.wire == Wire::SparseDelta && Chunking::of(numel, cfg).is_none() {
             return Err(format!(
-                "holds `{wire}`, expected `<tensor>{}` and `<tensor>{}` pairs ({:?})",
-                first.name(""),
-                second.name(""),
-                cfg.wire
+                "holds `{wire}`, but `{name}` ({numel} values, at most a chunk) travels whole in bf16"
             ));
-        };
-        if shape_of(name).is_none() {
-            return Err(unknown(name));
         }
-        let slot = parts.entry(name.to_owned()).or_insert_with(|| {
-            order.push(name.to_owned());
-            (None, None)
+        let slot = split.entry(name.clone()).or_insert_with(|| {
+            order.push(name);
+            [None, None, None]
         });
-        let place = if part == first {
-            &mut slot.0
-        } else {
-            &mut slot.1
-        };
-        if place.replace(t).is_some() {
+        let at = parts
+            .iter()
+            .position(|p| *p == part)
+            .expect("a part of this wire");
+        if slot[at].replace(t).is_some() {
             return Err(format!("holds tensor `{wire}` twice"));
         }
     }
     order
         .into_iter()
         .map(|name| {
-            let (a, b) = parts.remove(&name).expect("every name has a slot");
-            let (Some(a), Some(b)) = (a, b) else {
+            if let Some(d) = whole.remove(&name) {
+                return Ok((name, d));
+            }
+            let slot = split.remove(&name).expect("every name has a slot");
+            let got: Option<Vec<Tensor>> = slot.into_iter().take(parts.len()).collect();
+            let Some(got) = got else {
+                let list: Vec<String> = parts.iter().map(|p| p.name("")).collect();
                 return Err(format!(
-                    "tensor `{name}` lacks its {} or {} part",
-                    first.name(""),
-                    second.name("")
+                    "tensor `{name}` lacks one of its {} parts ({:?})",
+                    list.join(", "),
+                    cfg.wire
                 ));
             };
             let numel: i64 = shape_of(&name).expect("checked").iter().product();
-            let d = from_parts(cfg, numel, a, b).map_err(|e| format!("tensor `{name}`: {e}"))?;
+            let d = from_parts(cfg, numel, got).map_err(|e| format!("tensor `{name}`: {e}"))?;
             Ok((name, d))
         })
         .collect()
 }
 
-/// The two wire parts a lossy form sends per tensor, in [`from_parts`] order.
-fn parts_of(wire: Wire) -> Option<(WirePart, WirePart)> {
+/// The parts a compressed form sends per tensor, in [`from_parts`] order.
+fn parts_of(wire: Wire) -> &'static [WirePart] {
     match wire {
-        Wire::SparseDelta => Some((WirePart::Idx, WirePart::Val)),
-        w if w.quantized_bits().is_some() => Some((WirePart::Codes, WirePart::Scale)),
-        _ => None,
+        Wire::SparseDelta => &[WirePart::Idx, WirePart::Codes, WirePart::Scale],
+        w if w.quantized_bits().is_some() => &[WirePart::Codes, WirePart::Scale],
+        _ => &[],
     }
 }
 
-/// The delta of a tensor of `numel` values from its two wire parts, checked.
-fn from_parts(
-    cfg: &SyncConfig,
-    numel: i64,
-    first: Tensor,
-    second: Tensor,
-) -> Result<Delta, String> {
+/// The delta of a tensor of `numel` values from its wire parts ([`parts_of`] order), checked.
+fn from_parts(cfg: &SyncConfig, numel: i64, parts: Vec<Tensor>) -> Result<Delta, String> {
+    let mut parts = parts.into_iter();
+    let mut next = || parts.next().expect("as many parts as parts_of says");
     if let Some(bits) = cfg.wire.quantized_bits() {
-        let (codes, scale) = (first, second);
+        let (codes, scale) = (next(), next());
         let (groups, bytes) = quantized_sizes(numel, bits);
         if codes.kind() != Kind::Uint8
             || codes.size() != [bytes]
@@ -327,35 +350,31 @@ fn from_parts(
         }
         return Ok(Delta::Quantized(Quantized { codes, scale, bits }));
     }
-    let (idx, val) = (first, second);
-    let k = sparse_k(numel, cfg.sparse_density);
-    if idx.kind() != Kind::Int
-        || idx.size() != [k]
-        || val.kind() != Kind::BFloat16
-        || val.size() != [k]
+    let c = Chunking::of(numel, cfg).expect("split tensors are longer than a chunk");
+    let (idx, codes, scale) = (next(), next(), next());
+    let want = (c.entries(), c.code_bytes(), 2 * c.chunks());
+    if idx.kind() != Kind::Int16
+        || idx.size() != [want.0]
+        || codes.kind() != Kind::Uint8
+        || codes.size() != [want.1]
+        || scale.kind() != Kind::BFloat16
+        || scale.size() != [want.2]
     {
         return Err(format!(
-            "expected {k} int32 indices and {k} bf16 values, got {:?} {:?} and {:?} {:?}",
-            idx.kind(),
-            idx.size(),
-            val.kind(),
-            val.size()
+            "expected {} int16 indices, {} uint8 codes and {} bf16 scales, got {:?} {:?}, {:?} {:?} and {:?} {:?}",
+            want.0, want.1, want.2,
+            idx.kind(), idx.size(), codes.kind(), codes.size(), scale.kind(), scale.size()
         ));
     }
-    let (sorted, _) = idx.sort(0, false);
-    let (lo, hi) = (sorted.int64_value(&[0]), sorted.int64_value(&[k - 1]));
-    let unique = k == 1
-        || bool::try_from(
-            sorted
-                .diff(1, 0, None::<Tensor>, None::<Tensor>)
-                .gt(0)
-                .all(),
-        )
-        .unwrap_or(false);
-    if lo < 0 || hi >= numel || !unique {
-        return Err(format!("indices must be unique and in 0..{numel}"));
-    }
-    Ok(Delta::Sparse(Sparse { idx, val }))
+    let s = Sparse {
+        idx,
+        codes,
+        scale,
+        chunking: c,
+        decoded: Default::default(),
+    };
+    s.check()?;
+    Ok(Delta::Sparse(s))
 }
 
 /// Publishes an fp32 `change` on the bf16 wire: returns its delta and `base + f32(delta)`, the
@@ -401,23 +420,185 @@ impl RoundDelta {
     }
 }
 
-/// Sparse deltas (`sync.wire = "sparse_delta"`): per tensor, the `k = ⌈density·n⌉` entries of
-/// largest magnitude as (int32 flat index, bf16 value) pairs, 6 bytes each. Applying is an
-/// in-place `index_add_` of unique indices, one correctly rounded addition per entry.
+/// Sparse deltas (`sync.wire = "sparse_delta"`), SparseLoCo's form: a tensor's change cut in
+/// chunks of `sync.sparse_chunk` values ([`Chunking`]); each chunk sends its `sync.sparse_k`
+/// entries of largest magnitude as an int16 index within the chunk and a 2-bit code — sign,
+/// and whether the magnitude is the chunk's high or low level — with the two levels as bf16
+/// (the mean magnitude of the sent entries above and below their mean). A level's bf16 value
+/// is exact in fp32, so applying is an `index_add_` of unique indices, one correctly rounded
+/// addition per entry, and the model stays bit-identical everywhere.
 #[derive(Debug)]
 pub struct Sparse {
-    /// Flat indices (int32), unique.
+    /// Per sent entry, its index within its chunk (int16), chunk after chunk; unique within a
+    /// chunk.
     pub idx: Tensor,
-    /// Values (bf16), one per index.
-    pub val: Tensor,
+    /// 2-bit codes (bit 0: negative; bit 1: high level), four to a byte, first in the lowest
+    /// bits.
+    pub codes: Tensor,
+    /// Per chunk, its low and high magnitude (bf16), `[2 · chunks]`.
+    pub scale: Tensor,
+    pub chunking: Chunking,
+    /// Per entry its flat index and value, on the parts' device, decoded once: a server
+    /// measures an upload's norm and then folds it.
+    decoded: std::cell::OnceCell<(Tensor, Tensor)>,
+}
+
+/// How the sparse wire cuts a tensor of `numel` values: whole chunks of `chunk` values, then a
+/// shorter tail; a whole chunk sends `k` entries, the tail ⌈k · tail / chunk⌉.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunking {
+    pub numel: i64,
+    pub chunk: i64,
+    pub k: i64,
+}
+
+impl Chunking {
+    /// The cut of a tensor of `numel` values under `cfg`; `None` for a tensor of at most one
+    /// chunk (norms, biases, a small router), which travels whole in bf16: a few bytes, and
+    /// no one value of it waits for its turn.
+    pub fn of(numel: i64, cfg: &SyncConfig) -> Option<Chunking> {
+        (numel > cfg.sparse_chunk).then_some(Chunking {
+            numel,
+            chunk: cfg.sparse_chunk,
+            k: cfg.sparse_k,
+        })
+    }
+
+    fn whole_chunks(&self) -> i64 {
+        self.numel / self.chunk
+    }
+
+    fn tail(&self) -> i64 {
+        self.numel % self.chunk
+    }
+
+    fn tail_k(&self) -> i64 {
+        match self.tail() {
+            0 => 0,
+            t => ((self.k * t + self.chunk - 1) / self.chunk).clamp(1, t),
+        }
+    }
+
+    /// Chunks, the tail included.
+    pub fn chunks(&self) -> i64 {
+        self.whole_chunks() + i64::from(self.tail() > 0)
+    }
+
+    /// Entries sent.
+    pub fn entries(&self) -> i64 {
+        self.whole_chunks() * self.k + self.tail_k()
+    }
+
+    /// Bytes of packed codes.
+    pub fn code_bytes(&self) -> i64 {
+        (self.entries() + 3) / 4
+    }
+
+    /// Bytes on the wire: indices, codes and levels.
+    pub fn bytes(&self) -> i64 {
+        2 * self.entries() + self.code_bytes() + 4 * self.chunks()
+    }
+
+    /// Each sent entry's chunk (int64).
+    fn rows(&self, dev: tch::Device) -> Tensor {
+        Tensor::arange(self.entries(), (Kind::Int64, dev))
+            .floor_divide_scalar(self.k)
+            .clamp_max(self.whole_chunks())
+    }
 }
 
 impl Sparse {
-    /// Both parts through `f` (a shallow copy, a deep one, a move to a device).
+    /// The codes unpacked, one per entry (int64, 0..4).
+    fn unpacked(&self, dev: tch::Device) -> Tensor {
+        let bytes = Tensor::arange(256, (Kind::Int64, dev));
+        let shifts = Tensor::arange(4, (Kind::Int64, dev)) * 2;
+        let table = bytes
+            .unsqueeze(1)
+            .bitwise_right_shift(&shifts)
+            .bitwise_and(3);
+        table
+            .index_select(0, &self.codes.to_device(dev).to_kind(Kind::Int64))
+            .view([-1])
+            .narrow(0, 0, self.chunking.entries())
+    }
+
+    /// Each sent entry's index in the flattened tensor (int64) and value (fp32, exact), on
+    /// `dev`.
+    pub fn entries_on(&self, dev: tch::Device) -> (Tensor, Tensor) {
+        let decode = |dev| {
+            tch::no_grad(|| {
+                let rows = self.chunking.rows(dev);
+                let flat =
+                    &rows * self.chunking.chunk + self.idx.to_device(dev).to_kind(Kind::Int64);
+                // Per chunk the four values a code can mean: +low, −low, +high, −high.
+                let level = self.scale.to_device(dev).to_kind(Kind::Float).view([-1, 2]);
+                let (lo, hi) = (level.select(1, 0), level.select(1, 1));
+                let table = Tensor::stack(&[&lo, &-&lo, &hi, &-&hi], 1).view([-1]);
+                let values = table.index_select(0, &(rows * 4 + self.unpacked(dev)));
+                (flat, values)
+            })
+        };
+        if dev != self.idx.device() {
+            return decode(dev);
+        }
+        let (flat, values) = self.decoded.get_or_init(|| decode(dev));
+        (flat.shallow_clone(), values.shallow_clone())
+    }
+
+    /// In place: `base ← base + sign · f32(self)`.
+    fn add_into(&self, base: &Tensor, sign: f64) {
+        tch::no_grad(|| {
+            let (flat, values) = self.entries_on(base.device());
+            // A new tensor, never the cached values scaled in place.
+            let values = if sign == 1.0 { values } else { &values * sign };
+            let _ = base.view([-1]).index_add_(0, &flat, &values);
+        })
+    }
+
+    /// Indices in range and unique within each chunk, levels not negative.
+    fn check(&self) -> Result<(), String> {
+        let c = self.chunking;
+        let idx = self.idx.to_kind(Kind::Int64);
+        let body = c.whole_chunks() * c.k;
+        let rows = [
+            (idx.narrow(0, 0, body).view([-1, c.k.max(1)]), c.chunk),
+            (idx.narrow(0, body, c.tail_k()).view([1, -1]), c.tail()),
+        ];
+        for (r, len) in rows {
+            if r.numel() == 0 {
+                continue;
+            }
+            let (sorted, _) = r.sort(1, false);
+            let lo = sorted.min().int64_value(&[]);
+            let hi = sorted.max().int64_value(&[]);
+            let unique = sorted.size()[1] == 1
+                || bool::try_from(
+                    sorted
+                        .diff(1, 1, None::<Tensor>, None::<Tensor>)
+                        .gt(0)
+                        .all(),
+                )
+                .unwrap_or(false);
+            if lo < 0 || hi >= len || !unique {
+                return Err(format!(
+                    "indices must be unique within each chunk and in 0..{len}"
+                ));
+            }
+        }
+        if self.scale.min().double_value(&[]) < 0.0 {
+            return Err("has a negative level".into());
+        }
+        Ok(())
+    }
+
+    /// Every part through `f` (a shallow copy, a deep one, a move to a device).
     fn map(&self, f: impl Fn(&Tensor) -> Tensor) -> Sparse {
         Sparse {
             idx: f(&self.idx),
-            val: f(&self.val),
+            codes: f(&self.codes),
+            scale: f(&self.scale),
+            chunking: self.chunking,
+            decoded: Default::default(),
         }
     }
 }
@@ -425,28 +606,20 @@ impl Sparse {
 /// The parts a compressed delta of one tensor travels as, each under `<tensor>#<suffix>`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WirePart {
-    /// Sparse: flat indices (int32).
+    /// Sparse: indices within their chunk (int16).
     Idx,
-    /// Sparse: values (bf16).
-    Val,
-    /// Quantized: packed codes (uint8).
+    /// Packed codes (uint8).
     Codes,
-    /// Quantized: one bf16 scale per group.
+    /// Quantized: one bf16 scale per group; sparse: two levels per chunk.
     Scale,
 }
 
 impl WirePart {
-    const ALL: [WirePart; 4] = [
-        WirePart::Idx,
-        WirePart::Val,
-        WirePart::Codes,
-        WirePart::Scale,
-    ];
+    const ALL: [WirePart; 3] = [WirePart::Idx, WirePart::Codes, WirePart::Scale];
 
     fn suffix(self) -> &'static str {
         match self {
             WirePart::Idx => "#idx",
-            WirePart::Val => "#val",
             WirePart::Codes => "#q",
             WirePart::Scale => "#scale",
         }
@@ -470,41 +643,59 @@ pub fn tensor_of(wire: &str) -> &str {
     split_wire_name(wire).map_or(wire, |(n, _)| n)
 }
 
-/// Entries a tensor of `numel` values sends per round.
-pub fn sparse_k(numel: i64, density: f64) -> i64 {
-    ((density * numel as f64).ceil() as i64).clamp(1, numel.max(1))
-}
-
-/// The `k` largest-magnitude entries of `v` (fp32), values rounded to bf16.
-fn top_k(v: &Tensor, k: i64) -> Sparse {
+/// The sparse form of `v` (fp32): each chunk's `k` entries of largest magnitude, at two levels.
+fn top_k(v: &Tensor, c: Chunking) -> Sparse {
     tch::no_grad(|| {
         let flat = v.reshape([-1]);
-        let (_, idx) = flat.abs().topk(k, 0, true, false);
-        let val = flat.index_select(0, &idx).to_kind(Kind::BFloat16);
+        let body = c.whole_chunks() * c.chunk;
+        let mut pieces = vec![(flat.narrow(0, 0, body).view([-1, c.chunk]), c.k)];
+        if c.tail() > 0 {
+            pieces.push((flat.narrow(0, body, c.tail()).view([1, -1]), c.tail_k()));
+        }
+        let (mut idx, mut codes, mut levels) = (Vec::new(), Vec::new(), Vec::new());
+        for (rows, k) in pieces {
+            let (_, i) = rows.abs().topk(k, 1, true, false);
+            let (code, level) = two_levels(&rows.gather(1, &i, false));
+            idx.push(i.view([-1]));
+            codes.push(code.view([-1]));
+            levels.push(level.view([-1]));
+        }
+        let codes = Tensor::cat(&codes, 0);
+        let padded = codes.constant_pad_nd([0, 4 * c.code_bytes() - c.entries()]);
+        let per = padded.view([-1, 4]);
+        let mut packed = per.select(1, 0).copy();
+        for j in 1..4 {
+            packed += per.select(1, j) * (1i64 << (2 * j));
+        }
         Sparse {
-            idx: idx.to_kind(Kind::Int),
-            val,
+            idx: Tensor::cat(&idx, 0).to_kind(Kind::Int16),
+            codes: packed.to_kind(Kind::Uint8),
+            scale: Tensor::cat(&levels, 0).to_kind(Kind::BFloat16),
+            chunking: c,
+            decoded: Default::default(),
         }
     })
 }
 
-/// In place: `base ← base + f32(s)` at `s`'s indices.
-fn apply_sparse_(base: &mut Tensor, s: &Sparse) {
-    tch::no_grad(|| {
-        let dev = base.device();
-        let _ = base.view([-1]).index_add_(
-            0,
-            &s.idx.to_device(dev).to_kind(Kind::Int64),
-            &s.val.to_device(dev).to_kind(Kind::Float),
-        );
-    });
-}
-
-/// `f32(s)` as a dense tensor shaped like `like`.
-fn dense(s: &Sparse, like: &Tensor) -> Tensor {
-    let mut out = Tensor::zeros_like(like).to_kind(Kind::Float);
-    apply_sparse_(&mut out, s);
-    out
+/// Per row of `v` (fp32), each value's 2-bit code (int64) and the row's low and high levels
+/// (fp32, `[rows, 2]`): the mean magnitude of the values at most and above the row's mean
+/// magnitude, a one-step two-means split.
+fn two_levels(v: &Tensor) -> (Tensor, Tensor) {
+    let m = v.abs();
+    let n = m.size()[1] as f64;
+    let high = m.gt_tensor(&m.mean_dim(1, true, Kind::Float));
+    let hf = high.to_kind(Kind::Float);
+    let n_hi = hf.sum_dim_intlist(1, true, Kind::Float);
+    let sum_hi = (&m * &hf).sum_dim_intlist(1, true, Kind::Float);
+    let sum = m.sum_dim_intlist(1, true, Kind::Float);
+    let hi = &sum_hi / n_hi.clamp_min(1.0);
+    let lo = (&sum - &sum_hi) / (-&n_hi + n).clamp_min(1.0);
+    // Rounded before coding, so a code means exactly the level the receiver decodes.
+    let level = Tensor::cat(&[lo, hi], 1)
+        .to_kind(Kind::BFloat16)
+        .to_kind(Kind::Float);
+    let code = v.lt(0.0).to_kind(Kind::Int64) + high.to_kind(Kind::Int64) * 2;
+    (code, level)
 }
 
 /// Quantized deltas (`sync.wire = "int8_delta" | "int4_delta" | "int2_delta"`): a tensor's
@@ -713,8 +904,7 @@ mod tests {
         ] {
             let cfg = SyncConfig {
                 wire,
-                sparse_density: 0.1,
-                ..SyncConfig::default()
+                ..small_chunks()
             };
             let c = Delta::of_change(&v, &cfg);
             let mut applied = base.copy();
@@ -738,7 +928,7 @@ mod tests {
         for wire in [Wire::Int8Delta, Wire::SparseDelta, Wire::Bf16Delta] {
             let cfg = SyncConfig {
                 wire,
-                ..SyncConfig::default()
+                ..small_chunks()
             };
             let named = Delta::of_change(&v, &cfg).into_wire("w");
             let back = decode(named, &cfg, shape_of).unwrap();
@@ -759,8 +949,129 @@ mod tests {
         let mut half = Delta::of_change(&v, &cfg).into_wire("w");
         half.pop();
         let e = decode(half, &cfg, shape_of).unwrap_err();
-        assert!(e.contains("lacks its #q or #scale part"), "{e}");
+        assert!(e.contains("lacks one of its #q, #scale parts"), "{e}");
         let e = decode(vec![("w".into(), v.copy())], &cfg, shape_of).unwrap_err();
-        assert!(e.contains("expected `<tensor>#q`"), "{e}");
+        assert!(e.contains("expected a bf16 delta"), "{e}");
+        // A lossy wire also takes a tensor whole in bf16 (a run's last round), not both ways.
+        let whole = vec![("w".to_owned(), v.to_kind(Kind::BFloat16))];
+        assert!(matches!(
+            decode(whole, &cfg, shape_of).unwrap()[0].1,
+            Delta::Dense(_)
+        ));
+        let mut both = Delta::of_change(&v, &cfg).into_wire("w");
+        both.push(("w".into(), v.to_kind(Kind::BFloat16)));
+        let e = decode(both, &cfg, shape_of).unwrap_err();
+        assert!(e.contains("both whole and in parts"), "{e}");
+    }
+
+    /// The sparse wire with chunks of 64 values, 8 sent each: 1000 values are 15 chunks and a
+    /// tail of 40 (5 sent).
+    fn small_chunks() -> SyncConfig {
+        SyncConfig {
+            wire: Wire::SparseDelta,
+            sparse_chunk: 64,
+            sparse_k: 8,
+            ..SyncConfig::default()
+        }
+    }
+
+    #[test]
+    fn sparse_deltas_send_each_chunks_largest_entries_at_two_levels() {
+        let v = sample();
+        let cfg = small_chunks();
+        let Delta::Sparse(s) = Delta::of_change(&v, &cfg) else {
+            panic!("1000 values are more than a chunk");
+        };
+        let c = s.chunking;
+        assert_eq!(
+            (c.chunks(), c.entries(), c.code_bytes()),
+            (16, 15 * 8 + 5, 32)
+        );
+        let wire: Vec<(String, Vec<i64>, Kind)> = Delta::Sparse(s.map(Tensor::shallow_clone))
+            .into_wire("w")
+            .iter()
+            .map(|(n, t)| (n.clone(), t.size(), t.kind()))
+            .collect();
+        assert_eq!(wire, wire_entries(&cfg, "w", &[10, 100], false));
+        let flat = v.reshape([-1]);
+        let d = Delta::Sparse(s.map(Tensor::shallow_clone))
+            .to_f32(&v)
+            .reshape([-1]);
+        let sent: Vec<i64> = Vec::try_from(s.entries_on(tch::Device::Cpu).0).unwrap();
+        for chunk in 0..16i64 {
+            let (start, len, k) = if chunk < 15 {
+                (chunk * 64, 64, 8)
+            } else {
+                (960, 40, 5)
+            };
+            let mine: Vec<i64> = sent
+                .iter()
+                .copied()
+                .filter(|i| (start..start + len).contains(i))
+                .collect();
+            assert_eq!(mine.len(), k, "chunk {chunk}");
+            // Every entry left out is no larger than the smallest sent one.
+            let part = flat.narrow(0, start, len).abs();
+            let picked = Tensor::from_slice(&mine) - start;
+            let smallest = part.index_select(0, &picked).min().double_value(&[]);
+            let nonzero = d
+                .narrow(0, start, len)
+                .ne(0.0)
+                .sum(Kind::Int64)
+                .int64_value(&[]);
+            assert!(nonzero <= k as i64);
+            let kth = part.topk(k as i64, 0, true, true).0.min().double_value(&[]);
+            assert_eq!(smallest, kth, "chunk {chunk}");
+        }
+        // Sent entries keep their sign and take one of their chunk's two levels.
+        let at = s.entries_on(tch::Device::Cpu).0;
+        let signs = d
+            .index_select(0, &at)
+            .sign()
+            .eq_tensor(&flat.index_select(0, &at).sign());
+        let zero_chunk = flat.index_select(0, &at).eq(0.0);
+        assert!(bool::try_from(signs.logical_or(&zero_chunk).all()).unwrap());
+        let levels = s.scale.to_kind(Kind::Float).view([-1, 2]);
+        assert!(bool::try_from(levels.select(1, 0).le_tensor(&levels.select(1, 1)).all()).unwrap());
+    }
+
+    #[test]
+    fn sparse_wire_sends_tensors_of_one_chunk_whole_and_refuses_bad_indices() {
+        let cfg = small_chunks();
+        let small = Tensor::ones([64], (Kind::Float, tch::Device::Cpu));
+        assert!(matches!(Delta::of_change(&small, &cfg), Delta::Dense(_)));
+        assert_eq!(
+            wire_entries(&cfg, "n", &[64], false),
+            vec![("n".into(), vec![64], Kind::BFloat16)]
+        );
+        let v = sample();
+        let shape = [10i64, 100];
+        let shape_of = |n: &str| (n == "w").then_some(&shape[..]);
+        let parts = |f: &dyn Fn(&mut Tensor)| {
+            let mut w = Delta::of_change(&v, &cfg).into_wire("w");
+            f(&mut w[0].1);
+            decode(w, &cfg, shape_of)
+        };
+        assert!(parts(&|_| ()).is_ok());
+        let e = parts(&|i| {
+            let first = i.int64_value(&[0]);
+            let _ = i.get(1).fill_(first);
+        })
+        .unwrap_err();
+        assert!(e.contains("unique within each chunk"), "{e}");
+        // The tail is 40 values long.
+        let e = parts(&|i| {
+            let _ = i.get(i.size()[0] - 1).fill_(40);
+        })
+        .unwrap_err();
+        assert!(e.contains("in 0..40"), "{e}");
+        let tiny = [64i64];
+        let e = decode(
+            Delta::of_change(&v, &cfg).into_wire("n"),
+            &cfg,
+            |n: &str| (n == "n").then_some(&tiny[..]),
+        )
+        .unwrap_err();
+        assert!(e.contains("travels whole in bf16"), "{e}");
     }
 }

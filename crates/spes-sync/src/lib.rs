@@ -16,7 +16,7 @@ pub mod parts;
 pub mod replica;
 pub mod round;
 
-pub use config::{AggregateRule, Mode, SyncConfig, Wire};
+pub use config::{AggregateRule, Feedback, Mode, SyncConfig, Wire};
 pub use coordinator::{Coordinator, RoundError, RoundReport, Standing, Start};
 pub use delta::{Delta, Deltas, RoundDelta};
 pub use named::{Layout, Named};

@@ -104,6 +104,9 @@ pub struct ReplicaState {
     /// Trained tensors' weights minus the base (fp32), where they differ: steps since the
     /// upload, what a lossy wire has not sent. Empty when the weights are the round exactly.
     pub remainder: Named,
+    /// `sync.feedback = "buffer"`: what this node has not sent yet, per trained tensor (fp32),
+    /// by name.
+    pub feedback: Named,
 }
 
 /// The last global round a node holds exactly: the fp32 values of the tensors it trains.
@@ -127,6 +130,11 @@ pub struct Replica {
     /// Delta wires: the deltas of the last upload that the next apply needs (own experts, or
     /// every trained tensor when progress is kept), by name.
     sent: HashMap<String, Delta>,
+    /// `sync.feedback = "buffer"`: what this node has not sent yet, per trained tensor.
+    feedback: HashMap<String, Tensor>,
+    /// `sync.feedback = "buffer"` with overlap: each trained tensor's change at the last
+    /// upload, before the buffer was added, so steps trained since can be kept.
+    changes: HashMap<String, Tensor>,
 }
 
 impl Replica {
@@ -141,6 +149,8 @@ impl Replica {
             held: None,
             base: None,
             sent: HashMap::new(),
+            feedback: HashMap::new(),
+            changes: HashMap::new(),
         }
     }
 
@@ -218,9 +228,10 @@ impl Replica {
 
     /// The upload of the round that ends now: the trained tensors of `weights` in the wire
     /// form of `sync.wire` — whole fp32 tensors, or each one's change from the base — as wire
-    /// tensors (store their floats as [`delta::payload_kind`]). Remembers what the next
-    /// [`Replica::apply`] needs of it.
-    pub fn upload(&mut self, weights: &Named) -> Result<Named> {
+    /// tensors (store their floats as [`delta::payload_kind`]). The run's `last` round sends
+    /// every change whole in bf16 on a lossy wire too, so the final model holds all that was
+    /// trained. Remembers what the next [`Replica::apply`] needs of it.
+    pub fn upload(&mut self, weights: &Named, last: bool) -> Result<Named> {
         if !self.cfg.wire.is_delta() {
             return Ok(self
                 .trained(weights)
@@ -228,21 +239,44 @@ impl Replica {
                 .collect());
         }
         let keep_all = self.cfg.keeps_progress();
+        let buffer = self.cfg.feeds_back_in_buffer();
         let mut wire = Vec::new();
         let mut sent = HashMap::new();
+        let mut feedback = HashMap::new();
+        let mut changes = HashMap::new();
         for (name, t) in self.trained(weights) {
             let b = self
                 .base
                 .as_ref()
                 .and_then(|b| b.values.get(name))
                 .ok_or_else(|| ReplicaError::NoBase { name: name.clone() })?;
-            let d = Delta::of_change(&tch::no_grad(|| t - b), &self.cfg);
+            let change = tch::no_grad(|| t - b);
+            // SparseLoCo: e ← β·e + Δ; send C(e); e ← e − C(e).
+            let owed = match self.feedback.get(name).filter(|_| buffer) {
+                Some(e) => tch::no_grad(|| e * self.cfg.feedback_decay + &change),
+                None => change.shallow_clone(),
+            };
+            let d = if last {
+                Delta::whole(&owed)
+            } else {
+                Delta::of_change(&owed, &self.cfg)
+            };
+            if buffer && !last {
+                feedback.insert(name.clone(), d.subtract_from(&owed));
+            }
+            if buffer && keep_all {
+                changes.insert(name.clone(), change);
+            }
             wire.extend(d.share().into_wire(name));
             if keep_all || self.is_expert(name) {
                 sent.insert(name.clone(), d);
             }
         }
         self.sent = sent;
+        if buffer {
+            self.feedback = feedback;
+            self.changes = changes;
+        }
         Ok(wire)
     }
 
@@ -289,22 +323,27 @@ impl Replica {
             }
         }
         let keep_progress = published.after_upload
-            && (self.cfg.wire.is_lossy() || self.cfg.overlaps() && published.trained_since_upload);
+            && (self.cfg.feeds_back_in_weights()
+                || self.cfg.overlaps() && published.trained_since_upload);
+        let changes = std::mem::take(&mut self.changes);
         tch::no_grad(|| -> Result<()> {
             for (name, w) in weights {
                 let d = deltas.get(name);
                 let mut theta = w.shallow_clone();
                 match base.values.get_mut(name) {
                     Some(b) => {
-                        let progress = if keep_progress {
-                            let sent =
-                                self.sent.get(name).ok_or_else(|| ReplicaError::NotSent {
-                                    round,
-                                    name: name.clone(),
-                                })?;
-                            Some(sent.subtract_from(&(&theta - &*b)))
-                        } else {
-                            None
+                        let not_sent = || ReplicaError::NotSent {
+                            round,
+                            name: name.clone(),
+                        };
+                        let progress = match (keep_progress, changes.get(name)) {
+                            (false, _) => None,
+                            // A buffer holds what was not sent: keep only steps trained since.
+                            (true, Some(change)) => Some(&theta - &*b - change),
+                            (true, None) => {
+                                let sent = self.sent.get(name).ok_or_else(not_sent)?;
+                                Some(sent.subtract_from(&(&theta - &*b)))
+                            }
                         };
                         if let Some(d) = d {
                             d.apply_(b);
@@ -363,6 +402,8 @@ impl Replica {
                                 .insert(name.clone(), tch::no_grad(|| w.detach().copy()));
                         }
                         (true, false) => {
+                            // A buffer's unsent change of the expert is dropped with it.
+                            self.feedback.remove(name);
                             if let Some(b) = base.values.remove(name) {
                                 if keeps_progress {
                                     tch::no_grad(|| w.shallow_clone().copy_(&b));
@@ -410,10 +451,17 @@ impl Replica {
             }),
             _ => Vec::new(),
         };
+        let mut feedback: Named = self
+            .feedback
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        feedback.sort_by(|a, b| a.0.cmp(&b.0));
         Some(ReplicaState {
             base_round: round,
             owned: self.owned.clone(),
             remainder,
+            feedback,
         })
     }
 
@@ -457,12 +505,33 @@ impl Replica {
             }
             Ok(())
         })?;
-        match remainder.keys().next() {
-            Some(name) => Err(ReplicaError::State(format!(
+        if let Some(name) = remainder.keys().next() {
+            return Err(ReplicaError::State(format!(
                 "it has a remainder of `{name}`, which this node does not train"
-            ))),
-            None => Ok(()),
+            )));
         }
+        let mut feedback = HashMap::new();
+        for (name, e) in state.feedback {
+            let w = self
+                .trained(weights)
+                .find(|(n, _)| *n == name)
+                .map(|(_, w)| w)
+                .ok_or_else(|| {
+                    ReplicaError::State(format!(
+                        "it has unsent feedback of `{name}`, which this node does not train"
+                    ))
+                })?;
+            if e.size() != w.size() {
+                return Err(ReplicaError::State(format!(
+                    "feedback of `{name}` has shape {:?}, expected {:?}",
+                    e.size(),
+                    w.size()
+                )));
+            }
+            feedback.insert(name, e.to_device(w.device()).to_kind(Kind::Float));
+        }
+        self.feedback = feedback;
+        Ok(())
     }
 }
 

@@ -7,7 +7,8 @@ mod common;
 use common::*;
 use spes_model::Role;
 use spes_sync::{
-    Applied, Coordinator, Follow, Layout, Named, Published, Replica, ReplicaError, SyncConfig, Wire,
+    Applied, Coordinator, Feedback, Follow, Layout, Named, Published, Replica, ReplicaError,
+    SyncConfig, Wire,
 };
 use tch::Kind;
 
@@ -51,7 +52,7 @@ fn train(c: &Coordinator, n: &mut Node, size: f64) {
 /// Uploads node `n`'s trained tensors for the open round, as the node would.
 fn upload(c: &mut Coordinator, n: &mut Node, now: f64) {
     let peer = n.replica.peer();
-    let wire = n.replica.upload(&n.weights).unwrap();
+    let wire = n.replica.upload(&n.weights, false).unwrap();
     let round = c.round();
     c.upload(peer, 100 + peer as u64, round, wire, now).unwrap();
 }
@@ -113,7 +114,9 @@ fn assert_identical(c: &Coordinator, n: &Node, what: &str) {
 fn wire_cfg(wire: Wire) -> SyncConfig {
     SyncConfig {
         wire,
-        sparse_density: 0.25,
+        // The test model's embedding is 44 values: two chunks and a tail of 12.
+        sparse_chunk: 16,
+        sparse_k: 4,
         overlap: false,
         ..cfg()
     }
@@ -225,6 +228,70 @@ fn lossy_wires_carry_what_they_left_out_over() {
             behind.iter().all(|b| *b < limit) && behind[3] < 2.0 * behind[0],
             "{wire:?}: the global lags the nodes by {behind:?}"
         );
+    }
+}
+
+#[test]
+fn buffer_feedback_trains_from_the_global_model_and_sends_what_it_held_back_later() {
+    let m = model(2, 4);
+    let cfg = SyncConfig {
+        feedback: Feedback::Buffer,
+        feedback_decay: 1.0,
+        merge_every: 0,
+        ..wire_cfg(Wire::SparseDelta)
+    };
+    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
+    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let embed = "model.embed_tokens.weight";
+    let theta0 = get(c.global().0, embed).copy();
+    tch::manual_seed(13);
+    // One round of training, then rounds with none: the buffer alone moves the global model.
+    for round in 1..=12u64 {
+        let now = round as f64;
+        for n in &mut nodes {
+            if round == 1 {
+                train(&c, n, 1e-3);
+            }
+            upload(&mut c, n, now);
+        }
+        c.close(now + 0.5);
+        for (peer, n) in nodes.iter_mut().enumerate() {
+            let applied = deliver(&c, n, true, false);
+            assert!(!applied.kept_progress);
+            // Every tensor is the global model exactly, trained ones included.
+            for ((name, w), (_, g)) in n.weights.iter().zip(c.global().0) {
+                assert!(w.equal(g), "round {round} peer {peer}: `{name}`");
+            }
+            assert_identical(&c, n, &format!("round {round} peer {peer}"));
+        }
+    }
+    // A quarter of the entries a round, through the nodes' buffers and the server's residual:
+    // after twelve rounds every entry has reached the global model.
+    let moved = (get(c.global().0, embed) - &theta0)
+        .ne(0.0)
+        .sum(Kind::Int64);
+    assert_eq!(moved.int64_value(&[]), theta0.numel() as i64);
+    // The buffer is the replica's state: a restored node sends the same next upload.
+    let n = &mut nodes[0];
+    train(&c, n, 1e-3);
+    let state = n.replica.state(&n.weights).unwrap();
+    assert!(!state.feedback.is_empty());
+    let layout = Layout::new(c.layout().entries.clone(), 2, 4);
+    let mut again = Replica::new(0, cfg.clone(), layout);
+    let weights = copy(&n.weights);
+    let remainder = copy(&state.remainder);
+    let saved = spes_sync::ReplicaState {
+        base_round: state.base_round,
+        owned: state.owned.clone(),
+        remainder,
+        feedback: copy(&state.feedback),
+    };
+    again.restore(saved, copy(c.global().0), &weights).unwrap();
+    let back = again.state(&weights).unwrap();
+    assert_eq!(back.feedback.len(), state.feedback.len());
+    for ((na, ta), (nb, tb)) in back.feedback.iter().zip(&state.feedback) {
+        assert_eq!(na, nb);
+        assert!(ta.equal(tb), "feedback of `{na}`");
     }
 }
 

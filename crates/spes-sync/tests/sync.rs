@@ -538,7 +538,7 @@ fn a_quantized_upload_must_have_its_sizes_and_sane_scales() {
     }
     let mut unpaired = good(&c);
     unpaired.retain(|(n, _)| !n.ends_with("#scale"));
-    cases.push((unpaired, "lacks its"));
+    cases.push((unpaired, "lacks one of its"));
     for (u, why) in cases {
         let e = c.upload(0, 100, 1, u, 0.0).unwrap_err();
         assert!(e.to_string().contains(why), "{why}: {e}");
@@ -561,7 +561,8 @@ fn the_server_keeps_no_upload_storage() {
     ] {
         let r = SyncConfig {
             wire,
-            sparse_density: 0.2,
+            sparse_chunk: 16,
+            sparse_k: 3,
             merge_every: 0,
             ..cfg()
         };

@@ -416,10 +416,23 @@ impl RunConfig {
             if s.outer_norm_preserving && s.wire == Wire::Fp32 {
                 bail!("sync.outer_norm_preserving needs a delta wire (sync.wire = \"bf16_delta\" or a compressed one), not \"fp32\"");
             }
-            if !(s.sparse_density > 0.0 && s.sparse_density <= 0.3) {
+            if !(0.0..=1.0).contains(&s.feedback_decay) {
                 bail!(
-                    "sync.sparse_density must be in (0, 0.3], got {}",
-                    s.sparse_density
+                    "sync.feedback_decay must be in [0, 1], got {}",
+                    s.feedback_decay
+                );
+            }
+            if !(16..=32768).contains(&s.sparse_chunk) {
+                bail!(
+                    "sync.sparse_chunk must be in 16..=32768 (an index within a chunk is int16), got {}",
+                    s.sparse_chunk
+                );
+            }
+            if !(1..=s.sparse_chunk / 4).contains(&s.sparse_k) {
+                bail!(
+                    "sync.sparse_k must be in 1..={} (a quarter of sync.sparse_chunk), got {}",
+                    s.sparse_chunk / 4,
+                    s.sparse_k
                 );
             }
         }

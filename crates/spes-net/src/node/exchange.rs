@@ -18,7 +18,8 @@ impl Node {
     pub(super) fn prepare_upload(&mut self, upload: &Named) -> Result<(u64, Vec<Upload>)> {
         self.session.check_lost()?;
         let round = self.trainer.step / self.trainer.cfg.sync.sync_steps;
-        let wire = self.replica.upload(upload)?;
+        let last = self.trainer.step >= self.trainer.cfg.train.max_steps;
+        let wire = self.replica.upload(upload, last)?;
         let kind = delta::payload_kind(self.trainer.cfg.sync.wire);
         Ok((round, self.link.encode_upload(wire, kind)))
     }

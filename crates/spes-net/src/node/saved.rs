@@ -21,6 +21,8 @@ const LOADED_ROUND: &str = "loaded-round";
 const REPLICA_FILE: &str = "replica.json";
 /// The replica's remainder (what the weights carry beyond the base), when there is one.
 const REMAINDER_FILE: &str = "remainder.safetensors";
+/// The replica's unsent change (`sync.feedback = "buffer"`), when there is one.
+const FEEDBACK_FILE: &str = "feedback.safetensors";
 
 #[derive(Serialize, Deserialize)]
 struct ReplicaFile {
@@ -51,10 +53,13 @@ pub(super) fn read(dir: &Path) -> Result<Saved> {
                 .with_context(|| format!("{} is corrupt", dir.join(REPLICA_FILE).display()))?;
             let remainder =
                 checkpoint::read_tensors(dir, &state, REMAINDER_FILE)?.unwrap_or_default();
+            let feedback =
+                checkpoint::read_tensors(dir, &state, FEEDBACK_FILE)?.unwrap_or_default();
             Some(ReplicaState {
                 base_round: r.base_round,
                 owned: r.owned,
                 remainder,
+                feedback,
             })
         }
         _ => None,
@@ -108,6 +113,9 @@ impl Node {
             snapshot = snapshot.with_file(REPLICA_FILE, serde_json::to_vec_pretty(&file)?);
             if !state.remainder.is_empty() {
                 snapshot = snapshot.with_tensors(REMAINDER_FILE, &state.remainder);
+            }
+            if !state.feedback.is_empty() {
+                snapshot = snapshot.with_tensors(FEEDBACK_FILE, &state.feedback);
             }
         }
         self.checkpointing = Some(std::thread::spawn(move || snapshot.write()));

@@ -250,14 +250,15 @@ impl State {
         Ok(())
     }
 
-    /// The exact payload size an upload of `peer` must announce in the open round.
-    fn expected_upload_bytes(&self, scope: &Scope, peer: usize) -> u64 {
+    /// The exact payload size an upload of `peer` must announce for `round`, the open one.
+    fn expected_upload_bytes(&self, scope: &Scope, peer: usize, round: u64) -> u64 {
+        let last = round >= self.final_round;
         let entries: Vec<(String, Vec<i64>, tch::Kind)> = self
             .layout
             .entries
             .iter()
             .filter(|(_, role, _)| scope.uploads(peer, *role))
-            .flat_map(|(n, _, s)| spes_sync::delta::wire_entries(&self.cfg.sync, n, s))
+            .flat_map(|(n, _, s)| spes_sync::delta::wire_entries(&self.cfg.sync, n, s, last))
             .collect();
         payload::expected_size(
             entries
@@ -330,7 +331,8 @@ pub async fn serve(
             gone,
         },
         0.0,
-    );
+    )
+    .ending_at(cfg.train.max_steps / cfg.sync.sync_steps);
     coord
         .restore_carried(opened.carried)
         .map_err(|e| anyhow::anyhow!("round {published_round}'s carried state: {e}"))?;

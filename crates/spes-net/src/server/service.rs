@@ -179,7 +179,7 @@ impl Spes for Service {
                 coord
                     .check_upload(peer, header.session, header.round, s.now())
                     .map_err(|e| refusal::of_round_error(&e))?;
-                s.expected_upload_bytes(coord.scope(), peer)
+                s.expected_upload_bytes(coord.scope(), peer, header.round)
             };
             if header.total_bytes != expected {
                 return Err(refusal::status(
