@@ -163,7 +163,7 @@ fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
                     let change =
                         tch::Tensor::randn(shape.as_slice(), (tch::Kind::Float, tch::Device::Cpu))
                             * 1e-4;
-                    Delta::of_change(&change, &cfg.sync).into_wire(name)
+                    Delta::of_change(&change, &cfg.sync, 1).into_wire(name)
                 })
                 .collect();
             let (bytes, xxh3) = payload::encode(&wire, tch::Kind::BFloat16);

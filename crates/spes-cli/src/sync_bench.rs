@@ -181,7 +181,7 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
                 values += change.numel() as u64;
                 match wire {
                     Wire::Fp32 => upload.push((name.clone(), g + change)),
-                    _ => upload.extend(Delta::of_change(&change, &sync).into_wire(name)),
+                    _ => upload.extend(Delta::of_change(&change, &sync, 1).into_wire(name)),
                 }
             }
             let kind = spes_sync::delta::payload_kind(wire);

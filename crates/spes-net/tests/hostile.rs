@@ -252,7 +252,7 @@ fn the_payload_decoder_and_validator_never_panic() {
     // What the coordinator does with an upload's payload: decode the wire tensors, validate.
     let check = |bytes: &[u8]| {
         if let Ok(named) = payload::decode(bytes) {
-            if let Ok(d) = spes_sync::delta::decode(named, &cfg.sync, |n| layout.shape_of(n)) {
+            if let Ok(d) = spes_sync::delta::decode(named, &cfg.sync, 1, |n| layout.shape_of(n)) {
                 let _ = spes_sync::validate(&layout, &scope, 0, &d, &global, Some(0.1));
             }
         }

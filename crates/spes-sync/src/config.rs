@@ -114,6 +114,9 @@ pub struct SyncConfig {
     pub sparse_chunk: i64,
     /// Sparse wire: entries each chunk sends per round.
     pub sparse_k: i64,
+    /// Quantized wires: each round sends every `stride`-th value of each change, round r those
+    /// at `r mod stride`, the rest carried over ([`crate::delta::Stride`]). 1: every value.
+    pub stride: u64,
     /// Lossy wires: where a node keeps what it has not sent yet, "weights" or "buffer".
     pub feedback: Feedback,
     /// `feedback = "buffer"`: the factor β in [0, 1] the buffer is multiplied by each round
@@ -200,6 +203,7 @@ impl Default for SyncConfig {
             wire: Wire::Bf16Delta,
             sparse_chunk: 4096,
             sparse_k: 64,
+            stride: 1,
             feedback: Feedback::Weights,
             feedback_decay: 0.95,
             skip_own_experts: true,

@@ -433,7 +433,8 @@ impl Coordinator {
         self.check_upload(peer, session, round, now)?;
         let invalid = |reason| RoundError::Invalid { peer, reason };
         let layout = &self.layout;
-        let deltas = delta::decode(tensors, &self.cfg, |n| layout.shape_of(n)).map_err(invalid)?;
+        let deltas =
+            delta::decode(tensors, &self.cfg, round, |n| layout.shape_of(n)).map_err(invalid)?;
         validate(
             layout,
             self.scope(),
@@ -693,7 +694,7 @@ impl Coordinator {
                     if let Some(r) = self.residual.get(name) {
                         v += r;
                     }
-                    let d = Delta::of_change(&v, &self.cfg);
+                    let d = Delta::of_change(&v, &self.cfg, self.round);
                     let mut value = base.copy();
                     d.apply_(&mut value);
                     self.residual.insert(name.clone(), d.subtract_from(&v));

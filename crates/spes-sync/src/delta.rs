@@ -42,9 +42,9 @@ pub enum Delta {
 }
 
 impl Delta {
-    /// The change `change` (fp32) in the wire form of `cfg.wire` (not `fp32`, which sends
-    /// values: [`Delta::Value`]).
-    pub fn of_change(change: &Tensor, cfg: &SyncConfig) -> Delta {
+    /// The change `change` (fp32) in the wire form of `cfg.wire` for round `round` (not
+    /// `fp32`, which sends values: [`Delta::Value`]).
+    pub fn of_change(change: &Tensor, cfg: &SyncConfig, round: u64) -> Delta {
         match cfg.wire {
             Wire::Fp32 => unreachable!("the fp32 wire sends values, not changes"),
             Wire::Bf16Delta => Delta::whole(change),
@@ -52,10 +52,16 @@ impl Delta {
                 Some(c) => Delta::Sparse(top_k(change, c)),
                 None => Delta::whole(change),
             },
-            wire => Delta::Quantized(quantize(
-                change,
-                wire.quantized_bits().expect("a quantized wire"),
-            )),
+            wire => {
+                let stride = Stride::of(cfg, round);
+                let flat = change.reshape([-1]);
+                let picked = stride.pick(&flat, flat.numel() as i64).contiguous();
+                let bits = wire.quantized_bits().expect("a quantized wire");
+                Delta::Quantized(Quantized {
+                    stride,
+                    ..quantize(&picked, bits)
+                })
+            }
         }
     }
 
@@ -77,8 +83,9 @@ impl Delta {
             }
             Delta::Sparse(s) => s.add_into(base, 1.0),
             Delta::Quantized(q) => {
-                let d = q.on(base.device()).dequantize(base.numel() as i64);
-                let _ = base.g_add_(&d.view(base.size().as_slice()));
+                let n = base.numel() as i64;
+                let d = q.on(base.device()).dequantize(q.stride.len(n));
+                let _ = q.stride.pick(&base.view([-1]), n).g_add_(&d);
             }
         })
     }
@@ -92,10 +99,11 @@ impl Delta {
                 s.add_into(&out, 1.0);
                 out
             }
-            Delta::Quantized(q) => q
-                .on(like.device())
-                .dequantize(like.numel() as i64)
-                .view(like.size().as_slice()),
+            Delta::Quantized(q) => {
+                let out = Tensor::zeros(like.size().as_slice(), (Kind::Float, like.device()));
+                Delta::Quantized(q.map(Tensor::shallow_clone)).apply_(&mut out.shallow_clone());
+                out
+            }
         })
     }
 
@@ -193,6 +201,7 @@ pub fn wire_entries(
     cfg: &SyncConfig,
     name: &str,
     shape: &[i64],
+    round: u64,
     last: bool,
 ) -> Vec<(String, Vec<i64>, Kind)> {
     if last && cfg.wire.is_delta() {
@@ -220,7 +229,7 @@ pub fn wire_entries(
         },
         wire => {
             let bits = wire.quantized_bits().expect("a quantized wire");
-            let (groups, bytes) = quantized_sizes(numel, bits);
+            let (groups, bytes) = quantized_sizes(Stride::of(cfg, round).len(numel), bits);
             vec![
                 (WirePart::Codes.name(name), vec![bytes], Kind::Uint8),
                 (WirePart::Scale.name(name), vec![groups], Kind::BFloat16),
@@ -237,6 +246,7 @@ pub fn wire_entries(
 pub fn decode<'a>(
     named: Named,
     cfg: &SyncConfig,
+    round: u64,
     shape_of: impl Fn(&str) -> Option<&'a [i64]>,
 ) -> Result<Deltas, String> {
     let parts = parts_of(cfg.wire);
@@ -312,7 +322,8 @@ pub fn decode<'a>(
                 ));
             };
             let numel: i64 = shape_of(&name).expect("checked").iter().product();
-            let d = from_parts(cfg, numel, got).map_err(|e| format!("tensor `{name}`: {e}"))?;
+            let d =
+                from_parts(cfg, round, numel, got).map_err(|e| format!("tensor `{name}`: {e}"))?;
             Ok((name, d))
         })
         .collect()
@@ -328,12 +339,18 @@ fn parts_of(wire: Wire) -> &'static [WirePart] {
 }
 
 /// The delta of a tensor of `numel` values from its wire parts ([`parts_of`] order), checked.
-fn from_parts(cfg: &SyncConfig, numel: i64, parts: Vec<Tensor>) -> Result<Delta, String> {
+fn from_parts(
+    cfg: &SyncConfig,
+    round: u64,
+    numel: i64,
+    parts: Vec<Tensor>,
+) -> Result<Delta, String> {
     let mut parts = parts.into_iter();
     let mut next = || parts.next().expect("as many parts as parts_of says");
     if let Some(bits) = cfg.wire.quantized_bits() {
         let (codes, scale) = (next(), next());
-        let (groups, bytes) = quantized_sizes(numel, bits);
+        let stride = Stride::of(cfg, round);
+        let (groups, bytes) = quantized_sizes(stride.len(numel), bits);
         if codes.kind() != Kind::Uint8
             || codes.size() != [bytes]
             || scale.kind() != Kind::BFloat16
@@ -348,7 +365,12 @@ fn from_parts(cfg: &SyncConfig, numel: i64, parts: Vec<Tensor>) -> Result<Delta,
         if groups > 0 && scale.min().double_value(&[]) < 0.0 {
             return Err("has a negative scale".into());
         }
-        return Ok(Delta::Quantized(Quantized { codes, scale, bits }));
+        return Ok(Delta::Quantized(Quantized {
+            codes,
+            scale,
+            bits,
+            stride,
+        }));
     }
     let c = Chunking::of(numel, cfg).expect("split tensors are longer than a chunk");
     let (idx, codes, scale) = (next(), next(), next());
@@ -714,6 +736,45 @@ pub struct Quantized {
     pub scale: Tensor,
     /// Bits per code.
     pub bits: u8,
+    /// Which values of the flattened tensor the codes are for.
+    pub stride: Stride,
+}
+
+/// The values of a flattened tensor a quantized delta of one round covers: those at
+/// `offset, offset + step, …`. With `sync.stride = F`, round r sends the values at
+/// `r mod F` modulo F — every value every F rounds, each round a 1/F slice of every tensor, so
+/// the link carries the same load every round (Streaming DiLoCo's idea at value grain).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stride {
+    pub offset: i64,
+    pub step: i64,
+}
+
+impl Stride {
+    /// Every value.
+    pub const ALL: Stride = Stride { offset: 0, step: 1 };
+
+    /// Round `round`'s stride under `cfg.stride`.
+    pub fn of(cfg: &SyncConfig, round: u64) -> Stride {
+        let step = cfg.stride.max(1) as i64;
+        Stride {
+            offset: (round % step as u64) as i64,
+            step,
+        }
+    }
+
+    /// How many of `numel` values it covers.
+    pub fn len(&self, numel: i64) -> i64 {
+        (numel - self.offset + self.step - 1).max(0) / self.step
+    }
+
+    /// The covered values of `flat` (`numel` long), a view sharing its storage.
+    pub fn pick(&self, flat: &Tensor, numel: i64) -> Tensor {
+        if *self == Stride::ALL {
+            return flat.shallow_clone();
+        }
+        flat.slice(0, self.offset, numel, self.step)
+    }
 }
 
 /// Values per quantization group (one bf16 scale each: 0.25 bits per value).
@@ -759,6 +820,7 @@ pub fn quantize(v: &Tensor, bits: u8) -> Quantized {
             codes: packed,
             scale: scale.view([groups]),
             bits,
+            stride: Stride::ALL,
         }
     })
 }
@@ -814,6 +876,7 @@ impl Quantized {
             codes: f(&self.codes),
             scale: f(&self.scale),
             bits: self.bits,
+            stride: self.stride,
         }
     }
 
@@ -906,7 +969,7 @@ mod tests {
                 wire,
                 ..small_chunks()
             };
-            let c = Delta::of_change(&v, &cfg);
+            let c = Delta::of_change(&v, &cfg, 1);
             let mut applied = base.copy();
             c.apply_(&mut applied);
             assert!(applied.equal(&(&base + c.to_f32(&base))), "{wire:?}");
@@ -930,37 +993,39 @@ mod tests {
                 wire,
                 ..small_chunks()
             };
-            let named = Delta::of_change(&v, &cfg).into_wire("w");
-            let back = decode(named, &cfg, shape_of).unwrap();
+            let named = Delta::of_change(&v, &cfg, 1).into_wire("w");
+            let back = decode(named, &cfg, 1, shape_of).unwrap();
             assert_eq!(back.len(), 1);
-            let want = Delta::of_change(&v, &cfg).to_f32(&v);
+            let want = Delta::of_change(&v, &cfg, 1).to_f32(&v);
             assert!(back[0].1.to_f32(&v).equal(&want), "{wire:?}");
-            let mut twice = Delta::of_change(&v, &cfg).into_wire("w");
-            twice.extend(Delta::of_change(&v, &cfg).into_wire("w"));
-            assert!(decode(twice, &cfg, shape_of).unwrap_err().contains("twice"));
-            let stray = Delta::of_change(&v, &cfg).into_wire("x");
-            let e = decode(stray, &cfg, shape_of).unwrap_err();
+            let mut twice = Delta::of_change(&v, &cfg, 1).into_wire("w");
+            twice.extend(Delta::of_change(&v, &cfg, 1).into_wire("w"));
+            assert!(decode(twice, &cfg, 1, shape_of)
+                .unwrap_err()
+                .contains("twice"));
+            let stray = Delta::of_change(&v, &cfg, 1).into_wire("x");
+            let e = decode(stray, &cfg, 1, shape_of).unwrap_err();
             assert!(e.contains("unknown tensor `x`"), "{e}");
         }
         let cfg = SyncConfig {
             wire: Wire::Int4Delta,
             ..SyncConfig::default()
         };
-        let mut half = Delta::of_change(&v, &cfg).into_wire("w");
+        let mut half = Delta::of_change(&v, &cfg, 1).into_wire("w");
         half.pop();
-        let e = decode(half, &cfg, shape_of).unwrap_err();
+        let e = decode(half, &cfg, 1, shape_of).unwrap_err();
         assert!(e.contains("lacks one of its #q, #scale parts"), "{e}");
-        let e = decode(vec![("w".into(), v.copy())], &cfg, shape_of).unwrap_err();
+        let e = decode(vec![("w".into(), v.copy())], &cfg, 1, shape_of).unwrap_err();
         assert!(e.contains("expected a bf16 delta"), "{e}");
         // A lossy wire also takes a tensor whole in bf16 (a run's last round), not both ways.
         let whole = vec![("w".to_owned(), v.to_kind(Kind::BFloat16))];
         assert!(matches!(
-            decode(whole, &cfg, shape_of).unwrap()[0].1,
+            decode(whole, &cfg, 1, shape_of).unwrap()[0].1,
             Delta::Dense(_)
         ));
-        let mut both = Delta::of_change(&v, &cfg).into_wire("w");
+        let mut both = Delta::of_change(&v, &cfg, 1).into_wire("w");
         both.push(("w".into(), v.to_kind(Kind::BFloat16)));
-        let e = decode(both, &cfg, shape_of).unwrap_err();
+        let e = decode(both, &cfg, 1, shape_of).unwrap_err();
         assert!(e.contains("both whole and in parts"), "{e}");
     }
 
@@ -979,7 +1044,7 @@ mod tests {
     fn sparse_deltas_send_each_chunks_largest_entries_at_two_levels() {
         let v = sample();
         let cfg = small_chunks();
-        let Delta::Sparse(s) = Delta::of_change(&v, &cfg) else {
+        let Delta::Sparse(s) = Delta::of_change(&v, &cfg, 1) else {
             panic!("1000 values are more than a chunk");
         };
         let c = s.chunking;
@@ -992,7 +1057,7 @@ mod tests {
             .iter()
             .map(|(n, t)| (n.clone(), t.size(), t.kind()))
             .collect();
-        assert_eq!(wire, wire_entries(&cfg, "w", &[10, 100], false));
+        assert_eq!(wire, wire_entries(&cfg, "w", &[10, 100], 1, false));
         let flat = v.reshape([-1]);
         let d = Delta::Sparse(s.map(Tensor::shallow_clone))
             .to_f32(&v)
@@ -1039,18 +1104,18 @@ mod tests {
     fn sparse_wire_sends_tensors_of_one_chunk_whole_and_refuses_bad_indices() {
         let cfg = small_chunks();
         let small = Tensor::ones([64], (Kind::Float, tch::Device::Cpu));
-        assert!(matches!(Delta::of_change(&small, &cfg), Delta::Dense(_)));
+        assert!(matches!(Delta::of_change(&small, &cfg, 1), Delta::Dense(_)));
         assert_eq!(
-            wire_entries(&cfg, "n", &[64], false),
+            wire_entries(&cfg, "n", &[64], 1, false),
             vec![("n".into(), vec![64], Kind::BFloat16)]
         );
         let v = sample();
         let shape = [10i64, 100];
         let shape_of = |n: &str| (n == "w").then_some(&shape[..]);
         let parts = |f: &dyn Fn(&mut Tensor)| {
-            let mut w = Delta::of_change(&v, &cfg).into_wire("w");
+            let mut w = Delta::of_change(&v, &cfg, 1).into_wire("w");
             f(&mut w[0].1);
-            decode(w, &cfg, shape_of)
+            decode(w, &cfg, 1, shape_of)
         };
         assert!(parts(&|_| ()).is_ok());
         let e = parts(&|i| {
@@ -1067,8 +1132,9 @@ mod tests {
         assert!(e.contains("in 0..40"), "{e}");
         let tiny = [64i64];
         let e = decode(
-            Delta::of_change(&v, &cfg).into_wire("n"),
+            Delta::of_change(&v, &cfg, 1).into_wire("n"),
             &cfg,
+            1,
             |n: &str| (n == "n").then_some(&tiny[..]),
         )
         .unwrap_err();

@@ -227,11 +227,12 @@ impl Replica {
     }
 
     /// The upload of the round that ends now: the trained tensors of `weights` in the wire
-    /// form of `sync.wire` — whole fp32 tensors, or each one's change from the base — as wire
+    /// form of `sync.wire` for round `round` — whole fp32 tensors, or each one's change from the
+    /// base — as wire
     /// tensors (store their floats as [`delta::payload_kind`]). The run's `last` round sends
     /// every change whole in bf16 on a lossy wire too, so the final model holds all that was
     /// trained. Remembers what the next [`Replica::apply`] needs of it.
-    pub fn upload(&mut self, weights: &Named, last: bool) -> Result<Named> {
+    pub fn upload(&mut self, weights: &Named, round: u64, last: bool) -> Result<Named> {
         if !self.cfg.wire.is_delta() {
             return Ok(self
                 .trained(weights)
@@ -259,7 +260,7 @@ impl Replica {
             let d = if last {
                 Delta::whole(&owed)
             } else {
-                Delta::of_change(&owed, &self.cfg)
+                Delta::of_change(&owed, &self.cfg, round)
             };
             if buffer && !last {
                 feedback.insert(name.clone(), d.subtract_from(&owed));
@@ -309,7 +310,7 @@ impl Replica {
                 held: held.map_or("no round".into(), |r| format!("round {r}")),
             })?;
         let layout = &self.layout;
-        let deltas = delta::decode(published.tensors, &self.cfg, |n| layout.shape_of(n))
+        let deltas = delta::decode(published.tensors, &self.cfg, round, |n| layout.shape_of(n))
             .map_err(|reason| ReplicaError::Malformed { round, reason })?;
         let mut deltas: HashMap<String, Delta> = deltas.into_iter().collect();
         if published.skipped_own {

@@ -52,8 +52,8 @@ fn train(c: &Coordinator, n: &mut Node, size: f64) {
 /// Uploads node `n`'s trained tensors for the open round, as the node would.
 fn upload(c: &mut Coordinator, n: &mut Node, now: f64) {
     let peer = n.replica.peer();
-    let wire = n.replica.upload(&n.weights, false).unwrap();
     let round = c.round();
+    let wire = n.replica.upload(&n.weights, round, false).unwrap();
     c.upload(peer, 100 + peer as u64, round, wire, now).unwrap();
 }
 
@@ -293,6 +293,46 @@ fn buffer_feedback_trains_from_the_global_model_and_sends_what_it_held_back_late
         assert_eq!(na, nb);
         assert!(ta.equal(tb), "feedback of `{na}`");
     }
+}
+
+#[test]
+fn a_strided_wire_sends_each_value_every_stride_rounds_and_stays_bit_identical() {
+    let m = model(2, 4);
+    let cfg = SyncConfig {
+        stride: 4,
+        merge_every: 0,
+        ..wire_cfg(Wire::Int2Delta)
+    };
+    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
+    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let embed = "model.embed_tokens.weight";
+    let theta0 = get(c.global().0, embed).copy();
+    let n = theta0.numel() as i64;
+    tch::manual_seed(17);
+    let mut moved = Vec::new();
+    for round in 1..=4u64 {
+        let now = round as f64;
+        for n in &mut nodes {
+            train(&c, n, 1e-3);
+            upload(&mut c, n, now);
+        }
+        c.close(now + 0.5);
+        for (peer, n) in nodes.iter_mut().enumerate() {
+            assert!(deliver(&c, n, true, false).kept_progress);
+            assert_identical(&c, n, &format!("round {round} peer {peer}"));
+        }
+        let changed = (get(c.global().0, embed) - &theta0).ne(0.0);
+        moved.push(changed.sum(Kind::Int64).int64_value(&[]));
+        // Round r moves only values at r mod 4 (of the flattened tensor) for the first time.
+        if round == 1 {
+            let flat = changed.view([-1]);
+            let off: Vec<i64> = (0..n).filter(|i| i % 4 != 1).collect();
+            let others = flat.index_select(0, &tch::Tensor::from_slice(&off));
+            assert!(!bool::try_from(others.any()).unwrap());
+        }
+    }
+    assert!(moved[0] <= (n + 3) / 4, "{moved:?} of {n}");
+    assert!(moved[3] > 3 * (n / 4), "{moved:?} of {n}");
 }
 
 #[test]

@@ -32,7 +32,7 @@ fn check(
     global: &Named,
     bound: Option<f64>,
 ) -> Result<(), String> {
-    let d = delta::decode(upload, cfg, |n| layout.shape_of(n))?;
+    let d = delta::decode(upload, cfg, 1, |n| layout.shape_of(n))?;
     validate(layout, scope, 0, &d, global, bound)
 }
 
@@ -514,7 +514,7 @@ fn a_quantized_upload_must_have_its_sizes_and_sane_scales() {
     let good = |c: &Coordinator| -> Named {
         upload(&layout, c.scope(), 0, 0.0)
             .into_iter()
-            .flat_map(|(n, t)| Delta::of_change(&(t.randn_like() * 1e-3), &r).into_wire(&n))
+            .flat_map(|(n, t)| Delta::of_change(&(t.randn_like() * 1e-3), &r, 1).into_wire(&n))
             .collect()
     };
     let mut cases: Vec<(Named, &str)> = Vec::new();
@@ -576,7 +576,7 @@ fn the_server_keeps_no_upload_storage() {
                         let change = t.randn_like() * 1e-3;
                         match wire {
                             Wire::Fp32 => vec![(n, t + change)],
-                            _ => Delta::of_change(&change, &r).into_wire(&n),
+                            _ => Delta::of_change(&change, &r, 1).into_wire(&n),
                         }
                     })
                     .collect()

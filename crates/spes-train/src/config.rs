@@ -416,6 +416,16 @@ impl RunConfig {
             if s.outer_norm_preserving && s.wire == Wire::Fp32 {
                 bail!("sync.outer_norm_preserving needs a delta wire (sync.wire = \"bf16_delta\" or a compressed one), not \"fp32\"");
             }
+            if s.stride == 0 {
+                bail!("sync.stride must be at least 1, got 0");
+            }
+            if s.stride > 1 && s.wire.quantized_bits().is_none() {
+                bail!(
+                    "sync.stride = {} needs a quantized wire (sync.wire = \"int8_delta\", \"int4_delta\" or \"int2_delta\"), not {:?}",
+                    s.stride,
+                    s.wire
+                );
+            }
             if !(0.0..=1.0).contains(&s.feedback_decay) {
                 bail!(
                     "sync.feedback_decay must be in [0, 1], got {}",

@@ -19,7 +19,7 @@ impl Node {
         self.session.check_lost()?;
         let round = self.trainer.step / self.trainer.cfg.sync.sync_steps;
         let last = self.trainer.step >= self.trainer.cfg.train.max_steps;
-        let wire = self.replica.upload(upload, last)?;
+        let wire = self.replica.upload(upload, round, last)?;
         let kind = delta::payload_kind(self.trainer.cfg.sync.wire);
         Ok((round, self.link.encode_upload(wire, kind)))
     }

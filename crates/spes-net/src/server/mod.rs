@@ -258,7 +258,7 @@ impl State {
             .entries
             .iter()
             .filter(|(_, role, _)| scope.uploads(peer, *role))
-            .flat_map(|(n, _, s)| spes_sync::delta::wire_entries(&self.cfg.sync, n, s, last))
+            .flat_map(|(n, _, s)| spes_sync::delta::wire_entries(&self.cfg.sync, n, s, round, last))
             .collect();
         payload::expected_size(
             entries

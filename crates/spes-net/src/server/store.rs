@@ -456,7 +456,7 @@ fn replay(
             Err(_) => return false,
         }
     }
-    let Ok(deltas) = delta::decode(wire, cfg, |n| layout.shape_of(n)) else {
+    let Ok(deltas) = delta::decode(wire, cfg, r.round, |n| layout.shape_of(n)) else {
         return false;
     };
     let index: HashMap<&str, usize> = global
