@@ -34,6 +34,9 @@ pub struct Args {
     sparse_gvps: f64,
     #[arg(long, default_value_t = 1.0)]
     disk_gbps: f64,
+    /// `sync.stride` of the strided option.
+    #[arg(long, default_value_t = 8)]
+    stride: u64,
     /// Wire options to run, by label (`fp32`, `bf16-delta`, …, `int4+overlap`); default: all.
     #[arg(long, value_delimiter = ',')]
     wires: Vec<String>,
@@ -77,7 +80,7 @@ pub fn run(a: Args) -> Result<()> {
             "sync.merge_every=0".into(),
             "train.eval_batches=2".into(),
         ];
-        overrides.extend(option.overrides());
+        overrides.extend(option.overrides(a.stride));
         let cfg = demo::config(&data, &overrides)?;
         eprintln!("bench-link: {} over {:?} …", option.label(), a.link);
         demo::launch(&out, &cfg, "cpu", Some(a.link), false, None)?;
@@ -112,6 +115,7 @@ pub fn run(a: Args) -> Result<()> {
             shards: 1,
             step_s: m.compute_s / a.sync_steps as f64,
             sync_steps: a.sync_steps,
+            stride: a.stride,
             sparse_chunk: cfg.sync.sparse_chunk,
             sparse_k: cfg.sync.sparse_k,
             aggregate_bytes_per_s: a.aggregate_gbps * 1e9,

@@ -210,6 +210,7 @@ fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
             shards: 1,
             step_s: 0.0,
             sync_steps: 1,
+            stride: cfg.sync.stride,
             sparse_chunk: cfg.sync.sparse_chunk,
             sparse_k: cfg.sync.sparse_k,
             aggregate_bytes_per_s: 1e9,

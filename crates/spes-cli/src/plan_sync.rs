@@ -25,6 +25,9 @@ pub struct Args {
     step_s: f64,
     #[arg(long, default_value_t = 100)]
     sync_steps: u64,
+    /// The strided option: one value in this many per round (`sync.stride`).
+    #[arg(long, default_value_t = 8)]
+    stride: u64,
     /// Sparse wire: values per chunk (`sync.sparse_chunk`).
     #[arg(long, default_value_t = 4096)]
     sparse_chunk: i64,
@@ -70,6 +73,7 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
         shards: a.shards.max(1),
         step_s: a.step_s,
         sync_steps: a.sync_steps,
+        stride: a.stride.max(1),
         sparse_chunk: a.sparse_chunk,
         sparse_k: a.sparse_k,
         aggregate_bytes_per_s: a.aggregate_gbps * 1e9,

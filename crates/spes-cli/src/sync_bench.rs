@@ -152,17 +152,20 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
     println!("| {preset}, {nodes} nodes | upload bytes / round | read | validate + fold | close | throughput | values / s | folded values / s |");
     println!("|---|---|---|---|---|---|---|---|");
     let forms = [
-        ("bf16_delta", Wire::Bf16Delta),
-        ("int4_delta", Wire::Int4Delta),
-        ("int2_delta", Wire::Int2Delta),
-        ("sparse_delta (64 of 4096)", Wire::SparseDelta),
-        ("fp32", Wire::Fp32),
+        ("bf16_delta", Wire::Bf16Delta, 1),
+        ("int8_delta", Wire::Int8Delta, 1),
+        ("int4_delta", Wire::Int4Delta, 1),
+        ("int2_delta", Wire::Int2Delta, 1),
+        ("int2_delta, stride 8", Wire::Int2Delta, 8),
+        ("sparse_delta (64 of 4096)", Wire::SparseDelta, 1),
+        ("fp32", Wire::Fp32, 1),
     ];
-    for (label, wire) in forms {
+    for (label, wire, stride) in forms {
         let sync = SyncConfig {
             mode: spes_sync::Mode::Spes,
             sync_steps: 100,
             wire,
+            stride,
             round_timeout_s: 1e9,
             lease_s: 1e9,
             evict_after_s: 1e9,
@@ -178,7 +181,9 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
                     continue;
                 }
                 let change = g.randn_like() * 1e-4;
-                values += change.numel() as u64;
+                // What the upload updates: every value, or one in `stride`.
+                let stride = spes_sync::delta::Stride::of(&sync, 1);
+                values += stride.len(change.numel() as i64) as u64;
                 match wire {
                     Wire::Fp32 => upload.push((name.clone(), g + change)),
                     _ => upload.extend(Delta::of_change(&change, &sync, 1).into_wire(name)),
@@ -190,23 +195,25 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
             bytes += size;
             paths.push(path);
         }
-        let mut coord = Coordinator::new(
-            layout.clone(),
-            scope.clone(),
-            sync,
-            Some(1.0),
-            Start {
-                global: global
-                    .iter()
-                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                    .collect(),
-                published: 0,
-                gone: Default::default(),
-            },
-            0.0,
-        );
         let mut times = Vec::new();
-        for round in 1..=rounds as u64 {
+        for i in 0..rounds as u64 {
+            // Each measured round opens at 1 + i·stride, so the uploads' stride fits it.
+            let mut coord = Coordinator::new(
+                layout.clone(),
+                scope.clone(),
+                sync.clone(),
+                Some(1.0),
+                Start {
+                    global: global
+                        .iter()
+                        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                        .collect(),
+                    published: i * stride,
+                    gone: Default::default(),
+                },
+                0.0,
+            );
+            let round = coord.round();
             let (mut read, mut fold) = (0.0, 0.0);
             for (peer, path) in paths.iter().enumerate() {
                 let t = std::time::Instant::now();

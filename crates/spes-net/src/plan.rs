@@ -29,19 +29,22 @@ pub enum WireOption {
     Int4Overlap,
     /// 2-bit quantized deltas (0.28 bytes per value with scales), skip-own, overlapped.
     Int2Overlap,
+    /// As `Int2Overlap`, each round one value in `PlanInput::stride` (`sync.stride`).
+    Int2StridedOverlap,
     /// Sparse deltas (`PlanInput::sparse_k` of every `sparse_chunk` values, 2.25 bytes per
     /// sent value and 4 per chunk), skip-own, overlapped.
     SparseOverlap,
 }
 
 impl WireOption {
-    pub const ALL: [WireOption; 7] = [
+    pub const ALL: [WireOption; 8] = [
         WireOption::Fp32,
         WireOption::Bf16Delta,
         WireOption::Bf16DeltaSkipOwn,
         WireOption::Overlap,
         WireOption::Int4Overlap,
         WireOption::Int2Overlap,
+        WireOption::Int2StridedOverlap,
         WireOption::SparseOverlap,
     ];
 
@@ -58,6 +61,7 @@ impl WireOption {
             WireOption::Overlap => "overlap",
             WireOption::Int4Overlap => "int4+overlap",
             WireOption::Int2Overlap => "int2+overlap",
+            WireOption::Int2StridedOverlap => "int2-strided+overlap",
             WireOption::SparseOverlap => "sparse+overlap",
         }
     }
@@ -70,7 +74,7 @@ impl WireOption {
                 "bf16_delta"
             }
             WireOption::Int4Overlap => "int4_delta",
-            WireOption::Int2Overlap => "int2_delta",
+            WireOption::Int2Overlap | WireOption::Int2StridedOverlap => "int2_delta",
             WireOption::SparseOverlap => "sparse_delta",
         }
     }
@@ -80,13 +84,16 @@ impl WireOption {
         !matches!(self, WireOption::Fp32 | WireOption::Bf16Delta)
     }
 
-    /// The `--set` overrides that select this option in a run.
-    pub fn overrides(self) -> Vec<String> {
+    /// The `--set` overrides that select this option in a run (`stride`: of the strided one).
+    pub fn overrides(self, stride: u64) -> Vec<String> {
         let mut out = vec![format!("sync.wire={}", self.wire())];
         if self != WireOption::Fp32 {
             out.push(format!("sync.skip_own_experts={}", self.skips_own()));
         }
         out.push(format!("sync.overlap={}", self.overlapped()));
+        if self == WireOption::Int2StridedOverlap {
+            out.push(format!("sync.stride={stride}"));
+        }
         out
     }
 
@@ -105,6 +112,7 @@ impl WireOption {
             // Codes plus one bf16 scale per group.
             WireOption::Int4Overlap => 0.5 + 2.0 / GROUP as f64,
             WireOption::Int2Overlap => 0.25 + 2.0 / GROUP as f64,
+            WireOption::Int2StridedOverlap => (0.25 + 2.0 / GROUP as f64) / input.stride as f64,
             _ => 2.0,
         }
     }
@@ -112,7 +120,10 @@ impl WireOption {
     fn lossy(self) -> bool {
         matches!(
             self,
-            WireOption::Int4Overlap | WireOption::Int2Overlap | WireOption::SparseOverlap
+            WireOption::Int4Overlap
+                | WireOption::Int2Overlap
+                | WireOption::Int2StridedOverlap
+                | WireOption::SparseOverlap
         )
     }
 
@@ -137,6 +148,8 @@ pub struct PlanInput {
     pub shards: usize,
     pub step_s: f64,
     pub sync_steps: u64,
+    /// `sync.stride` of the strided option.
+    pub stride: u64,
     /// Sparse wire: values per chunk and entries sent per chunk.
     pub sparse_chunk: i64,
     pub sparse_k: i64,
@@ -278,6 +291,9 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     let fold_s = |bytes: f64| {
         if option == WireOption::SparseOverlap {
             bytes / b / input.sparse_values_per_s
+        } else if option == WireOption::Int2StridedOverlap {
+            // A strided upload updates one value in `stride`.
+            bytes / b / input.stride as f64 / input.lossy_values_per_s
         } else if option.lossy() {
             bytes / b / input.lossy_values_per_s
         } else {
@@ -350,12 +366,12 @@ pub fn table(input: &PlanInput) -> String {
     let fp32 = plan(input, WireOption::Fp32);
     let fp32_bytes = fp32.up_bytes + fp32.down_bytes;
     let mut out = String::from(
-        "| wire | up / node | down / node | wire bytes vs fp32 | server in / out | server s | round s | sync s / node | idle share |\n|---|---|---|---|---|---|---|---|---|\n",
+        "| wire | up / node | down / node | wire bytes vs fp32 | server in / out | server s | round s | sync s / node | idle share | utilization |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for option in WireOption::ALL {
         let r = plan(input, option);
         out += &format!(
-            "| {} | {} | {} | {:.2}× | {} / {} | {:.1} | {:.1} | {:.1} | {:.1} % |\n",
+            "| {} | {} | {} | {:.3}× | {} / {} | {:.1} | {:.1} | {:.1} | {:.1} % | {:.1} % |\n",
             option.label(),
             human_bytes(r.up_bytes),
             human_bytes(r.down_bytes),
@@ -366,6 +382,7 @@ pub fn table(input: &PlanInput) -> String {
             r.round_s,
             r.sync_s,
             100.0 * r.idle_share,
+            100.0 * r.compute_s / r.round_s,
         );
     }
     out
@@ -407,6 +424,7 @@ mod tests {
             shards: 1,
             step_s: 0.45,
             sync_steps: 100,
+            stride: 8,
             sparse_chunk: 4096,
             sparse_k: 64,
             aggregate_bytes_per_s: 1e9,

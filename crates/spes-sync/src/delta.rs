@@ -84,8 +84,11 @@ impl Delta {
             Delta::Sparse(s) => s.add_into(base, 1.0),
             Delta::Quantized(q) => {
                 let n = base.numel() as i64;
-                let d = q.on(base.device()).dequantize(q.stride.len(n));
-                let _ = q.stride.pick(&base.view([-1]), n).g_add_(&d);
+                let flat = base.view([-1]);
+                if !crate::fold::add_quantized(&flat, q, n) {
+                    let d = q.on(base.device()).dequantize(q.stride.len(n));
+                    let _ = q.stride.pick(&flat, n).g_add_(&d);
+                }
             }
         })
     }

@@ -9,6 +9,7 @@
 pub mod config;
 pub mod coordinator;
 pub mod delta;
+mod fold;
 pub mod named;
 pub mod outer;
 pub mod ownership;

@@ -1,0 +1,103 @@
+//! Decode-and-add of a quantized delta in one pass over CPU memory: `target += code · scale`
+//! byte by byte, where libtorch's path writes the decoded values, scales them and adds them in
+//! three passes. Each value is the same exact product and the same single fp32 addition, so the
+//! result is bit-identical to [`crate::delta::Delta::apply_`]'s tensor path, which other
+//! devices keep.
+
+use crate::delta::{Quantized, GROUP};
+use tch::{Device, Kind, Tensor};
+
+/// `flat[stride] += f32(q)` for a contiguous CPU fp32 `flat` of `numel` values; `false` (and
+/// nothing done) when the tensors are not laid out for it.
+pub(crate) fn add_quantized(flat: &Tensor, q: &Quantized, numel: i64) -> bool {
+    let cpu = |t: &Tensor, kind| t.device() == Device::Cpu && t.kind() == kind && t.is_contiguous();
+    if !(cpu(flat, Kind::Float) && cpu(&q.codes, Kind::Uint8) && cpu(&q.scale, Kind::BFloat16))
+        || flat.numel() as i64 != numel
+    {
+        return false;
+    }
+    let bits = q.bits as usize;
+    let per = 8 / bits;
+    let half = 1i32 << (bits - 1);
+    let mask = (1usize << bits) - 1;
+    // Each byte's codes as floats, `per` to a byte.
+    let table: Vec<f32> = (0..256usize)
+        .flat_map(|b| (0..per).map(move |t| (((b >> (bits * t)) & mask) as i32 - half) as f32))
+        .collect();
+    let len = q.stride.len(numel) as usize;
+    let (offset, step) = (q.stride.offset as usize, q.stride.step as usize);
+    let groups = q.scale.numel();
+    let bytes_per_group = GROUP as usize / per;
+    if q.codes.numel() != groups * bytes_per_group || groups * (GROUP as usize) < len {
+        return false;
+    }
+    // Safety: the three tensors are contiguous CPU tensors of the kinds checked above, alive
+    // for the call; `target` covers `numel` values, and every index below is < numel.
+    let (target, codes, scale) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(flat.data_ptr() as *mut f32, numel as usize),
+            std::slice::from_raw_parts(q.codes.data_ptr() as *const u8, q.codes.numel()),
+            std::slice::from_raw_parts(q.scale.data_ptr() as *const u16, groups),
+        )
+    };
+    for (g, &s) in scale.iter().enumerate() {
+        let s = f32::from_bits((s as u32) << 16);
+        let first = g * GROUP as usize;
+        if first >= len {
+            break;
+        }
+        let n = (len - first).min(GROUP as usize);
+        let group = &codes[g * bytes_per_group..(g + 1) * bytes_per_group];
+        if step == 1 {
+            let out = &mut target[offset + first..offset + first + n];
+            for (i, o) in out.iter_mut().enumerate() {
+                let code = table[group[i / per] as usize * per + i % per];
+                *o += code * s;
+            }
+        } else {
+            for i in 0..n {
+                let code = table[group[i / per] as usize * per + i % per];
+                target[offset + (first + i) * step] += code * s;
+            }
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{SyncConfig, Wire};
+    use crate::delta::Delta;
+
+    #[test]
+    fn one_pass_gives_the_tensor_paths_bits() {
+        tch::manual_seed(19);
+        let numel = 1000;
+        let change = Tensor::randn([numel], (Kind::Float, Device::Cpu)) * 1e-3;
+        let base = Tensor::randn([numel], (Kind::Float, Device::Cpu));
+        for wire in [Wire::Int8Delta, Wire::Int4Delta, Wire::Int2Delta] {
+            for stride in [1, 3] {
+                let cfg = SyncConfig {
+                    wire,
+                    stride,
+                    ..SyncConfig::default()
+                };
+                let Delta::Quantized(q) = Delta::of_change(&change, &cfg, 5) else {
+                    panic!("a quantized wire");
+                };
+                let fused = base.copy();
+                assert!(add_quantized(&fused, &q, numel));
+                // The tensor path: decode, scale, add.
+                let d = q.dequantize(q.stride.len(numel));
+                let want = base.copy();
+                let _ = q.stride.pick(&want, numel).g_add_(&d);
+                assert!(fused.equal(&want), "{wire:?} stride {stride}");
+                assert!(
+                    !fused.equal(&base),
+                    "{wire:?} stride {stride}: nothing added"
+                );
+            }
+        }
+    }
+}
