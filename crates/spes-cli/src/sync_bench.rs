@@ -181,9 +181,8 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
                     continue;
                 }
                 let change = g.randn_like() * 1e-4;
-                // What the upload updates: every value, or one in `stride`.
-                let stride = spes_sync::delta::Stride::of(&sync, 1);
-                values += stride.len(change.numel() as i64) as u64;
+                // Dense-equivalent: every value of the tensors covered, whatever is sent.
+                values += change.numel() as u64;
                 match wire {
                     Wire::Fp32 => upload.push((name.clone(), g + change)),
                     _ => upload.extend(Delta::of_change(&change, &sync, 1).into_wire(name)),
@@ -247,6 +246,6 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
             values as f64 / (read + fold) / 1e9
         );
     }
-    println!("\n(median round of {rounds}; throughput = upload bytes / (read + validate + fold + close); values: of the tensors uploaded, sent or not, per second of the whole path; folded values: per second of read + validate + fold, the rate `spes plan-sync --lossy-gvps / --sparse-gvps` take)");
+    println!("\n(median round of {rounds}; throughput = upload bytes / (read + validate + fold + close); values: of the tensors uploaded (dense-equivalent: sent or not, strided or not), per second of the whole path; folded values: the same per second of read + validate + fold, the rate `spes plan-sync --lossy-gvps / --sparse-gvps` take)");
     Ok(())
 }

@@ -19,11 +19,7 @@ pub(crate) fn add_quantized(flat: &Tensor, q: &Quantized, numel: i64) -> bool {
     let bits = q.bits as usize;
     let per = 8 / bits;
     let half = 1i32 << (bits - 1);
-    let mask = (1usize << bits) - 1;
-    // Each byte's codes as floats, `per` to a byte.
-    let table: Vec<f32> = (0..256usize)
-        .flat_map(|b| (0..per).map(move |t| (((b >> (bits * t)) & mask) as i32 - half) as f32))
-        .collect();
+    let mask = ((1u16 << bits) - 1) as u8;
     let len = q.stride.len(numel) as usize;
     let (offset, step) = (q.stride.offset as usize, q.stride.step as usize);
     let groups = q.scale.numel();
@@ -40,25 +36,32 @@ pub(crate) fn add_quantized(flat: &Tensor, q: &Quantized, numel: i64) -> bool {
             std::slice::from_raw_parts(q.scale.data_ptr() as *const u16, groups),
         )
     };
+    // Per group, what each code means: (code − half) · scale, an exact product.
+    let mut level = vec![0f32; 1 << bits];
     for (g, &s) in scale.iter().enumerate() {
         let s = f32::from_bits((s as u32) << 16);
         let first = g * GROUP as usize;
         if first >= len {
             break;
         }
+        for (c, l) in level.iter_mut().enumerate() {
+            *l = (c as i32 - half) as f32 * s;
+        }
         let n = (len - first).min(GROUP as usize);
         let group = &codes[g * bytes_per_group..(g + 1) * bytes_per_group];
-        if step == 1 {
+        if step == 1 && n == GROUP as usize {
+            // A whole group in place, unrolled by byte: the common case.
             let out = &mut target[offset + first..offset + first + n];
-            for (i, o) in out.iter_mut().enumerate() {
-                let code = table[group[i / per] as usize * per + i % per];
-                *o += code * s;
+            for (o, &b) in out.chunks_exact_mut(per).zip(group) {
+                for (t, x) in o.iter_mut().enumerate() {
+                    *x += level[((b >> (bits * t)) & mask) as usize];
+                }
             }
-        } else {
-            for i in 0..n {
-                let code = table[group[i / per] as usize * per + i % per];
-                target[offset + (first + i) * step] += code * s;
-            }
+            continue;
+        }
+        for i in 0..n {
+            let c = (group[i / per] >> (bits * (i % per))) & mask;
+            target[offset + (first + i) * step] += level[c as usize];
         }
     }
     true
