@@ -476,6 +476,24 @@ mod tests {
     }
 
     #[test]
+    fn the_hundredfold_wires_keep_16_nodes_of_1b_training_on_one_server() {
+        // The folding rates bench-sync measured on 2 cores (2026-12-02): 0.31 G values/s of
+        // 2-bit codes, 0.83 G dense-equivalent values/s of sparse uploads.
+        let mut i = input(16);
+        i.lossy_values_per_s = 0.31e9;
+        i.sparse_values_per_s = 0.83e9;
+        let fp32 = plan(&i, WireOption::Fp32);
+        for option in [WireOption::Int2StridedOverlap, WireOption::SparseOverlap] {
+            let r = plan(&i, option);
+            let ratio = (r.up_bytes + r.down_bytes) / (fp32.up_bytes + fp32.down_bytes);
+            assert!(ratio <= 0.01, "{option:?}: {ratio}");
+            assert!(r.compute_s / r.round_s >= 0.95, "{option:?}: {r:?}");
+        }
+        // Not so 2-bit codes of every value each round: they need shards.
+        assert!(plan(&i, WireOption::Int2Overlap).idle_share > 0.05);
+    }
+
+    #[test]
     fn a_saturated_server_link_is_fixed_by_shards() {
         // 64 DiLoCo nodes of 1b on 100 Mbit/s, behind one 1 Gbit/s server that folds fast.
         let mut i = input(64);
