@@ -44,6 +44,15 @@ pub(crate) fn add_quantized(flat: &Tensor, q: &Quantized, numel: i64) -> bool {
         if first >= len {
             break;
         }
+        // Eight bits have more levels than a group has values: scale each code instead.
+        if bits == 8 {
+            let n = (len - first).min(GROUP as usize);
+            let group = &codes[g * bytes_per_group..(g + 1) * bytes_per_group];
+            for (i, &c) in group.iter().take(n).enumerate() {
+                target[offset + (first + i) * step] += (c as i32 - half) as f32 * s;
+            }
+            continue;
+        }
         for (c, l) in level.iter_mut().enumerate() {
             *l = (c as i32 - half) as f32 * s;
         }
