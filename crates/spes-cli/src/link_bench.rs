@@ -27,7 +27,7 @@ pub struct Args {
     aggregate_gbps: f64,
     /// Billions of values per second the server folds of quantized or sparse uploads (each
     /// value of the tensors covered; `spes bench-sync` measures about 0.15–0.3 on 2 cores).
-    #[arg(long, default_value_t = 0.15)]
+    #[arg(long, default_value_t = 0.5)]
     lossy_gvps: f64,
     /// The same for sparse uploads.
     #[arg(long, default_value_t = crate::plan_sync::SPARSE_GVPS)]

@@ -37,9 +37,9 @@ pub struct Args {
     /// GB of uploads the server folds in per second (`spes bench-sync` measures it).
     #[arg(long, default_value_t = 1.0)]
     aggregate_gbps: f64,
-    /// Billions of values per second the server folds of quantized or sparse uploads (each
-    /// value of the tensors covered; `spes bench-sync` measures about 0.15–0.3 on 2 cores).
-    #[arg(long, default_value_t = 0.15)]
+    /// Billions of values per second the server decodes and folds of quantized uploads (each
+    /// value sent; `spes bench-sync` measures 0.3–0.5 on 2 cores).
+    #[arg(long, default_value_t = 0.5)]
     lossy_gvps: f64,
     /// The same for sparse uploads (`spes bench-sync` measures it).
     #[arg(long, default_value_t = SPARSE_GVPS)]
@@ -53,7 +53,7 @@ pub struct Args {
 }
 
 /// Billions of values per second one 2-core server folds of sparse uploads (`spes bench-sync`).
-pub const SPARSE_GVPS: f64 = 1.0;
+pub const SPARSE_GVPS: f64 = 0.9;
 
 /// The planner's input for `preset` with `nodes` nodes.
 pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {

