@@ -12,7 +12,7 @@
 # OUT_DIR/results.md gets one line per figure and OUT_DIR/results.jsonl one JSON object per
 # section (name, seconds, status). A wrong result stops the script at once with a non-zero
 # exit; a section over its time budget is recorded and the script goes on (and exits non-zero
-# at the end). The budgets (seconds, at each `section` line below) add up to 300 for the whole
+# at the end). The budgets (seconds, at each `section` line below) add up to 340 for the whole
 # check and 115 for --quick.
 set -euo pipefail
 mode=full
@@ -172,12 +172,15 @@ PY
 }
 
 demo_identity() {
-  # Server + 4 nodes over bf16 deltas: every node applies the published deltas to its fp32
-  # copy on the device and must end bit-identical to the server's final model.
-  "$bin" demo --out "$work/demo" --device "$dev" --set train.precision="$prec" \
+  # Server + 4 nodes over deltas of one wire form ($1: a directory under $work; then --set
+  # overrides): every node applies the published deltas to its fp32 copy on the device and
+  # must end bit-identical to the server's final model.
+  local name=$1
+  shift
+  "$bin" demo --out "$work/$name" --device "$dev" --set train.precision="$prec" \
     --set train.max_steps="$demo_steps" --set train.batch_size="$demo_batch" \
-    --set sync.wire=bf16_delta --set sync.sync_steps="$demo_sync" 2>&1 | tail -n 1 | tee -a "$md"
-  python3 - "$work/demo" "$demo_steps" <<'PY' | tee -a "$md"
+    --set sync.sync_steps="$demo_sync" "$@" 2>&1 | tail -n 1 | tee -a "$md"
+  python3 - "$work/$name" "$demo_steps" "$name" <<'PY' | tee -a "$md"
 import json, os, re, sys
 out, steps = sys.argv[1], sys.argv[2]
 def tensors(path):
@@ -196,7 +199,7 @@ for p in range(4):
     assert not bad, f"node {p} differs from the server's final model in {bad[:3]}"
 val = [json.loads(l).get("val_loss") for l in open(f"{out}/server/metrics.jsonl")]
 val = [v for v in val if v is not None]
-print(f"- bf16 deltas: every node ends bit-identical to the server's final model ({newest}); val_loss {val[0]:.3f} -> {val[-1]:.3f}")
+print(f"- {sys.argv[3]}: every node ends bit-identical to the server's final model ({newest}); val_loss {val[0]:.3f} -> {val[-1]:.3f}")
 assert val[-1] < val[0], "training must lower the validation loss"
 PY
 }
@@ -206,6 +209,16 @@ demo_int4() {
   # decode on the device), experts at half the shared rate (two fused AdamW calls a step).
   "$bin" demo --out "$work/int4" --device "$dev" --set train.precision="$prec" \
     --set train.max_steps="$int4_steps" --set train.batch_size="$demo_batch" 2>&1 | tail -n 1 | tee -a "$md"
+}
+
+demo_bf16() {
+  demo_identity demo --set sync.wire=bf16_delta
+}
+
+demo_lossy() {
+  # The 100x wires: chunked top-k (index_add_ on the device) and strided 2-bit codes.
+  demo_identity sparse --set sync.wire=sparse_delta
+  demo_identity int2-stride --set sync.wire=int2_delta --set sync.stride=4
 }
 
 nccl_rank() {
@@ -235,7 +248,7 @@ PY
 
 section "environment" 15 env_info
 section "device and precision" 30 device_and_precision
-section "bf16-delta demo: bit-identity" 40 demo_identity
+section "bf16-delta demo: bit-identity" 40 demo_bf16
 section "compute copies and fused projections" 20 step_paths
 if [ "$mode" != quick ]; then
   section "a SPES node's step" 40 node_step
@@ -243,6 +256,7 @@ if [ "$mode" != quick ]; then
   section "MoE kernels" 25 moe_kernels
   section "frozen experts in bf16 vs fp32 and the planner" 25 frozen_memory
   section "int4 demo" 20 demo_int4
+  section "sparse and strided 2-bit demos: bit-identity" 40 demo_lossy
 fi
 section "one NCCL rank" 10 nccl_rank
 say ""

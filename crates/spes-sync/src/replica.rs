@@ -132,6 +132,9 @@ pub struct Replica {
     sent: HashMap<String, Delta>,
     /// `sync.feedback = "buffer"`: what this node has not sent yet, per trained tensor.
     feedback: HashMap<String, Tensor>,
+    /// The last upload was the run's last round, sent whole: its round is the final model,
+    /// with nothing left to carry.
+    flushed: bool,
     /// `sync.feedback = "buffer"` with overlap: each trained tensor's change at the last
     /// upload, before the buffer was added, so steps trained since can be kept.
     changes: HashMap<String, Tensor>,
@@ -151,6 +154,7 @@ impl Replica {
             sent: HashMap::new(),
             feedback: HashMap::new(),
             changes: HashMap::new(),
+            flushed: false,
         }
     }
 
@@ -274,6 +278,7 @@ impl Replica {
             }
         }
         self.sent = sent;
+        self.flushed = last;
         if buffer {
             self.feedback = feedback;
             self.changes = changes;
@@ -323,7 +328,10 @@ impl Replica {
                 }
             }
         }
+        // After the last round the weights are the final model: a flushed upload leaves only
+        // its bf16 rounding, which no later round would carry.
         let keep_progress = published.after_upload
+            && !std::mem::take(&mut self.flushed)
             && (self.cfg.feeds_back_in_weights()
                 || self.cfg.overlaps() && published.trained_since_upload);
         let changes = std::mem::take(&mut self.changes);
