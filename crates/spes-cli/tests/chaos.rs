@@ -286,7 +286,7 @@ evict_after_s = 1
         assert!(p.exit.unwrap().success(), "{} failed:\n{}", p.name, show(p));
     }
 
-    // Node 0 came back from a checkpoint at least 3 rounds older than the round it rejoined.
+    // Node 0 came back from a checkpoint older than the round it rejoined.
     let log0 = show(&procs[1]);
     let resumed = log0
         .lines()
@@ -304,10 +304,9 @@ evict_after_s = 1
         number_after(resumed, ""),
         number_after(resumed, "rejoining at round "),
     );
-    assert!(
-        at >= from + 3,
-        "node 0 resumed from round {from} at round {at}"
-    );
+    // How far the others got while it was down depends on timing (it died in round 8, after
+    // the published round 6 or 7); that it rejoined past its checkpoint's round does not.
+    assert!(at > from, "node 0 resumed from round {from} at round {at}");
 
     // Every round is published (logged) exactly once, in order.
     let final_round = MAX_STEPS / SYNC_STEPS;
