@@ -245,12 +245,9 @@ impl Coordinator {
     /// the outer optimizer's momenta (`momentum/<name>`) and the lossy wires' residuals
     /// (`residual/<name>`), fp32.
     pub fn carried(&self) -> Named {
-        let mut residual: Named = self
-            .residual
-            .iter()
-            .map(|(n, t)| (format!("{RESIDUAL}{n}"), t.shallow_clone()))
-            .collect();
-        residual.sort_by(|a, b| a.0.cmp(&b.0));
+        let residual = crate::named::sorted(&self.residual)
+            .into_iter()
+            .map(|(n, t)| (format!("{RESIDUAL}{n}"), t));
         let momenta = self.outer.state().into_iter();
         momenta
             .map(|(n, t)| (format!("{MOMENTUM}{n}"), t))

@@ -105,3 +105,13 @@ impl Layout {
         self.index.get(name).copied()
     }
 }
+
+/// Shallow copies of a map's tensors, by name in sorted order (what a saved state holds).
+pub fn sorted(map: &HashMap<String, Tensor>) -> Named {
+    let mut named: Named = map
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}

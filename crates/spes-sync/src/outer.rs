@@ -111,13 +111,7 @@ impl OuterState {
 
     /// Every tensor's momentum, by name in sorted order (for the server's restart point).
     pub fn state(&self) -> Named {
-        let mut named: Named = self
-            .momentum
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        named
+        crate::named::sorted(&self.momentum)
     }
 
     /// Restores what [`OuterState::state`] returned.

@@ -460,12 +460,7 @@ impl Replica {
             }),
             _ => Vec::new(),
         };
-        let mut feedback: Named = self
-            .feedback
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect();
-        feedback.sort_by(|a, b| a.0.cmp(&b.0));
+        let feedback = crate::named::sorted(&self.feedback);
         Some(ReplicaState {
             base_round: round,
             owned: self.owned.clone(),
