@@ -250,6 +250,7 @@ async fn join_all(peers: &Arc<Vec<Peer>>) -> Result<()> {
                 session: 1000 + p.id as u64,
                 join: false,
                 data_parts: Vec::new(),
+                report: None,
             };
             match c.join(req).await {
                 Ok(_) => break,

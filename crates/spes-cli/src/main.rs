@@ -11,6 +11,7 @@ mod hf;
 mod link_bench;
 mod load_bench;
 mod local_ranks;
+mod logging;
 mod node_cmd;
 mod plan_memory;
 mod plan_sync;
@@ -19,6 +20,7 @@ mod score;
 mod secrets;
 mod serve;
 mod soak;
+mod status;
 mod step_bench;
 mod sync_bench;
 mod tokenize_cmd;
@@ -35,6 +37,10 @@ use spes_model::{ModelConfig, PRESETS};
     about = "Pretrain mixture-of-experts language models"
 )]
 struct Cli {
+    /// How log lines are written: `text` (coloured only on a terminal) or `json` (one object
+    /// per line, for log shippers).
+    #[arg(long, global = true, value_enum, default_value_t = logging::LogFormat::Text)]
+    log_format: logging::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -58,6 +64,9 @@ enum Command {
     /// Run the SPES (or DiLoCo) parameter server of a decentralized run.
     /// The config needs a [sync] section with mode = "spes" or "diloco".
     Server(serve::Args),
+    /// The state of a running decentralized run, from its server: members, leases, loss,
+    /// rounds and the last events; once or `--watch SECONDS`.
+    Status(status::Args),
     /// Run one node of a decentralized run: trains the shared parameters and its own experts.
     /// Its config's data.path is used; model, sync and training keys must match the server's.
     Node(node_cmd::Args),
@@ -105,14 +114,9 @@ enum Command {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    if let Err(e) = run(Cli::parse()) {
+    let cli = Cli::parse();
+    logging::init(cli.log_format);
+    if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
@@ -129,6 +133,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Eval(a) => score::run(a),
         Command::Server(a) => serve::run(a),
         Command::Node(a) => node_cmd::run(a),
+        Command::Status(a) => status::run(a),
         Command::GenSecret(a) => secrets::gen_secret(a),
         Command::Credential(a) => secrets::credentials(a),
         Command::GenCert(a) => secrets::gen_cert(a),

@@ -49,6 +49,10 @@ pub struct Args {
     /// Keep retrying an unreachable server this many seconds before giving up.
     #[arg(long, default_value_t = 3600.0)]
     pub patience_s: f64,
+    /// Serve this node's own Prometheus `/metrics` on a loopback address (what it also
+    /// reports to the server with each heartbeat).
+    #[arg(long)]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub ranks: RanksArgs,
     #[command(flatten)]
@@ -68,6 +72,7 @@ pub fn run(a: Args) -> Result<()> {
         tls_ca,
         progress,
         patience_s,
+        metrics_listen,
         ranks,
         runtime,
     } = a;
@@ -99,6 +104,15 @@ pub fn run(a: Args) -> Result<()> {
             anyhow::bail!("give --peer, or a --credential-file to take it from")
         }
     };
+    let metrics_listener = match metrics_listen {
+        Some(addr) => {
+            spes_net::view::http::HttpOptions::default().check(addr)?;
+            Some(std::net::TcpListener::bind(addr).map_err(|e| {
+                anyhow::anyhow!("cannot listen on {addr} for --metrics-listen: {e}")
+            })?)
+        }
+        None => None,
+    };
     let opts = spes_net::NodeOptions {
         cfg,
         server,
@@ -118,6 +132,7 @@ pub fn run(a: Args) -> Result<()> {
         join,
         insecure,
         data_parallel,
+        metrics_listener,
     };
     let summary = spes_net::Node::connect(opts)?.run()?;
     if progress != ProgressArg::Json {

@@ -46,8 +46,12 @@ pub fn gen_secret(a: GenSecretArgs) -> Result<()> {
 pub struct CredentialArgs {
     #[arg(long)]
     pub secret_file: PathBuf,
-    #[arg(long, num_args = 1.., required = true)]
+    #[arg(long, num_args = 1.., required_unless_present = "viewer")]
     pub peer: Vec<usize>,
+    /// Also the run's read-only viewer credential (`spes status`, the HTTP listener off
+    /// loopback, a Prometheus scrape): DIR/viewer.credential with --out.
+    #[arg(long)]
+    pub viewer: bool,
     #[arg(long)]
     pub out: Option<PathBuf>,
 }
@@ -84,13 +88,21 @@ pub fn gen_cert(a: GenCertArgs) -> Result<()> {
 pub fn credentials(a: CredentialArgs) -> Result<()> {
     let (secret_file, peers, out) = (&a.secret_file, &a.peer, a.out.as_deref());
     let secret = spes_net::auth::read_token(secret_file)?;
-    for &p in peers {
-        let c = spes_net::auth::credential(&secret, p);
+    let viewer = a.viewer.then(|| {
+        (
+            "viewer".to_owned(),
+            spes_net::auth::viewer_credential(&secret),
+        )
+    });
+    let nodes = peers
+        .iter()
+        .map(|&p| (format!("node-{p}"), spes_net::auth::credential(&secret, p)));
+    for (name, c) in nodes.chain(viewer) {
         match out {
             Some(dir) => {
                 std::fs::create_dir_all(dir)
                     .with_context(|| format!("cannot create {}", dir.display()))?;
-                let path = dir.join(format!("node-{p}.credential"));
+                let path = dir.join(format!("{name}.credential"));
                 spes_data::shard::write_secret(&path, c.as_bytes())?;
                 println!("{}", path.display());
             }

@@ -3,7 +3,7 @@
 
 use crate::args::{ConfigArgs, RuntimeArgs};
 use crate::secrets::secret_from;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -51,6 +51,11 @@ pub struct Args {
     /// tensors; nodes take every shard's URL in order (`--server URL0,URL1`).
     #[arg(long, default_value = "0/1", value_parser = parse_shard)]
     pub shard: (usize, usize),
+    /// Serve the operator's view over HTTP here: the live run page at `/`, `/api/run` and
+    /// Prometheus `/metrics`. Loopback is open to the machine; any other address needs TLS
+    /// (--tls-cert) and the viewer credential (`spes credential --viewer`) on every request.
+    #[arg(long)]
+    pub http: Option<SocketAddr>,
     #[command(flatten)]
     pub runtime: RuntimeArgs,
 }
@@ -71,6 +76,7 @@ pub fn run(a: Args) -> Result<()> {
         init,
         linger_s,
         shard,
+        http,
         runtime,
     } = a;
     let cfg = config.load()?;
@@ -98,6 +104,21 @@ pub fn run(a: Args) -> Result<()> {
     if !(idle_timeout_s > 0.0 && idle_timeout_s.is_finite()) {
         anyhow::bail!("--idle-timeout-s must be a positive number of seconds");
     }
+    let http = match http {
+        Some(addr) => {
+            let opts = spes_net::view::http::HttpOptions {
+                tls: tls.clone(),
+                token: (!addr.ip().is_loopback())
+                    .then(|| secret.as_deref().map(spes_net::auth::viewer_credential))
+                    .flatten(),
+            };
+            opts.check(addr)?;
+            let listener = std::net::TcpListener::bind(addr)
+                .with_context(|| format!("cannot listen on {addr} for --http"))?;
+            Some((listener, opts))
+        }
+        None => None,
+    };
     let opts = spes_net::ServerOptions {
         cfg,
         out,
@@ -107,6 +128,7 @@ pub fn run(a: Args) -> Result<()> {
         device: runtime.device()?,
         linger_s,
         shard,
+        http,
         limits: spes_net::Limits {
             max_concurrent_uploads,
             idle_timeout: std::time::Duration::from_secs_f64(idle_timeout_s),

@@ -5,6 +5,11 @@
 //! The server recomputes the MAC on every call, so it stores nothing per node, and a leaked
 //! credential lets its holder act as that one peer only. Every request must name the peer its
 //! credential authorizes ([`authorize`]).
+//!
+//! The run also has one read-only *viewer* credential, `spes-viewer-<hex HMAC-SHA256(secret,
+//! "spes viewer credential v1")>` (`spes credential --viewer`), for watching a run: it may read
+//! the run's status (the `Status` call, the HTTP listener's `/metrics` and `/api/run`) and
+//! nothing else.
 
 use anyhow::{bail, Context, Result};
 use hmac::{Hmac, Mac};
@@ -20,6 +25,28 @@ fn mac(secret: &str, peer: usize) -> Hmac<Sha256> {
     let mut m = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).expect("HMAC takes any key");
     m.update(format!("spes peer credential v1/{peer}").as_bytes());
     m
+}
+
+const VIEWER_PREFIX: &str = "spes-viewer-";
+
+fn viewer_mac(secret: &str) -> Hmac<Sha256> {
+    let mut m = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).expect("HMAC takes any key");
+    m.update(b"spes viewer credential v1");
+    m
+}
+
+/// The read-only viewer credential of the run whose secret is `secret`.
+pub fn viewer_credential(secret: &str) -> String {
+    let tag = hex::encode(viewer_mac(secret).finalize().into_bytes());
+    format!("{VIEWER_PREFIX}{tag}")
+}
+
+/// Whether `credential` is the run's viewer credential (checked in constant time).
+pub fn is_viewer(secret: &str, credential: &str) -> bool {
+    credential
+        .strip_prefix(VIEWER_PREFIX)
+        .and_then(|tag| hex::decode(tag).ok())
+        .is_some_and(|tag| viewer_mac(secret).verify_slice(&tag).is_ok())
 }
 
 /// The credential of `peer` in the run whose secret is `secret`.
@@ -55,12 +82,16 @@ pub fn read_token(path: &Path) -> Result<String> {
     Ok(token)
 }
 
-/// The peer id a request's credential authorizes, set by [`CheckCredential`].
-#[derive(Clone, Copy, Debug)]
-pub struct AuthedPeer(pub usize);
+/// Who a request's credential authorizes, set by [`CheckCredential`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caller {
+    Peer(usize),
+    /// The read-only viewer credential.
+    Viewer,
+}
 
 /// Server side: rejects calls without a valid `authorization: Bearer <credential>` (when the
-/// server has a secret) and records the peer it authorizes.
+/// server has a secret) and records who it authorizes.
 #[derive(Clone)]
 pub struct CheckCredential {
     pub secret: Option<String>,
@@ -76,9 +107,13 @@ impl Interceptor for CheckCredential {
             .get("authorization")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        match given.and_then(|c| verify(secret, c)) {
-            Some(peer) => {
-                req.extensions_mut().insert(AuthedPeer(peer));
+        let caller = given.and_then(|c| match verify(secret, c) {
+            Some(peer) => Some(Caller::Peer(peer)),
+            None => is_viewer(secret, c).then_some(Caller::Viewer),
+        });
+        match caller {
+            Some(caller) => {
+                req.extensions_mut().insert(caller);
                 Ok(req)
             }
             None => {
@@ -90,18 +125,22 @@ impl Interceptor for CheckCredential {
     }
 }
 
-/// Refuses a request that names a peer other than the one its credential authorizes.
+/// Refuses a request that names a peer other than the one its credential authorizes, and
+/// every peer's call made with the viewer credential.
 pub fn authorize<T>(req: &Request<T>, claimed: u32) -> Result<usize, Status> {
-    check_peer(req.extensions().get::<AuthedPeer>().copied(), claimed)
+    check_peer(req.extensions().get::<Caller>().copied(), claimed)
 }
 
 /// [`authorize`] for a request already taken apart.
-pub fn check_peer(authed: Option<AuthedPeer>, claimed: u32) -> Result<usize, Status> {
+pub fn check_peer(caller: Option<Caller>, claimed: u32) -> Result<usize, Status> {
     let claimed = claimed as usize;
-    match authed {
-        Some(AuthedPeer(p)) if p != claimed => Err(Status::permission_denied(format!(
+    match caller {
+        Some(Caller::Peer(p)) if p != claimed => Err(Status::permission_denied(format!(
             "this credential is for peer {p}, not peer {claimed}"
         ))),
+        Some(Caller::Viewer) => Err(Status::permission_denied(
+            "the viewer credential may only read the run's status",
+        )),
         _ => Ok(claimed),
     }
 }
@@ -183,6 +222,20 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::Unauthenticated);
         assert!(check.call(Request::new(())).is_err());
+        let viewer = viewer_credential("s3cret");
+        assert!(is_viewer("s3cret", &viewer) && !is_viewer("other", &viewer));
+        assert!(!is_viewer("s3cret", &c3) && credential_peer(&viewer).is_none());
+        let mut as_viewer = AddToken::new(Some(&viewer)).unwrap();
+        let req = check
+            .call(as_viewer.call(Request::new(())).unwrap())
+            .unwrap();
+        assert_eq!(req.extensions().get::<Caller>(), Some(&Caller::Viewer));
+        let e = authorize(&req, 3).unwrap_err();
+        assert_eq!(
+            e.code(),
+            tonic::Code::PermissionDenied,
+            "a viewer acts as no peer"
+        );
         let mut open = CheckCredential { secret: None };
         let req = open.call(Request::new(())).unwrap();
         assert!(authorize(&req, 5).is_ok(), "--no-auth: any peer");

@@ -14,6 +14,7 @@ pub mod payload;
 pub mod plan;
 pub mod refusal;
 pub mod server;
+pub mod view;
 
 /// Generated gRPC types of `proto/spes.proto`.
 pub mod proto {

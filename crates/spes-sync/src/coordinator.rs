@@ -299,6 +299,15 @@ impl Coordinator {
             .collect()
     }
 
+    /// Seconds since each lease holder (member or not) last renewed its lease, expired ones
+    /// included until they are evicted.
+    pub fn lease_ages(&self, now: f64) -> BTreeMap<usize, f64> {
+        self.leases
+            .iter()
+            .map(|(&p, l)| (p, (now - l.renewed).max(0.0)))
+            .collect()
+    }
+
     /// Whether `peer` holds a current lease, member or not.
     pub fn is_live(&self, peer: usize, now: f64) -> bool {
         self.leases

@@ -155,6 +155,10 @@ pub struct TrainConfig {
     pub eval_tasks_every: u64,
     /// Documents per task scored by that hook.
     pub eval_task_docs: usize,
+    /// Also write TensorBoard event files of this role's curves under `<dir>/<role>/`
+    /// (`train`, `node-<peer>`, `server`): `tensorboard --logdir <dir>` shows them side by side.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensorboard: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -191,6 +195,7 @@ impl Default for TrainConfig {
             eval_tasks: Vec::new(),
             eval_tasks_every: 0,
             eval_task_docs: 200,
+            tensorboard: None,
         }
     }
 }
@@ -221,6 +226,7 @@ node_local_train_keys!(
     activation_checkpointing,
     moe_kernel,
     frozen_experts_bf16,
+    tensorboard,
 );
 
 impl RunConfig {

@@ -11,6 +11,7 @@ pub mod memory_plan;
 pub mod metrics;
 pub mod optim;
 pub mod task_hook;
+pub mod tensorboard;
 pub mod trainer;
 
 pub use config::{

@@ -105,6 +105,47 @@ pub fn utilization(compute_s: f64, idle_s: f64) -> f64 {
     }
 }
 
+/// One node's part of a round as the node measured it: the [`SyncRecord`] numbers the
+/// server keeps per round (its timeline) and the live page draws.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeRound {
+    /// The global round the node's weights build on after this sync.
+    pub round: u64,
+    pub compute_s: f64,
+    pub sync_s: f64,
+    pub idle_s: f64,
+    pub bytes_up: u64,
+    pub bytes_down: u64,
+}
+
+impl From<&SyncRecord> for NodeRound {
+    fn from(s: &SyncRecord) -> Self {
+        NodeRound {
+            round: s.round,
+            compute_s: s.compute_s,
+            sync_s: s.sync_s,
+            idle_s: s.idle_s,
+            bytes_up: s.bytes_up,
+            bytes_down: s.bytes_down,
+        }
+    }
+}
+
+/// What a node tells the server about itself with each heartbeat, so an operator sees nodes
+/// behind NAT that nothing can scrape: its newest logged step and its newest sync. Small and
+/// fixed in size; the server checks it as untrusted input.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeReport {
+    pub step: u64,
+    /// Training tokens so far.
+    pub tokens: u64,
+    pub tokens_per_s: f64,
+    #[serde(flatten)]
+    pub losses: StepLosses,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync: Option<NodeRound>,
+}
+
 /// A line of a node's `metrics.jsonl`: a sync or a step.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -174,6 +215,9 @@ pub struct RoundClose {
     /// counters): this round's delta, uploads kept, whole models, logs.
     #[serde(default)]
     pub bytes_written: u64,
+    /// Each member's newest sync as it reported it by the close (the run's timeline).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub nodes: BTreeMap<usize, NodeRound>,
 }
 
 /// One expert's merge in a round.
@@ -236,6 +280,74 @@ fn rotated(path: &Path, i: usize) -> PathBuf {
     path.with_extension(format!("{i}.jsonl"))
 }
 
+/// The scalar curves a record adds to TensorBoard, at its step.
+pub trait Curves {
+    fn step(&self) -> u64;
+    fn scalars(&self) -> Vec<(&'static str, f64)>;
+}
+
+impl Curves for StepRecord {
+    fn step(&self) -> u64 {
+        self.step
+    }
+    fn scalars(&self) -> Vec<(&'static str, f64)> {
+        let mut v = Vec::new();
+        if let Some(l) = &self.losses {
+            v.extend([
+                ("train/loss", l.loss),
+                ("train/ce", l.ce),
+                ("train/z_loss", l.z_loss),
+                ("train/lb_loss", l.lb_loss),
+                ("train/router_z_loss", l.router_z_loss),
+                ("train/grad_norm", l.grad_norm),
+                ("train/lr", l.lr),
+            ]);
+        }
+        v.extend(self.tokens_per_s.map(|t| ("train/tokens_per_s", t)));
+        v.extend(self.val_loss.map(|l| ("val/loss", l)));
+        v
+    }
+}
+
+impl Curves for SyncRecord {
+    fn step(&self) -> u64 {
+        self.step
+    }
+    fn scalars(&self) -> Vec<(&'static str, f64)> {
+        vec![
+            ("sync/seconds", self.sync_s),
+            ("sync/idle_s", self.idle_s),
+            ("sync/compute_s", self.compute_s),
+            ("sync/utilization", self.utilization()),
+            ("sync/bytes_up", self.bytes_up as f64),
+            ("sync/bytes_down", self.bytes_down as f64),
+        ]
+    }
+}
+
+impl Curves for RoundRecord {
+    fn step(&self) -> u64 {
+        self.step
+    }
+    fn scalars(&self) -> Vec<(&'static str, f64)> {
+        let mut v = vec![
+            ("round/round", self.round as f64),
+            ("round/members", self.members.len() as f64),
+        ];
+        v.extend(self.val_loss.map(|l| ("val/loss", l)));
+        if let Some(c) = &self.close {
+            v.extend([
+                ("round/seconds", c.round_s),
+                ("round/aggregation_s", c.aggregation_s),
+                ("round/bytes_in", c.bytes_in as f64),
+                ("round/bytes_out", c.bytes_out as f64),
+                ("round/missing", c.missing.len() as f64),
+            ]);
+        }
+        v
+    }
+}
+
 /// Appends records as JSON lines to `<out>/metrics.jsonl`, rotating it at [`ROTATE_BYTES`] so
 /// a run of any length keeps at most `(1 + KEEP_ROTATED) · ROTATE_BYTES` of metrics.
 pub struct MetricsLog {
@@ -243,6 +355,7 @@ pub struct MetricsLog {
     file: std::fs::File,
     bytes: u64,
     rotate_at: u64,
+    tensorboard: Option<crate::tensorboard::EventWriter>,
 }
 
 /// A line's `step`, all a log needs to cut it after a crash.
@@ -277,11 +390,23 @@ impl MetricsLog {
             file,
             bytes: kept.len() as u64,
             rotate_at: ROTATE_BYTES,
+            tensorboard: None,
         })
     }
 
-    /// Appends one record.
-    pub fn write(&mut self, record: &impl Serialize) -> Result<()> {
+    /// Also writes every record's curves as TensorBoard events under `<dir>/<role>/`.
+    pub fn with_tensorboard(mut self, dir: Option<&Path>, role: &str) -> Result<Self> {
+        if let Some(dir) = dir {
+            self.tensorboard = Some(crate::tensorboard::EventWriter::create(dir, role)?);
+        }
+        Ok(self)
+    }
+
+    /// Appends one record (and its curves, with TensorBoard on).
+    pub fn write<T: Serialize + Curves>(&mut self, record: &T) -> Result<()> {
+        if let Some(tb) = &mut self.tensorboard {
+            tb.scalars(record.step(), &record.scalars())?;
+        }
         let line = format!("{}\n", serde_json::to_string(record)?);
         if self.bytes + line.len() as u64 > self.rotate_at && self.bytes > 0 {
             self.rotate()?;

@@ -621,7 +621,10 @@ pub fn run(
     if first {
         let config = toml::to_string(&cfg)?;
         spes_data::shard::write_atomic(&out.join("config.toml"), config.as_bytes())?;
-        log = Some(MetricsLog::open(out, latest.as_ref().map(|_| tr.step))?);
+        log = Some(
+            MetricsLog::open(out, latest.as_ref().map(|_| tr.step))?
+                .with_tensorboard(cfg.train.tensorboard.as_deref(), "train")?,
+        );
     }
     let mut write = |record: StepRecord| -> Result<()> {
         match &mut log {

@@ -11,14 +11,27 @@ use anyhow::{bail, Context, Result};
 use std::time::Duration;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 
-pub(super) async fn connect_client(opts: &NodeOptions, url: &str) -> Result<Client> {
-    if url.starts_with("http://")
-        && opts.credential.is_some()
-        && !opts.insecure
-        && !is_loopback_url(url)
-    {
+pub(super) fn connect_client(opts: &NodeOptions, url: &str) -> Result<Client> {
+    client(
+        url,
+        opts.credential.as_deref(),
+        opts.tls_ca.as_deref(),
+        opts.insecure,
+    )
+}
+
+/// A client of the server at `url` that sends `credential` with every call (a node's, or the
+/// viewer's for `spes status`), trusting `tls_ca` (else the web PKI roots) for `https`.
+/// Refuses to send a credential in plaintext off loopback unless `insecure`.
+pub(crate) fn client(
+    url: &str,
+    credential: Option<&str>,
+    tls_ca: Option<&[u8]>,
+    insecure: bool,
+) -> Result<Client> {
+    if url.starts_with("http://") && credential.is_some() && !insecure && !is_loopback_url(url) {
         bail!(
-            "refusing to send this node's credential in plaintext to {url}: use https:// (the \
+            "refusing to send the credential in plaintext to {url}: use https:// (the \
              server needs --tls-cert/--tls-key), or pass --insecure on a network you trust"
         );
     }
@@ -32,7 +45,7 @@ pub(super) async fn connect_client(opts: &NodeOptions, url: &str) -> Result<Clie
         .tcp_keepalive(Some(Duration::from_secs(30)));
     if url.starts_with("https://") {
         let mut tls = ClientTlsConfig::new();
-        tls = match &opts.tls_ca {
+        tls = match tls_ca {
             Some(ca) => tls.ca_certificate(Certificate::from_pem(ca)),
             None => tls.with_webpki_roots(),
         };
@@ -42,7 +55,7 @@ pub(super) async fn connect_client(opts: &NodeOptions, url: &str) -> Result<Clie
     }
     let channel = endpoint.connect_lazy();
     Ok(
-        SpesClient::with_interceptor(channel, AddToken::new(opts.credential.as_deref())?)
+        SpesClient::with_interceptor(channel, AddToken::new(credential)?)
             .max_decoding_message_size(payload::MAX_MESSAGE_BYTES),
     )
 }
@@ -61,7 +74,10 @@ impl Link {
             .iter()
             .map(|url| {
                 Ok(Shard {
-                    client: rt.block_on(connect_client(opts, url))?,
+                    client: {
+                        let _entered = rt.enter();
+                        connect_client(opts, url)?
+                    },
                     names: None,
                     full_bytes: 0,
                     delta_max: 0,

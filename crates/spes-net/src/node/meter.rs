@@ -5,9 +5,12 @@
 use super::Progress;
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
-use spes_train::metrics::{MetricsLog, NodeLine, ProgressLine, StepRecord, SyncRecord};
+use spes_train::metrics::{
+    MetricsLog, NodeLine, NodeReport, NodeRound, ProgressLine, StepRecord, SyncRecord,
+};
 use spes_train::StepStats;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// A node's progress display, metrics log and counters.
@@ -26,12 +29,15 @@ pub(super) struct Meter {
     /// The process's bytes written to disk at the last sync.
     written: u64,
     pub started: Instant,
+    /// The newest step and sync, which the heartbeat sends the server.
+    pub report: Arc<Mutex<Option<NodeReport>>>,
 }
 
 impl Meter {
     /// Opens `<out>/metrics.jsonl`, keeping the lines through `resumed_step` of a resumed run.
     pub fn open(
         out: &Path,
+        tensorboard: Option<&Path>,
         peer: usize,
         max_steps: u64,
         progress: Progress,
@@ -57,13 +63,15 @@ impl Meter {
             max_steps,
             progress,
             bar,
-            log: MetricsLog::open(out, resumed_step)?,
+            log: MetricsLog::open(out, resumed_step)?
+                .with_tensorboard(tensorboard, &format!("node-{peer}"))?,
             bytes_up: 0,
             bytes_down: 0,
             window: (0, 0.0),
             round_compute_s: 0.0,
             written: spes_train::bench::bytes_written(),
             started: Instant::now(),
+            report: Arc::default(),
         })
     }
 
@@ -84,6 +92,14 @@ impl Meter {
             ..s.record(step, tokens, tps)
         };
         self.log.write(&record)?;
+        {
+            let mut report = self.report.lock().unwrap();
+            let report = report.get_or_insert_with(NodeReport::default);
+            report.step = step;
+            report.tokens = tokens;
+            report.tokens_per_s = tps;
+            report.losses = s.losses.clone();
+        }
         self.show(
             NodeLine::Step(record),
             format!("loss {:.3} | {tps:.0} tok/s", s.losses.loss),
@@ -105,6 +121,11 @@ impl Meter {
     /// Logs a sync.
     pub fn log_sync(&mut self, record: SyncRecord) -> Result<()> {
         self.log.write(&record)?;
+        self.report
+            .lock()
+            .unwrap()
+            .get_or_insert_with(NodeReport::default)
+            .sync = Some(NodeRound::from(&record));
         let message = format!("synced round {}", record.round);
         self.show(NodeLine::Sync(record), message);
         Ok(())

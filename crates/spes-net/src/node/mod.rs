@@ -11,13 +11,13 @@
 //! records is `meter`'s. Refusals are decided on their typed kind ([`crate::refusal`]): a
 //! closed round names the round to load, and the node loads exactly it.
 
-mod connect;
+pub(crate) mod connect;
 mod exchange;
 mod membership;
 mod meter;
 mod saved;
 mod session;
-mod transport;
+pub(crate) mod transport;
 
 use crate::fault;
 use anyhow::{bail, Result};
@@ -68,6 +68,8 @@ pub struct NodeOptions {
     /// A node of several ranks: this process is rank 0 of this group; the other ranks run
     /// [`spes_train::follow`].
     pub data_parallel: Option<DataParallel>,
+    /// Serve the node's own `/metrics` here (a bound loopback listener).
+    pub metrics_listener: Option<std::net::TcpListener>,
 }
 
 /// An upload and fetch running on another thread (overlap), and when it started.
@@ -127,6 +129,7 @@ impl Node {
         }
         let meter = Meter::open(
             &opts.out,
+            cfg.train.tensorboard.as_deref(),
             opts.peer,
             cfg.train.max_steps,
             opts.progress,
@@ -134,7 +137,10 @@ impl Node {
         )?;
         let layout = spes_sync::Layout::of(&trainer.model);
         link.set_layout(&layout);
-        session.start_heartbeat(&link, reply.lease_ms);
+        session.start_heartbeat(&link, reply.lease_ms, meter.report.clone());
+        if let Some(listener) = opts.metrics_listener {
+            session.serve_metrics(listener, meter.report.clone())?;
+        }
         let saved = resumed.as_deref().map(saved::read).transpose()?;
         let mut node = Node {
             replica: Replica::new(opts.peer, cfg.sync.clone(), layout),

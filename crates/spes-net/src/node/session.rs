@@ -10,8 +10,10 @@ use crate::auth::credential_peer;
 use crate::proto::refusal::Kind as Refused;
 use crate::proto::JoinRequest;
 use crate::refusal;
+use crate::view::report_to_proto;
 use anyhow::{bail, Context, Result};
 use spes_train::config::Partition;
+use spes_train::metrics::NodeReport;
 use spes_train::RunConfig;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -55,16 +57,23 @@ impl Session {
         })
     }
 
-    /// Renews the lease at every shard every `lease/4` on the runtime's worker threads; sets
-    /// [`Session::lost`] when another process took this peer id.
-    pub fn start_heartbeat(&self, link: &Link, lease_ms: u64) {
+    /// Renews the lease at every shard every `lease/4` on the runtime's worker threads, with
+    /// the node's newest `report`; sets [`Session::lost`] when another process took this peer
+    /// id.
+    pub fn start_heartbeat(
+        &self,
+        link: &Link,
+        lease_ms: u64,
+        report: Arc<Mutex<Option<NodeReport>>>,
+    ) {
         let every = Duration::from_millis((lease_ms / 4).max(50));
         for shard in &link.shards {
-            let (peer, session, client, lost) = (
+            let (peer, session, client, lost, report) = (
                 self.peer as u32,
                 self.id,
                 shard.client.clone(),
                 self.lost.clone(),
+                report.clone(),
             );
             link.handle.spawn(async move {
                 loop {
@@ -75,6 +84,7 @@ impl Session {
                         session,
                         join: false,
                         data_parts: Vec::new(),
+                        report: report.lock().unwrap().as_ref().map(report_to_proto),
                     });
                     req.set_timeout(every.max(Duration::from_secs(2)));
                     match c.heartbeat(req).await {
@@ -88,6 +98,38 @@ impl Session {
                 }
             });
         }
+    }
+
+    /// Serves the node's own Prometheus `/metrics` (its newest report) on `listener` for as
+    /// long as the node runs.
+    pub fn serve_metrics(
+        &self,
+        listener: std::net::TcpListener,
+        report: Arc<Mutex<Option<NodeReport>>>,
+    ) -> Result<()> {
+        let peer = self.peer;
+        tracing::info!(
+            "node {peer}: metrics on http://{}/metrics",
+            listener.local_addr()?
+        );
+        let endpoints = crate::view::http::Endpoints {
+            metrics: Box::new(move || {
+                crate::view::prom::render_nodes(&[crate::view::NodeView {
+                    peer,
+                    report: report.lock().unwrap().clone(),
+                    ..Default::default()
+                }])
+            }),
+            run_json: None,
+        };
+        let opts = crate::view::http::HttpOptions::default();
+        self.rt.spawn(async move {
+            let forever = std::future::pending::<()>();
+            if let Err(e) = crate::view::http::serve(listener, opts, endpoints, forever).await {
+                tracing::error!("node {peer}: the metrics listener failed: {e:#}");
+            }
+        });
+        Ok(())
     }
 
     /// Fails once another process took this peer id.

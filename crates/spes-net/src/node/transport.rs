@@ -19,7 +19,7 @@ use tonic::codegen::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
-pub(super) type Client = SpesClient<InterceptedService<Channel, AddToken>>;
+pub(crate) type Client = SpesClient<InterceptedService<Channel, AddToken>>;
 
 /// How long a stream may stay silent, and how long unary calls may take.
 const IDLE: Duration = Duration::from_secs(20);
@@ -68,6 +68,7 @@ pub(super) fn join_run(
             session,
             join,
             data_parts: data_parts.to_vec(),
+            report: None,
         };
         async move { c.join(call(req)).await }
     })
@@ -370,7 +371,7 @@ where
 }
 
 /// Turns a final gRPC failure into an error that says what to do.
-pub(super) fn explain(s: Status, server: &str) -> anyhow::Error {
+pub(crate) fn explain(s: Status, server: &str) -> anyhow::Error {
     match s.code() {
         Code::Unauthenticated => anyhow::anyhow!(
             "{server} rejected this node's credential: check --credential-file (made by `spes credential` from the run secret)"

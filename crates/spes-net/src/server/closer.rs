@@ -100,6 +100,7 @@ fn round_record(
             rejected: io.rejected,
             outer_scale: r.outer_scale,
             bytes_written: 0,
+            nodes: Default::default(),
         }),
         ..RoundRecord::default()
     }
@@ -165,6 +166,15 @@ pub(super) fn run_closer(
                 taken
             };
             let mut record = round_record(&report, tokens, io, aggregation_s, now - opened_at);
+            if let Some(c) = &mut record.close {
+                let took_part: Vec<usize> = report
+                    .peers
+                    .iter()
+                    .chain(&report.missing)
+                    .copied()
+                    .collect();
+                c.nodes = s.watch.lock().unwrap().node_rounds(&took_part);
+            }
             record.data_parts = s
                 .progress
                 .lock()
@@ -183,6 +193,7 @@ pub(super) fn run_closer(
                 full: s.full_round(report.round, last_full.elapsed().as_secs_f64()),
             };
             let mut pause = Duration::from_millis(500);
+            let publishing = Instant::now();
             while let Err(e) = s.store.publish(&s.progress, &publication) {
                 tracing::error!(
                     "publishing round {} failed, retrying in {:.1} s: {e:#}",
@@ -195,6 +206,7 @@ pub(super) fn run_closer(
                     return;
                 }
             }
+            s.watch.lock().unwrap().counters.publish_s = publishing.elapsed().as_secs_f64();
             s.published.send_replace(report.round);
             if publication.full {
                 last_full = Instant::now();
@@ -265,6 +277,12 @@ pub(super) fn run_scorer(
         if let Err(e) = metrics.write(&job.record) {
             tracing::error!("cannot write metrics.jsonl: {e:#}");
         }
+        let mut watch = s.watch.lock().unwrap();
+        if let Some(c) = &job.record.close {
+            watch.counters.joins += c.joined.len() as u64;
+            watch.counters.evictions += c.evicted.len() as u64;
+        }
+        watch.history.push(&job.record, true);
     }
 }
 

@@ -7,10 +7,13 @@
 
 mod closer;
 mod service;
+mod status;
 mod store;
 
 use crate::auth::CheckCredential;
 use crate::proto::spes_server::SpesServer;
+use crate::view::http::{Endpoints, HttpOptions};
+use crate::view::{History, Watch};
 use crate::{payload, refusal};
 use anyhow::{Context, Result};
 use closer::{run_closer, run_scorer, shallow, Evaluator, RoundIo, ScoreJob};
@@ -50,6 +53,8 @@ pub struct ServerOptions {
     pub limits: Limits,
     /// This process is shard `.0` of `.1` (`--shard i/k`): it owns `Layout::shard(i, k)`.
     pub shard: (usize, usize),
+    /// The operator's HTTP listener (live page, `/api/run`, `/metrics`), already bound.
+    pub http: Option<(std::net::TcpListener, HttpOptions)>,
 }
 
 /// What one client may cost the server.
@@ -106,6 +111,8 @@ struct State {
     served: Mutex<Option<(u64, Stored)>>,
     /// Of the server's data's tokenizer (hex), for nodes to check theirs; empty without data.
     tokenizer_xxh3: String,
+    /// What the operator's view shows beyond the coordinator's state.
+    watch: Mutex<Watch>,
 }
 
 impl State {
@@ -168,11 +175,17 @@ impl State {
             "rejected a call of peer {peer} for round {round}: {}",
             status.message()
         );
-        self.io
+        let text = format!("peer {peer} round {round}: {}", status.message());
+        self.io.lock().unwrap().rejected.push(text.clone());
+        let reason = match refusal::kind(&status) {
+            Some(kind) => kind.as_str_name().to_lowercase(),
+            None => format!("{:?}", status.code()).to_lowercase(),
+        };
+        let peer = (peer != u32::MAX).then_some(peer as usize);
+        self.watch
             .lock()
             .unwrap()
-            .rejected
-            .push(format!("peer {peer} round {round}: {}", status.message()));
+            .refused(peer, round, &reason, text);
         status
     }
 
@@ -306,11 +319,17 @@ pub async fn serve(
             None
         }
     };
+    let role = match opts.shard {
+        (_, 1) => "server".to_owned(),
+        (i, k) => format!("server-shard-{i}-of-{k}"),
+    };
     let metrics = MetricsLog::open(
         &opts.out,
         (!opened.fresh).then_some(published_round * cfg.sync.sync_steps),
-    )?;
+    )?
+    .with_tensorboard(cfg.train.tensorboard.as_deref(), &role)?;
     let logged = last_logged_round(&opts.out);
+    let history = History::of(&spes_train::metrics::read(&opts.out.join("metrics.jsonl")));
     let (published, _) = watch::channel(published_round);
     let (wake_tx, wake_rx) = mpsc::sync_channel(1);
     let clock = Instant::now();
@@ -356,6 +375,10 @@ pub async fn serve(
         last_val_loss: Mutex::new(logged.as_ref().and_then(|l| l.val_loss)),
         shard: opts.shard,
         tokenizer_xxh3,
+        watch: Mutex::new(Watch {
+            history,
+            ..Watch::default()
+        }),
     });
     let (score_tx, score_rx) = mpsc::channel();
     if opened.fresh {
@@ -429,6 +452,36 @@ pub async fn serve(
             secret: opts.secret.clone(),
         },
     );
+    let (http_stop, http_stopped) = tokio::sync::oneshot::channel::<()>();
+    let http = match opts.http {
+        Some((listener, http_opts)) => {
+            http_opts.check(listener.local_addr()?)?;
+            let endpoints = Endpoints {
+                metrics: {
+                    let s = state.clone();
+                    Box::new(move || crate::view::prom::render(&s.view()))
+                },
+                run_json: {
+                    let s = state.clone();
+                    Some(Box::new(move || {
+                        serde_json::to_string(&s.view()).unwrap_or_default()
+                    }))
+                },
+            };
+            tracing::info!(
+                "live run page on http{}://{}/",
+                if http_opts.tls.is_some() { "s" } else { "" },
+                listener.local_addr()?
+            );
+            let stopped = async {
+                let _ = http_stopped.await;
+            };
+            Some(tokio::spawn(crate::view::http::serve(
+                listener, http_opts, endpoints, stopped,
+            )))
+        }
+        None => None,
+    };
     let stop_serving = async move {
         tokio::select! {
             _ = shutdown => {},
@@ -444,6 +497,14 @@ pub async fn serve(
         .await
         .context("gRPC server failed");
     stop.store(true, Ordering::Relaxed);
+    let _ = http_stop.send(());
+    if let Some(http) = http {
+        match http.await {
+            Ok(Err(e)) => tracing::error!("the HTTP listener failed: {e:#}"),
+            Err(e) => tracing::error!("the HTTP listener panicked: {e}"),
+            Ok(Ok(())) => {}
+        }
+    }
     let _ = tokio::task::spawn_blocking(move || {
         let _ = closer.join();
         let _ = scorer.join();

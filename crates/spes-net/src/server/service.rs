@@ -4,12 +4,12 @@
 
 use super::store::{parse_hex, DeltaPart, Stored};
 use super::State;
-use crate::auth::{authorize, check_peer, AuthedPeer};
+use crate::auth::{authorize, check_peer, Caller};
 use crate::proto::refusal::Kind;
 use crate::proto::spes_server::Spes;
 use crate::proto::{
     Chunk, DoneReply, DoneRequest, FetchRequest, HeartbeatReply, JoinReply, JoinRequest,
-    PayloadHeader, UploadReply,
+    PayloadHeader, StatusReply, StatusRequest, UploadReply,
 };
 use crate::{payload, refusal};
 use spes_sync::Standing;
@@ -71,6 +71,17 @@ impl Spes for Service {
         let s = &self.state;
         let peer = authorize(&req, req.get_ref().peer)?;
         let (standing, _, published_round) = s.join(peer, req.get_ref().session, false, None)?;
+        if let Some(report) = &req.get_ref().report {
+            let checked = crate::view::report_of(report);
+            let mut watch = s.watch.lock().unwrap();
+            match checked {
+                Ok(r) => watch.peers.entry(peer).or_default().report = Some((r, s.now())),
+                Err(e) => {
+                    watch.counters.bad_reports += 1;
+                    tracing::warn!("dropped node {peer}'s report: {e}");
+                }
+            }
+        }
         Ok(Response::new(HeartbeatReply {
             published_round,
             member_from: standing_from(standing),
@@ -149,6 +160,13 @@ impl Spes for Service {
             skipped_own,
         };
         s.io.lock().unwrap().bytes_out += header.total_bytes;
+        s.watch
+            .lock()
+            .unwrap()
+            .peers
+            .entry(peer)
+            .or_default()
+            .bytes_out += header.total_bytes;
         Ok(Response::new(payload::send(files, header, |_| {})))
     }
 
@@ -160,13 +178,25 @@ impl Spes for Service {
         Ok(Response::new(DoneReply {}))
     }
 
+    async fn status(&self, req: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
+        // Any valid credential reads the status; without auth, anyone who can connect.
+        let _ = req.extensions().get::<Caller>();
+        let state = self.state.clone();
+        let view = tokio::task::spawn_blocking(move || state.view())
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(StatusReply {
+            run_json: serde_json::to_string(&view).map_err(|e| Status::internal(e.to_string()))?,
+        }))
+    }
+
     async fn upload(
         &self,
         req: Request<Streaming<Chunk>>,
     ) -> Result<Response<UploadReply>, Status> {
         let s = self.state.clone();
         let idle = s.limits.idle_timeout;
-        let authed = req.extensions().get::<AuthedPeer>().copied();
+        let authed = req.extensions().get::<Caller>().copied();
         let mut stream = req.into_inner();
         let mut claimed = (u32::MAX, 0);
         let result = async {
@@ -214,10 +244,16 @@ impl Spes for Service {
             }
             s.io.lock().unwrap().bytes_in += header.total_bytes;
             let state = s.clone();
-            let round = header.round;
+            let (round, bytes) = (header.round, header.total_bytes);
             tokio::task::spawn_blocking(move || state.accept(peer, &header, &part))
                 .await
                 .map_err(|e| Status::internal(e.to_string()))??;
+            {
+                let mut watch = s.watch.lock().unwrap();
+                let w = watch.peers.entry(peer).or_default();
+                w.uploads += 1;
+                w.bytes_in += bytes;
+            }
             let _ = s.wake.try_send(());
             Ok(UploadReply { round })
         }

@@ -108,18 +108,12 @@ impl Server {
         limits: Limits,
         shard: (usize, usize),
     ) -> Server {
+        Self::start_options(bind, options(cfg, out, tls, limits, shard))
+    }
+
+    /// A server with any options.
+    pub fn start_options(bind: &str, opts: ServerOptions) -> Server {
         let bind = bind.to_owned();
-        let opts = ServerOptions {
-            cfg,
-            out: out.to_owned(),
-            secret: Some(SECRET.into()),
-            tls,
-            init: None,
-            device: Device::Cpu,
-            linger_s: 5.0,
-            limits,
-            shard,
-        };
         let (addr_tx, addr_rx) = mpsc::channel();
         let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let handle = std::thread::spawn(move || {
@@ -153,6 +147,33 @@ impl Server {
         let _ = self.stop.take().unwrap().send(());
         self.finish()
     }
+}
+
+/// The test server's options: the test secret, CPU, a 5 s linger, no HTTP listener.
+pub fn options(
+    cfg: RunConfig,
+    out: &Path,
+    tls: Option<(Vec<u8>, Vec<u8>)>,
+    limits: Limits,
+    shard: (usize, usize),
+) -> ServerOptions {
+    ServerOptions {
+        cfg,
+        out: out.to_owned(),
+        secret: Some(SECRET.into()),
+        tls,
+        init: None,
+        device: Device::Cpu,
+        linger_s: 5.0,
+        limits,
+        shard,
+        http: None,
+    }
+}
+
+/// The repository's root (tests run in their crate's directory).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 impl Drop for Server {
@@ -194,6 +215,7 @@ pub fn node_options(cfg: &RunConfig, url: &str, peer: usize, out: &Path) -> Node
         join: false,
         insecure: false,
         data_parallel: None,
+        metrics_listener: None,
     }
 }
 

@@ -1,0 +1,387 @@
+//! The operator's view of a real run on loopback (issue 29): Prometheus `/metrics` parsed by
+//! the Prometheus project's Python parser, the live page rendered by headless Chromium, the
+//! `Status` call with the viewer credential, and TensorBoard's own reader on the event files.
+//! Two nodes pause twice mid-run (their heartbeats go on), so every check sees a live run.
+//! Needs `.venv` with tensorboard and prometheus_client and `chromium` (scripts/setup.sh).
+
+mod common;
+
+use common::*;
+use spes_net::server::Limits;
+use spes_net::view::http::HttpOptions;
+use spes_net::view::RunView;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::Command;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A GET over plain HTTP/1.1: status code and body.
+fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP reply");
+    let code = head.split(' ').nth(1).unwrap().parse().unwrap();
+    // Bodies here come whole or chunked; undo the chunking.
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        let mut out = String::new();
+        let mut rest = body;
+        while let Some((len, tail)) = rest.split_once("\r\n") {
+            let n = usize::from_str_radix(len.trim(), 16).unwrap();
+            if n == 0 {
+                break;
+            }
+            out.push_str(&tail[..n]);
+            rest = &tail[n + 2..];
+        }
+        out
+    } else {
+        body.to_owned()
+    };
+    (code, body)
+}
+
+fn python() -> std::path::PathBuf {
+    repo_root().join(".venv/bin/python")
+}
+
+/// `/metrics` as the Prometheus client library's parser reads it: `name{labels}` → value.
+fn parse_prometheus(text: &str) -> std::collections::BTreeMap<String, f64> {
+    let script = r#"
+import json, sys
+from prometheus_client.parser import text_string_to_metric_families
+out = {}
+for fam in text_string_to_metric_families(sys.stdin.read()):
+    for s in fam.samples:
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+        out[s.name + ("{" + labels + "}" if labels else "")] = s.value
+print(json.dumps(out))
+"#;
+    let mut child = Command::new(python())
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the repository's .venv (scripts/setup.sh)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(
+        o.status.success(),
+        "prometheus_client could not parse /metrics: {}\n{text}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+fn api(addr: SocketAddr) -> RunView {
+    let (code, body) = get(addr, "/api/run");
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Polls the view until `ok` holds (the scorer and heartbeats run on their own clocks).
+fn view_until(addr: SocketAddr, what: &str, ok: impl Fn(&RunView) -> bool) -> RunView {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let v = api(addr);
+        if ok(&v) {
+            return v;
+        }
+        assert!(Instant::now() < until, "no {what} within 60 s: {v:#?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The page's DOM after headless Chromium ran its script.
+fn chromium_dom(url: &str, profile: &Path) -> String {
+    let bin = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
+    let o = Command::new(&bin)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            &format!("--user-data-dir={}", profile.display()),
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            url,
+        ])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {bin} (scripts/setup.sh installs chromium): {e}"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap()
+}
+
+#[test]
+fn a_live_run_is_watched_through_prometheus_a_browser_status_and_tensorboard() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let tb = tmp.path().join("tb");
+    let cfg = config(
+        &data,
+        "spes",
+        2,
+        &[
+            "train.max_steps=20",
+            "train.log_every=1",
+            "sync.lease_s=4",
+            &format!("train.tensorboard=\"{}\"", tb.display()),
+        ],
+    );
+    let out = tmp.path().join("server");
+    let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let web = http.local_addr().unwrap();
+    let mut opts = options(cfg.clone(), &out, None, Limits::default(), (0, 1));
+    opts.http = Some((http, HttpOptions::default()));
+    let server = Server::start_options("127.0.0.1:0", opts);
+    let url = server.url();
+
+    // Each node trains 2 rounds, pauses, 2 more, pauses, then runs to the end.
+    tch::set_num_threads(1);
+    let (paused_tx, paused) = mpsc::channel();
+    let mut resume = Vec::new();
+    let nodes: Vec<_> = (0..2)
+        .map(|peer| {
+            let (go_tx, go) = mpsc::channel::<()>();
+            resume.push(go_tx);
+            let (opts, paused_tx) = (
+                node_options(&cfg, &url, peer, tmp.path()),
+                paused_tx.clone(),
+            );
+            std::thread::spawn(move || {
+                let mut node = spes_net::Node::connect(opts).unwrap();
+                for _ in 0..2 {
+                    for _ in 0..2 {
+                        let upload = node.train_round().unwrap();
+                        node.sync(&upload).unwrap();
+                    }
+                    paused_tx.send(()).unwrap();
+                    go.recv().unwrap();
+                }
+                node.run().unwrap()
+            })
+        })
+        .collect();
+    let wait_paused = || {
+        for _ in 0..2 {
+            paused.recv_timeout(Duration::from_secs(120)).unwrap();
+        }
+    };
+    let release = || resume.iter().for_each(|g| g.send(()).unwrap());
+
+    // 1. Prometheus text, twice, with the round counter advancing between.
+    wait_paused();
+    view_until(web, "round 2", |v| v.run.round >= 2);
+    let (code, first) = get(web, "/metrics");
+    assert_eq!(code, 200);
+    let first = parse_prometheus(&first);
+    release();
+    wait_paused();
+    // Both nodes' reports of their newest sync, and the newest round scored.
+    let view = view_until(web, "reports and scores of round 4", |v| {
+        v.run.round >= 4
+            && v.nodes.len() == 2
+            && v.nodes.iter().all(|n| {
+                n.report
+                    .as_ref()
+                    .and_then(|r| r.sync.as_ref())
+                    .is_some_and(|s| s.round >= 3)
+            })
+            && v.expert_load.as_ref().is_some_and(|l| l.round >= 4)
+            && v.loss.len() >= 5
+    });
+    let (_, second) = get(web, "/metrics");
+    let second = parse_prometheus(&second);
+    assert!(
+        second["spes_round"] > first["spes_round"],
+        "the round advanced: {} then {}",
+        first["spes_round"],
+        second["spes_round"]
+    );
+    for p in 0..2 {
+        let l = format!("{{peer=\"{p}\"}}");
+        assert!(second[&format!("spes_node_uploads_total{l}")] >= 4.0);
+        assert!(second[&format!("spes_node_step{l}")] >= 8.0);
+        assert!(second.contains_key(&format!("spes_node_lease_age_seconds{l}")));
+        assert!(second.contains_key(&format!("spes_node_idle_share{l}")));
+    }
+    assert!(second["spes_val_loss"].is_finite() && second["spes_members"] == 2.0);
+
+    // 2. The page in a real browser, with this run's values.
+    let dom = chromium_dom(&format!("http://{web}/"), &tmp.path().join("chromium"));
+    let attr = |name: &str| -> String {
+        let at = dom
+            .find(&format!("{name}=\""))
+            .unwrap_or_else(|| panic!("no {name} in {dom}"));
+        dom[at + name.len() + 2..]
+            .split('"')
+            .next()
+            .unwrap()
+            .to_owned()
+    };
+    assert!(
+        attr("data-rendered").parse::<u64>().unwrap() >= 1,
+        "the page rendered"
+    );
+    assert!(attr("data-round").parse::<u64>().unwrap() >= view.run.round);
+    assert!(dom.contains("id=\"members\""));
+    for p in 0..2 {
+        assert!(
+            dom.contains(&format!("data-peer=\"{p}\"")),
+            "node {p} in the members table"
+        );
+    }
+    let chart = &dom[dom.find("id=\"loss-chart\"").expect("the loss chart")..];
+    assert!(chart.contains("<svg"), "the loss chart draws");
+    // Each cell of the heatmap: its layer, expert and load, as this run's view has them.
+    let heatmap = &dom[dom.find("id=\"heatmap\"").expect("the heatmap")..];
+    let heatmap = &heatmap[..heatmap.find("</svg>").expect("the heatmap draws")];
+    let cells: Vec<(usize, usize, f64)> = heatmap
+        .split("<rect ")
+        .skip(1)
+        .filter(|r| r.split('>').next().unwrap().contains("class=\"cell\""))
+        .map(|r| {
+            let tag = r.split('>').next().unwrap();
+            let get = |k: &str| {
+                let at = tag
+                    .find(&format!("{k}=\""))
+                    .unwrap_or_else(|| panic!("{k} in {tag}"));
+                tag[at + k.len() + 2..]
+                    .split('"')
+                    .next()
+                    .unwrap()
+                    .to_owned()
+            };
+            let bad = |_| panic!("a cell that is not layer, expert, load: {tag}");
+            (
+                get("data-layer").parse().unwrap_or_else(bad),
+                get("data-expert").parse().unwrap_or_else(bad),
+                get("data-load").parse().unwrap_or_else(|_| panic!("{tag}")),
+            )
+        })
+        .collect();
+    assert_eq!(
+        cells.len(),
+        cfg.model.n_layers * cfg.model.n_experts,
+        "one cell per layer × expert"
+    );
+    let shown = dom[dom.find("data-round=\"").unwrap()..]
+        .split('"')
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap();
+    if shown == view.run.round {
+        let load = &view.expert_load.as_ref().unwrap().load;
+        for (l, e, v) in &cells {
+            assert!(
+                (load[*l][*e] - v).abs() < 1e-3,
+                "cell {l},{e}: {v} against {}",
+                load[*l][*e]
+            );
+        }
+    }
+
+    // 3. `spes status`'s call, with the viewer credential; which acts as no peer.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let viewer = spes_net::auth::viewer_credential(SECRET);
+    let status = rt
+        .block_on(spes_net::view::client::status(
+            &url,
+            Some(&viewer),
+            None,
+            false,
+        ))
+        .unwrap();
+    assert_eq!(status.run.final_round, 10);
+    assert_eq!(
+        status.nodes.iter().map(|n| n.peer).collect::<Vec<_>>(),
+        vec![0, 1]
+    );
+    let refused = rt.block_on(async {
+        raw_client(&url, &viewer)
+            .await
+            .heartbeat(spes_net::proto::JoinRequest {
+                peer: 0,
+                session: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err()
+    });
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+    let wrong = rt.block_on(spes_net::view::client::status(
+        &url,
+        Some("spes-viewer-00"),
+        None,
+        false,
+    ));
+    assert!(wrong.is_err(), "a wrong credential reads nothing");
+
+    release();
+    for n in nodes {
+        assert_eq!(n.join().unwrap().steps, 20);
+    }
+    server.finish();
+
+    // 4. TensorBoard's own reader finds every role's curves.
+    let script = r#"
+import json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+out = {}
+for role in sys.argv[2:]:
+    ea = EventAccumulator(f"{sys.argv[1]}/{role}")
+    ea.Reload()
+    out[role] = {t: [e.step for e in ea.Scalars(t)] for t in ea.Tags()["scalars"]}
+print(json.dumps(out))
+"#;
+    let o = Command::new(python())
+        .args([
+            "-c",
+            script,
+            tb.to_str().unwrap(),
+            "server",
+            "node-0",
+            "node-1",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let curves: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for node in ["node-0", "node-1"] {
+        let steps = curves[node]["train/loss"].as_array().unwrap();
+        assert_eq!(
+            steps.len(),
+            20,
+            "{node}: a loss point per logged step: {curves}"
+        );
+        assert_eq!(curves[node]["sync/idle_s"].as_array().unwrap().len(), 10);
+    }
+    let val = curves["server"]["val/loss"].as_array().unwrap();
+    assert_eq!(
+        val.len(),
+        11,
+        "round 0 and each of the 10 rounds scored: {curves}"
+    );
+}
