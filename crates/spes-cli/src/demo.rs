@@ -198,6 +198,10 @@ pub struct Args {
     /// directory hold only that part.
     #[arg(long, value_enum, default_value_t = DemoPartition::Shuffle)]
     pub partition: DemoPartition,
+    /// Serve the live run page and Prometheus /metrics here while the demo runs
+    /// (e.g. 127.0.0.1:8080; open http://127.0.0.1:8080/ in a browser).
+    #[arg(long)]
+    pub http: Option<std::net::SocketAddr>,
 }
 
 /// Runs the demo: data, server and nodes, then `summary.json` and `report.md`.
@@ -208,6 +212,7 @@ pub fn run(a: Args) -> Result<()> {
         device,
         link,
         partition,
+        http,
     } = a;
     let started = Instant::now();
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
@@ -221,16 +226,17 @@ pub fn run(a: Args) -> Result<()> {
         DemoPartition::Shuffle => None,
         kind => Some(prepare_parts(out, &data, cfg.sync.nodes, kind)?),
     };
-    let config_toml = launch(out, &cfg, &device, link, true, parts.as_deref()).map_err(|e| {
-        if e.is::<Interrupted>() {
-            anyhow::anyhow!(
-                "{e}. Run `spes demo --out {}` again to resume",
-                out.display()
-            )
-        } else {
-            e
-        }
-    })?;
+    let config_toml =
+        launch(out, &cfg, &device, link, true, parts.as_deref(), http).map_err(|e| {
+            if e.is::<Interrupted>() {
+                anyhow::anyhow!(
+                    "{e}. Run `spes demo --out {}` again to resume",
+                    out.display()
+                )
+            } else {
+                e
+            }
+        })?;
     let nodes = cfg.sync.nodes;
     report(out, nodes, started, &config_toml)
 }
@@ -257,6 +263,7 @@ pub fn launch(
     link: Option<LinkSpec>,
     show_progress: bool,
     node_data: Option<&[PathBuf]>,
+    http: Option<std::net::SocketAddr>,
 ) -> Result<String> {
     std::fs::create_dir_all(out.join("logs"))
         .with_context(|| format!("cannot create {}", out.display()))?;
@@ -284,6 +291,10 @@ pub fn launch(
         .args(["--linger-s", "30"])
         .arg("--secret-file")
         .arg(&secret);
+    if let Some(addr) = http {
+        server.args(["--http", &addr.to_string()]);
+        eprintln!("live run page: http://{addr}/ (Prometheus: http://{addr}/metrics)");
+    }
     common(&mut server);
     let mut children: Vec<(String, Child)> = vec![(
         "server".into(),
@@ -444,6 +455,13 @@ fn report(out: &Path, nodes: usize, started: Instant, config_toml: &str) -> Resu
         tokens: rounds.last().map(|r| r.tokens),
         rounds: rounds.last().map(|r| r.round),
         wall_s: started.elapsed().as_secs_f64(),
+        round_costs: report::round_costs(
+            out,
+            &node_summaries
+                .iter()
+                .map(|n| n.peer as u64)
+                .collect::<Vec<_>>(),
+        ),
         nodes: node_summaries,
     };
     spes_data::shard::write_atomic(

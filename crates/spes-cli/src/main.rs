@@ -25,6 +25,7 @@ mod step_bench;
 mod sync_bench;
 mod tokenize_cmd;
 mod train_cmd;
+mod view_bench;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -111,6 +112,9 @@ enum Command {
     /// A server and 4 nodes of a micro model for 1,000+ rounds, sampled every 100: memory,
     /// disk, growing files and round latency, to show nothing grows with a run's length.
     BenchSoak(soak::Args),
+    /// The live run page on a long run (10,000 rounds by default): payload, server time and
+    /// headless Chromium's render time.
+    BenchView(view_bench::Args),
 }
 
 fn main() {
@@ -148,6 +152,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::BenchLink(a) => link_bench::run(a),
         Command::BenchLoad(a) => load_bench::run(a),
         Command::BenchSoak(a) => soak::run(a),
+        Command::BenchView(a) => view_bench::run(a),
     }
 }
 

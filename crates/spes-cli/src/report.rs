@@ -10,23 +10,10 @@ use std::path::Path;
 /// DejaVu Sans (see assets/DEJAVU-LICENSE), so plots have text without system fonts.
 const FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
 
-/// What one round cost the nodes, averaged over those that synced it.
-#[derive(Clone, Debug)]
-pub struct RoundCost {
-    pub round: u64,
-    pub nodes: usize,
-    pub compute_s: f64,
-    /// From a node's upload to its loaded model.
-    pub sync_s: f64,
-    /// Training standing still for the sync (with overlap, only the wait for the result).
-    pub idle_s: f64,
-    pub bytes_up: f64,
-    pub bytes_down: f64,
-    /// Bytes the node wrote to its disk since its previous sync.
-    pub bytes_written: f64,
-}
+pub use spes_train::metrics::RoundCost;
 
-/// Per-round sync costs from the nodes' `metrics.jsonl` (`sync` records), by round.
+/// Per-round sync costs from the nodes' `metrics.jsonl` (`sync` records), by round, with the
+/// server's part from its own log (`server/metrics.jsonl` beside the nodes, when there).
 pub fn round_costs(out: &Path, peers: &[u64]) -> Vec<RoundCost> {
     let mut by_round: std::collections::BTreeMap<u64, Vec<SyncRecord>> = Default::default();
     for p in peers {
@@ -36,10 +23,15 @@ pub fn round_costs(out: &Path, peers: &[u64]) -> Vec<RoundCost> {
             }
         }
     }
+    let server: Vec<RoundRecord> = metrics::read(&out.join("server/metrics.jsonl"));
     by_round
         .into_iter()
         .map(|(round, rs)| {
             let mean = |f: fn(&SyncRecord) -> f64| rs.iter().map(f).sum::<f64>() / rs.len() as f64;
+            let close = server
+                .iter()
+                .find(|r| r.round == round)
+                .and_then(|r| r.close.as_ref());
             RoundCost {
                 round,
                 nodes: rs.len(),
@@ -49,6 +41,8 @@ pub fn round_costs(out: &Path, peers: &[u64]) -> Vec<RoundCost> {
                 bytes_up: mean(|r| r.bytes_up as f64),
                 bytes_down: mean(|r| r.bytes_down as f64),
                 bytes_written: mean(|r| r.bytes_written as f64),
+                server_aggregation_s: close.map(|c| c.aggregation_s),
+                server_bytes_written: close.map(|c| c.bytes_written),
             }
         })
         .collect()
@@ -138,7 +132,143 @@ pub fn loss_plot(path: &Path, title: &str, series: &[(String, Vec<(f64, f64)>)])
     root.present().map_err(plot_err)
 }
 
-/// Writes `loss.png`, `expert_load.png` and `report.md` under `out`.
+/// The expert load of the newest scored model as a layer × expert heatmap, each column
+/// labelled with its owner (`P<peer>`) when the run has owners.
+fn load_heatmap(path: &Path, load: &[Vec<f64>], owners: &[usize]) -> Result<()> {
+    let (layers, experts) = (
+        load.len().max(1),
+        load.first().map_or(1, |l| l.len()).max(1),
+    );
+    let root = BitMapBackend::new(path, (900, 140 + 36 * layers as u32)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_err)?;
+    let (lo, hi) = load
+        .iter()
+        .flatten()
+        .fold((f64::MAX, f64::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+    let (lo, hi) = if lo <= hi {
+        (lo, hi.max(lo + 1e-9))
+    } else {
+        (0.0, 1.0)
+    };
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("Expert load (final model, validation tokens): {lo:.3} light to {hi:.3} dark; uniform {:.3}", 1.0 / experts as f64),
+            ("sans-serif", 18),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..experts as f64, 0f64..layers as f64)
+        .map_err(plot_err)?;
+    let owner_of = |e: usize| owners.get(e).map_or(String::new(), |o| format!("P{o}"));
+    chart
+        .configure_mesh()
+        .disable_mesh()
+        .x_desc(if owners.is_empty() {
+            "expert"
+        } else {
+            "expert (owner)"
+        })
+        .y_desc("layer")
+        .x_labels(experts)
+        .y_labels(layers)
+        .x_label_formatter(&|x| {
+            let e = x.floor() as usize;
+            if owners.is_empty() {
+                e.to_string()
+            } else {
+                format!("{e} {}", owner_of(e))
+            }
+        })
+        .y_label_formatter(&|y| format!("{:.0}", y.floor()))
+        .draw()
+        .map_err(plot_err)?;
+    let cells = load.iter().enumerate().flat_map(|(l, row)| {
+        row.iter().enumerate().map(move |(e, &v)| {
+            let t = (v - lo) / (hi - lo);
+            // Light yellow to dark blue.
+            let mix = |a: f64, b: f64| (a + (b - a) * t).round() as u8;
+            let color = RGBColor(mix(255.0, 8.0), mix(247.0, 48.0), mix(188.0, 107.0));
+            Rectangle::new(
+                [(e as f64, l as f64), (e as f64 + 0.96, l as f64 + 0.92)],
+                color.filled(),
+            )
+        })
+    });
+    chart.draw_series(cells).map_err(plot_err)?;
+    root.present().map_err(plot_err)
+}
+
+/// Each round's mean compute, sync and idle seconds (left) and bytes per node (right).
+fn sync_plot(path: &Path, costs: &[RoundCost]) -> Result<()> {
+    let root = BitMapBackend::new(path, (1300, 460)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_err)?;
+    let (left, right) = root.split_horizontally(650);
+    let series = |f: fn(&RoundCost) -> f64| {
+        costs
+            .iter()
+            .map(|c| (c.round as f64, f(c)))
+            .collect::<Vec<_>>()
+    };
+    let seconds = vec![
+        ("compute".to_string(), series(|c| c.compute_s)),
+        ("sync".to_string(), series(|c| c.sync_s)),
+        ("idle".to_string(), series(|c| c.idle_s)),
+    ];
+    let mib = (1u64 << 20) as f64;
+    let bytes = vec![
+        (
+            "up".to_string(),
+            series(|c| c.bytes_up / (1u64 << 20) as f64),
+        ),
+        (
+            "down".to_string(),
+            series(|c| c.bytes_down / (1u64 << 20) as f64),
+        ),
+        (
+            "node written".to_string(),
+            series(|c| c.bytes_written / (1u64 << 20) as f64),
+        ),
+        (
+            "server written".to_string(),
+            costs
+                .iter()
+                .filter_map(|c| Some((c.round as f64, c.server_bytes_written? as f64 / mib)))
+                .collect(),
+        ),
+    ];
+    for (area, title, y, s) in [
+        (
+            &left,
+            "Seconds per round (mean over nodes)",
+            "seconds",
+            &seconds,
+        ),
+        (&right, "MiB per round (per node; server)", "MiB", &bytes),
+    ] {
+        let data: Vec<Vec<(f64, f64)>> = s.iter().map(|(_, p)| p.clone()).collect();
+        let ((x0, x1), (_, y1)) = bounds(&data);
+        let mut chart = ChartBuilder::on(area)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(55)
+            .build_cartesian_2d(x0..x1, 0.0..y1.max(1e-3))
+            .map_err(plot_err)?;
+        chart
+            .configure_mesh()
+            .x_desc("round")
+            .y_desc(y)
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .draw()
+            .map_err(plot_err)?;
+        draw_lines(&mut chart, s)?;
+        draw_legend(&mut chart)?;
+    }
+    root.present().map_err(plot_err)
+}
+
+/// Writes `loss.png`, `expert_load.png`, `sync.png` and `report.md` under `out`.
 pub fn write(out: &Path, summary: &DemoSummary, config_toml: &str) -> Result<()> {
     // Registering twice (a second report in one process) fails harmlessly.
     let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
@@ -187,60 +317,13 @@ pub fn write(out: &Path, summary: &DemoSummary, config_toml: &str) -> Result<()>
         root.present().map_err(plot_err)?;
     }
 
-    let load: Vec<Vec<f64>> = server
-        .iter()
-        .rev()
-        .find_map(|r| r.expert_load.clone())
+    let newest_load = server.iter().rev().find(|r| r.expert_load.is_some());
+    let load: Vec<Vec<f64>> = newest_load
+        .and_then(|r| r.expert_load.clone())
         .unwrap_or_default();
-    let load_png = out.join("expert_load.png");
-    {
-        let root = BitMapBackend::new(&load_png, (900, 520)).into_drawing_area();
-        root.fill(&WHITE).map_err(plot_err)?;
-        let series: Vec<(String, Vec<(f64, f64)>)> = load
-            .iter()
-            .enumerate()
-            .map(|(l, shares)| {
-                let pts = shares
-                    .iter()
-                    .enumerate()
-                    .map(|(e, s)| (e as f64, *s))
-                    .collect();
-                (format!("layer {l}"), pts)
-            })
-            .collect();
-        let e = load.first().map_or(1, |l| l.len()) as f64;
-        let ((_, _), (y0, y1)) = bounds(&series.iter().map(|s| s.1.clone()).collect::<Vec<_>>());
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                "Expert load per layer (final model, validation tokens)",
-                ("sans-serif", 22),
-            )
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0f64..(e - 1.0).max(1.0), y0.min(0.0)..y1)
-            .map_err(plot_err)?;
-        chart
-            .configure_mesh()
-            .x_desc("expert")
-            .y_desc("share of top-k assignments")
-            .x_labels(load.first().map_or(2, |l| l.len()))
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .draw()
-            .map_err(plot_err)?;
-        draw_lines(&mut chart, &series)?;
-        let uniform = 1.0 / e;
-        chart
-            .draw_series(LineSeries::new(
-                vec![(0.0, uniform), (e - 1.0, uniform)],
-                BLACK.stroke_width(1),
-            ))
-            .map_err(plot_err)?
-            .label("uniform")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
-        draw_legend(&mut chart)?;
-        root.present().map_err(plot_err)?;
-    }
+    let owners: Vec<usize> = newest_load.map(|r| r.owners.clone()).unwrap_or_default();
+    load_heatmap(&out.join("expert_load.png"), &load, &owners)?;
+    sync_plot(&out.join("sync.png"), &summary.round_costs)?;
 
     let merges: Vec<String> = server
         .iter()
@@ -292,44 +375,36 @@ pub fn write(out: &Path, summary: &DemoSummary, config_toml: &str) -> Result<()>
             n.peak_rss_mb
         ));
     }
-    let peers: Vec<u64> = nodes.iter().map(|n| n.peer as u64).collect();
-    md.push_str("\n## Sync cost per round\n\nMeans over the nodes. *Sync* runs from a node's upload to its loaded model; *idle* is the time training stood still for it (with `sync.overlap`, only the wait for the result). *Written* is what each role wrote to its disk for the round (its own I/O counters): a node only on its checkpoint rounds; the server every round the published delta and the uploads it acknowledged, whole models on checkpoint rounds.\n\n");
-    md.push_str("| round | compute s | sync s | idle s | up MiB | down MiB | node written MiB | server written MiB | server aggregation s |\n|---|---|---|---|---|---|---|---|---|\n");
-    let costs = round_costs(out, &peers);
+    let costs = &summary.round_costs;
+    md.push_str("\n## Sync cost\n\n*Sync* runs from a node's upload to its loaded model; *idle* is the time training stood still for it (with `sync.overlap`, only the wait for the result); *written* is what each role wrote to its disk (its own I/O counters). `sync.png` draws each round; `summary.json` (`round_costs`) holds the numbers.\n\n");
+    let rounds = costs.len().max(1) as f64;
+    let mean = |f: fn(&RoundCost) -> f64| costs.iter().map(f).sum::<f64>() / rounds;
     let mib = |b: f64| b / (1u64 << 20) as f64;
-    for c in &costs {
-        let close = server
-            .iter()
-            .find(|r| r.round == c.round)
-            .and_then(|r| r.close.as_ref());
-        let (agg, written) = close.map_or((String::new(), String::new()), |c| {
-            (
-                format!("{:.2}", c.aggregation_s),
-                format!("{:.1}", mib(c.bytes_written as f64)),
-            )
-        });
-        md.push_str(&format!(
-            "| {} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {written} | {agg} |\n",
-            c.round,
-            c.compute_s,
-            c.sync_s,
-            c.idle_s,
-            mib(c.bytes_up),
-            mib(c.bytes_down),
-            mib(c.bytes_written),
-        ));
-    }
-    let node_total: f64 = costs.iter().map(|c| c.bytes_written).sum::<f64>() * peers.len() as f64;
-    let server_total: u64 = server
-        .iter()
-        .filter_map(|r| r.close.as_ref().map(|c| c.bytes_written))
-        .sum();
+    let (compute, idle) = (mean(|c| c.compute_s), mean(|c| c.idle_s));
+    let node_total: f64 = costs.iter().map(|c| c.bytes_written * c.nodes as f64).sum();
+    let server_total: u64 = costs.iter().filter_map(|c| c.server_bytes_written).sum();
+    md.push_str("| per round, mean over rounds and nodes | |\n|---|---|\n");
+    md.push_str(&format!(
+        "| compute | {compute:.2} s |\n| sync | {:.2} s |\n| idle | {idle:.2} s |\n",
+        mean(|c| c.sync_s)
+    ));
+    md.push_str(&format!(
+        "| utilization (compute / (compute + idle)) | {:.1} % |\n",
+        100.0 * metrics::utilization(compute, idle)
+    ));
+    md.push_str(&format!(
+        "| up / down per node | {:.2} / {:.2} MiB |\n| server aggregation | {:.2} s |\n",
+        mib(mean(|c| c.bytes_up)),
+        mib(mean(|c| c.bytes_down)),
+        mean(|c| c.server_aggregation_s.unwrap_or(0.0))
+    ));
     md.push_str(&format!(
         "\nWritten over the run: server {:.0} MiB, nodes {:.0} MiB together ({:.1} MiB per round for the whole run).\n",
         mib(server_total as f64),
         mib(node_total),
-        mib(server_total as f64 + node_total) / costs.len().max(1) as f64,
+        mib(server_total as f64 + node_total) / rounds,
     ));
+    md.push_str("\n![sync cost per round](sync.png)\n");
     md.push_str("\n![loss](loss.png)\n\n![expert load](expert_load.png)\n\n## Expert merging\n\n");
     if merges.is_empty() {
         md.push_str("No merge rounds.\n");

@@ -109,6 +109,9 @@ pub fn utilization(compute_s: f64, idle_s: f64) -> f64 {
 /// server keeps per round (its timeline) and the live page draws.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct NodeRound {
+    /// Whose part it is (set by the server, which knows who reported it).
+    #[serde(default)]
+    pub peer: usize,
     /// The global round the node's weights build on after this sync.
     pub round: u64,
     pub compute_s: f64,
@@ -121,6 +124,7 @@ pub struct NodeRound {
 impl From<&SyncRecord> for NodeRound {
     fn from(s: &SyncRecord) -> Self {
         NodeRound {
+            peer: 0,
             round: s.round,
             compute_s: s.compute_s,
             sync_s: s.sync_s,
@@ -215,9 +219,11 @@ pub struct RoundClose {
     /// counters): this round's delta, uploads kept, whole models, logs.
     #[serde(default)]
     pub bytes_written: u64,
-    /// Each member's newest sync as it reported it by the close (the run's timeline).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub nodes: BTreeMap<usize, NodeRound>,
+    /// Each member's newest sync as it reported it by the close (the run's timeline), by
+    /// peer. A list, not a map by peer: a map's integer keys do not read back through the
+    /// flattening that puts these fields into [`RoundRecord`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<NodeRound>,
 }
 
 /// One expert's merge in a round.
@@ -251,6 +257,30 @@ pub struct DemoSummary {
     pub rounds: Option<u64>,
     pub wall_s: f64,
     pub nodes: Vec<NodeSummary>,
+    /// What each round cost, as the report's sync plot draws it.
+    #[serde(default)]
+    pub round_costs: Vec<RoundCost>,
+}
+
+/// What one round cost the nodes (means over those that synced it) and the server.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoundCost {
+    pub round: u64,
+    pub nodes: usize,
+    pub compute_s: f64,
+    /// From a node's upload to its loaded model.
+    pub sync_s: f64,
+    /// Training standing still for the sync (with overlap, only the wait for the result).
+    pub idle_s: f64,
+    pub bytes_up: f64,
+    pub bytes_down: f64,
+    /// Bytes the node wrote to its disk since its previous sync.
+    pub bytes_written: f64,
+    /// The server's aggregation of the round and what it wrote for it.
+    #[serde(default)]
+    pub server_aggregation_s: Option<f64>,
+    #[serde(default)]
+    pub server_bytes_written: Option<u64>,
 }
 
 /// The lines of a `metrics.jsonl` that are `T`s, its rotated files' first, oldest first (a
@@ -525,6 +555,25 @@ mod tests {
             close: Some(RoundClose::default()),
             ..Default::default()
         };
+        let timed = RoundRecord {
+            round: 2,
+            close: Some(RoundClose {
+                nodes: vec![NodeRound {
+                    peer: 3,
+                    round: 1,
+                    idle_s: 0.5,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let text = serde_json::to_string(&timed).unwrap();
+        assert_eq!(
+            serde_json::from_str::<RoundRecord>(&text).unwrap(),
+            timed,
+            "{text}"
+        );
         let text = serde_json::to_string(&closed).unwrap();
         assert!(text.contains("\"merge_alpha\":null") && text.contains("\"discarded\":null"));
         assert_eq!(serde_json::from_str::<RoundRecord>(&text).unwrap(), closed);

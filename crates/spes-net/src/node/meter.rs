@@ -31,6 +31,8 @@ pub(super) struct Meter {
     pub started: Instant,
     /// The newest step and sync, which the heartbeat sends the server.
     pub report: Arc<Mutex<Option<NodeReport>>>,
+    /// Wakes the heartbeat after a sync, so the server has each round's report at its close.
+    pub synced: Arc<tokio::sync::Notify>,
 }
 
 impl Meter {
@@ -72,6 +74,7 @@ impl Meter {
             written: spes_train::bench::bytes_written(),
             started: Instant::now(),
             report: Arc::default(),
+            synced: Arc::default(),
         })
     }
 
@@ -126,6 +129,7 @@ impl Meter {
             .unwrap()
             .get_or_insert_with(NodeReport::default)
             .sync = Some(NodeRound::from(&record));
+        self.synced.notify_waiters();
         let message = format!("synced round {}", record.round);
         self.show(NodeLine::Sync(record), message);
         Ok(())

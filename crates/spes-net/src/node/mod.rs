@@ -137,7 +137,12 @@ impl Node {
         )?;
         let layout = spes_sync::Layout::of(&trainer.model);
         link.set_layout(&layout);
-        session.start_heartbeat(&link, reply.lease_ms, meter.report.clone());
+        session.start_heartbeat(
+            &link,
+            reply.lease_ms,
+            meter.report.clone(),
+            meter.synced.clone(),
+        );
         if let Some(listener) = opts.metrics_listener {
             session.serve_metrics(listener, meter.report.clone())?;
         }

@@ -57,27 +57,32 @@ impl Session {
         })
     }
 
-    /// Renews the lease at every shard every `lease/4` on the runtime's worker threads, with
-    /// the node's newest `report`; sets [`Session::lost`] when another process took this peer
-    /// id.
+    /// Renews the lease at every shard every `lease/4` (and right after each sync, when
+    /// `synced` wakes it) on the runtime's worker threads, with the node's newest `report`;
+    /// sets [`Session::lost`] when another process took this peer id.
     pub fn start_heartbeat(
         &self,
         link: &Link,
         lease_ms: u64,
         report: Arc<Mutex<Option<NodeReport>>>,
+        synced: Arc<tokio::sync::Notify>,
     ) {
         let every = Duration::from_millis((lease_ms / 4).max(50));
         for shard in &link.shards {
-            let (peer, session, client, lost, report) = (
+            let (peer, session, client, lost, report, synced) = (
                 self.peer as u32,
                 self.id,
                 shard.client.clone(),
                 self.lost.clone(),
                 report.clone(),
+                synced.clone(),
             );
             link.handle.spawn(async move {
                 loop {
-                    tokio::time::sleep(every).await;
+                    tokio::select! {
+                        _ = tokio::time::sleep(every) => {}
+                        _ = synced.notified() => {}
+                    }
                     let mut c = client.clone();
                     let mut req = Request::new(JoinRequest {
                         peer,

@@ -20,7 +20,13 @@ pub async fn status(
     let reply = client
         .status(req)
         .await
-        .map_err(|s| explain(s, url))?
+        .map_err(|s| match s.code() {
+            tonic::Code::Unauthenticated => anyhow::anyhow!(
+                "{url} needs a credential of the run: --credential-file with the viewer's \
+                 (spes credential --viewer) or a node's"
+            ),
+            _ => explain(s, url),
+        })?
         .into_inner();
     serde_json::from_str(&reply.run_json).context("the server's status is not a spes RunView")
 }

@@ -78,9 +78,9 @@ impl History {
             let rows = c
                 .nodes
                 .iter()
-                .map(|(&peer, n)| TimelineRow {
+                .map(|n| TimelineRow {
                     round: n.round,
-                    peer,
+                    peer: n.peer,
                     compute_s: n.compute_s,
                     sync_s: n.sync_s,
                     idle_s: n.idle_s,
@@ -198,15 +198,12 @@ mod tests {
     use spes_train::metrics::{NodeRound, RoundClose};
 
     fn record(round: u64) -> RoundRecord {
-        let mut nodes = std::collections::BTreeMap::new();
-        nodes.insert(
-            1,
-            NodeRound {
-                round: round.saturating_sub(1),
-                compute_s: 2.0,
-                ..Default::default()
-            },
-        );
+        let nodes = vec![NodeRound {
+            peer: 1,
+            round: round.saturating_sub(1),
+            compute_s: 2.0,
+            ..Default::default()
+        }];
         RoundRecord {
             round,
             tokens: round * 100,

@@ -8,12 +8,13 @@
 //! credential. Connections are bounded in number and in how long their headers may take.
 
 use anyhow::{bail, Context, Result};
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -63,16 +64,35 @@ struct Shared {
 }
 
 impl Shared {
+    /// Whether a request carries the listener's credential (always, without one).
     fn allowed(&self, headers: &HeaderMap) -> bool {
-        let Some(token) = &self.token else {
-            return true;
-        };
-        headers
+        let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes()))
+            .and_then(|v| v.strip_prefix("Bearer "));
+        self.matches(given)
     }
+
+    fn matches(&self, given: Option<&str>) -> bool {
+        match &self.token {
+            None => true,
+            Some(token) => given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes())),
+        }
+    }
+}
+
+/// The page's empty slot for the embedded view.
+const INITIAL_SLOT: &str = r#"<script id="initial" type="application/json"></script>"#;
+
+/// The page with `json` embedded for its first render; `</` is escaped so the JSON cannot
+/// end the script element whatever its strings hold.
+fn page_with(json: &str) -> String {
+    let safe = json.replace("</", "<\\/");
+    PAGE.replacen(
+        INITIAL_SLOT,
+        &format!(r#"<script id="initial" type="application/json">{safe}</script>"#),
+        1,
+    )
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -116,14 +136,26 @@ async fn run_json(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response 
     }
 }
 
-async fn page(State(s): State<Arc<Shared>>) -> Response {
-    if s.endpoints.run_json.is_none() {
+async fn page(
+    State(s): State<Arc<Shared>>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Response {
+    let Some(run_json) = &s.endpoints.run_json else {
         return reply(
             "text/plain; charset=utf-8",
             "a spes node: see /metrics\n".into(),
         );
-    }
-    let mut r = reply("text/html; charset=utf-8", PAGE.to_owned());
+    };
+    // With the credential (a header, or the `?token=` the page was opened with) the page
+    // comes with the view inside; without it, an empty page that asks with the token.
+    let allowed = s.allowed(&headers) || s.matches(query.get("token").map(String::as_str));
+    let html = if allowed {
+        page_with(&run_json())
+    } else {
+        PAGE.to_owned()
+    };
+    let mut r = reply("text/html; charset=utf-8", html);
     // The page may talk to this listener only, and load nothing from anywhere.
     r.headers_mut().insert(
         header::CONTENT_SECURITY_POLICY,
@@ -244,6 +276,31 @@ mod tests {
             assert!(e.to_string().contains("needs TLS"), "{e}");
         }
         assert!(check("0.0.0.0:9090", true, true).is_ok());
+    }
+
+    #[test]
+    fn data_needs_the_credential_and_the_page_embeds_the_view_safely() {
+        let shared = |token: Option<&str>| Shared {
+            endpoints: Endpoints {
+                metrics: Box::new(String::new),
+                run_json: None,
+            },
+            token: token.map(str::to_owned),
+        };
+        let mut headers = HeaderMap::new();
+        assert!(shared(None).allowed(&headers), "loopback: open");
+        assert!(!shared(Some("v")).allowed(&headers));
+        headers.insert(header::AUTHORIZATION, "Bearer w".parse().unwrap());
+        assert!(!shared(Some("v")).allowed(&headers));
+        headers.insert(header::AUTHORIZATION, "Bearer v".parse().unwrap());
+        assert!(shared(Some("v")).allowed(&headers));
+        assert!(shared(Some("v")).matches(Some("v")) && !shared(Some("v")).matches(None));
+        assert!(PAGE.contains(INITIAL_SLOT), "the page has its slot");
+        let page = page_with(r#"{"text":"</script><b>"}"#);
+        assert!(
+            page.contains(r#"{"text":"<\/script><b>"}</script>"#),
+            "escaped"
+        );
         assert!(constant_time_eq(b"abc", b"abc") && !constant_time_eq(b"abc", b"abd"));
     }
 }

@@ -157,12 +157,15 @@ pub use history::History;
 
 impl Watch {
     /// The newest sync each of `members` reported, for the round record's timeline.
-    pub fn node_rounds(&self, members: &[usize]) -> BTreeMap<usize, NodeRound> {
+    pub fn node_rounds(&self, members: &[usize]) -> Vec<NodeRound> {
         members
             .iter()
-            .filter_map(|p| {
-                let (report, _) = self.peers.get(p)?.report.as_ref()?;
-                Some((*p, report.sync.clone()?))
+            .filter_map(|&peer| {
+                let (report, _) = self.peers.get(&peer)?.report.as_ref()?;
+                Some(NodeRound {
+                    peer,
+                    ..report.sync.clone()?
+                })
             })
             .collect()
     }
@@ -201,6 +204,7 @@ pub fn report_of(p: &proto::NodeReport) -> Result<NodeReport, String> {
     let count = |name: &str, v: u64| check(name, v as f64).map(|_| v);
     let sync = match &p.sync {
         Some(s) => Some(NodeRound {
+            peer: 0,
             round: count("sync.round", s.round)?,
             compute_s: check("sync.compute_s", s.compute_s)?,
             sync_s: check("sync.sync_s", s.sync_s)?,
@@ -268,6 +272,7 @@ mod tests {
                 ..Default::default()
             },
             sync: Some(NodeRound {
+                peer: 0,
                 round: 2,
                 compute_s: 4.0,
                 idle_s: 1.0,
