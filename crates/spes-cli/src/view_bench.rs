@@ -1,12 +1,12 @@
-//! `spes bench-view`: the live page on a long run. Writes a generated `metrics.jsonl` of many
-//! rounds (expert load, per-node timeline, events), loads it the way a restarted server does
-//! (`History::of` over `metrics::read`), serves it with the server's HTTP listener and page,
-//! and times headless Chromium rendering it: payload, server time and render time.
+//! `spes bench-view`: the live page on a long run. A real server publishes round 0 of a micro
+//! model of the asked shape and stops; its restart point is moved to round `--rounds`, and a
+//! generated `metrics.jsonl` of that many rounds (expert load, per-node timeline, events) put
+//! beside it; the real server then restarts on them with `--http` on, and headless Chromium
+//! loads its page: payload, server time and render time.
 
 use anyhow::{bail, Context, Result};
-use spes_net::view::http::{Endpoints, HttpOptions};
-use spes_net::view::{History, NodeView, RunInfo, RunView};
-use spes_train::metrics::{MetricsLog, NodeReport, NodeRound, RoundClose, RoundRecord, StepLosses};
+use spes_net::view::http::HttpOptions;
+use spes_train::metrics::{MetricsLog, NodeRound, RoundClose, RoundRecord};
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -124,6 +124,53 @@ fn attr(dom: &str, name: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
+/// A micro model of `layers` × `experts` on `nodes` nodes, `sync_steps` 25, long enough for
+/// twice `rounds` rounds.
+fn config(a: &Args) -> Result<spes_train::RunConfig> {
+    let text = format!(
+        "[model]\npreset = \"tiny\"\nvocab_size = 256\nd_model = 16\nn_layers = {}\nn_heads = 1\n\
+         head_dim = 16\nn_kv_heads = 1\nn_experts = {}\nexpert_hidden = 8\ncontext_length = 16\n\
+         [data]\npath = \"none\"\n[train]\nmax_steps = {}\nbatch_size = 1\nseq_len = 16\n\
+         [sync]\nmode = \"spes\"\nnodes = {}\nsync_steps = 25\nwire = \"int4_delta\"\n",
+        a.layers,
+        a.experts,
+        a.rounds * 2 * 25,
+        a.nodes
+    );
+    spes_train::RunConfig::parse(&text, &[])
+}
+
+/// Runs the real server on `out` until `ready` says so, then stops it.
+fn run_server(
+    rt: &tokio::runtime::Runtime,
+    cfg: &spes_train::RunConfig,
+    out: &std::path::Path,
+    http: Option<std::net::TcpListener>,
+    ready: impl FnOnce() -> Result<()>,
+) -> Result<()> {
+    let opts = spes_net::ServerOptions {
+        cfg: cfg.clone(),
+        out: out.to_owned(),
+        secret: None,
+        tls: None,
+        init: None,
+        device: tch::Device::Cpu,
+        linger_s: 0.0,
+        limits: spes_net::Limits::default(),
+        shard: (0, 1),
+        http: http.map(|l| (l, HttpOptions::default())),
+    };
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = rt.spawn(spes_net::server::serve(opts, listener, async {
+        let _ = stopped.await;
+    }));
+    let result = ready();
+    let _ = stop.send(());
+    rt.block_on(server)??;
+    result
+}
+
 /// `spes bench-view`.
 pub fn run(a: Args) -> Result<()> {
     if !a.chromium.exists() {
@@ -132,7 +179,26 @@ pub fn run(a: Args) -> Result<()> {
             a.chromium.display()
         );
     }
+    let cfg = config(&a)?;
+    let _ = std::fs::remove_dir_all(&a.out);
     std::fs::create_dir_all(&a.out)?;
+    let rt = tokio::runtime::Runtime::new()?;
+    // 1. The real server's restart point after round 0...
+    let state = a.out.join("server.json");
+    run_server(&rt, &cfg, &a.out, None, || {
+        let until = Instant::now() + Duration::from_secs(60);
+        while !state.exists() {
+            anyhow::ensure!(Instant::now() < until, "the server published no round 0");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    })?;
+    // ...moved to round `rounds` (the same weights), with a log of that many rounds.
+    let mut st: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state)?)?;
+    st["rounds"][0]["round"] = a.rounds.into();
+    st["fulls"][0]["round"] = a.rounds.into();
+    st["record"] = serde_json::Value::Null;
+    spes_data::shard::write_atomic(&state, serde_json::to_string(&st)?.as_bytes())?;
     let _ = std::fs::remove_file(a.out.join("metrics.jsonl"));
     let mut log = MetricsLog::open(&a.out, None)?;
     for r in 0..=a.rounds {
@@ -140,95 +206,33 @@ pub fn run(a: Args) -> Result<()> {
     }
     drop(log);
     let file_bytes = std::fs::metadata(a.out.join("metrics.jsonl"))?.len();
-    let t = Instant::now();
-    let history = History::of(&spes_train::metrics::read(&a.out.join("metrics.jsonl")));
-    let load_s = t.elapsed().as_secs_f64();
-    let newest = record(&a, a.rounds);
-    let nodes = (0..a.nodes)
-        .map(|peer| NodeView {
-            peer,
-            member: true,
-            lease_age_s: Some(if peer == 3 { 25.0 } else { 2.0 }),
-            experts: (0..a.experts)
-                .filter(|e| newest.owners[*e] == peer)
-                .collect(),
-            uploads: a.rounds,
-            bytes_in: a.rounds * 2_000_000,
-            bytes_out: a.rounds * 8_000_000,
-            refusals: 0,
-            report: Some(NodeReport {
-                step: a.rounds * 25,
-                tokens: a.rounds * 25 * 32_768,
-                tokens_per_s: 27_000.0,
-                losses: StepLosses {
-                    loss: 3.1,
-                    ce: 3.0,
-                    lr: 3e-4,
-                    ..Default::default()
-                },
-                sync: newest
-                    .close
-                    .as_ref()
-                    .and_then(|c| c.nodes.iter().find(|n| n.peer == peer).cloned()),
-            }),
-            report_age_s: Some(1.0),
-        })
-        .collect();
-    let view = RunView {
-        run: RunInfo {
-            round: a.rounds,
-            final_round: a.rounds * 2,
-            open_round: a.rounds + 1,
-            tokens: newest.tokens,
-            sync_steps: 25,
-            wire: "int4_delta".into(),
-            n_layers: a.layers,
-            n_experts: a.experts,
-            lease_s: 20.0,
-            uptime_s: 3600.0 * 24.0 * 4.0,
-            val_loss: newest.val_loss,
-            initial_val_loss: Some(11.0),
-            shard: "0/1".into(),
-            done: false,
-        },
-        nodes,
-        loss: history.loss(),
-        rounds: history.rounds(),
-        timeline: history.timeline(),
-        expert_load: history.expert_load.clone(),
-        events: history.events(),
-        counters: Default::default(),
-    };
-    let rt = tokio::runtime::Runtime::new()?;
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let shared = std::sync::Arc::new(view);
-    let endpoints = Endpoints {
-        metrics: {
-            let v = shared.clone();
-            Box::new(move || spes_net::view::prom::render(&v))
-        },
-        run_json: {
-            let v = shared.clone();
-            Some(Box::new(move || {
-                serde_json::to_string(&*v).unwrap_or_default()
-            }))
-        },
-    };
-    let server = rt.spawn(spes_net::view::http::serve(
-        listener,
-        HttpOptions::default(),
-        endpoints,
-        async {
-            let _ = stopped.await;
-        },
-    ));
+    // 2. The real server restarts on them, with its HTTP listener.
+    let http = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = http.local_addr()?;
+    let started = Instant::now();
+    run_server(&rt, &cfg, &a.out, Some(http), || {
+        measure(&a, addr, file_bytes, started)
+    })
+}
+
+/// Times the page, `/api/run` and `/metrics` of the server at `addr`, and Chromium loading the
+/// page.
+fn measure(a: &Args, addr: std::net::SocketAddr, file_bytes: u64, started: Instant) -> Result<()> {
+    // The listener answers once the server has read its state and history.
+    let until = Instant::now() + Duration::from_secs(120);
+    while get(addr, "/metrics").is_err() {
+        anyhow::ensure!(
+            Instant::now() < until,
+            "the restarted server never answered"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let load_s = started.elapsed().as_secs_f64();
     let (page_t, page_bytes) = get(addr, "/")?;
     let (api_t, api_bytes) = get(addr, "/api/run")?;
     let (metrics_t, metrics_bytes) = get(addr, "/metrics")?;
     println!(
-        "{} rounds, {} nodes, {} × {} experts: metrics.jsonl {:.1} MB, loaded in {:.2} s\n",
+        "{} rounds, {} nodes, {} × {} experts: metrics.jsonl {:.1} MB; the restarted server answered after {:.2} s\n",
         a.rounds,
         a.nodes,
         a.layers,
@@ -244,7 +248,7 @@ pub fn run(a: Args) -> Result<()> {
     ] {
         println!("| {what} | {b} | {:.1} |", t.as_secs_f64() * 1e3);
     }
-    println!("\n| load | render ms (page's own clock, navigation to first render) | chromium process s | heatmap cells | rows |\n|---|---|---|---|---|");
+    println!("\n| load | round shown | render ms (page's own clock, navigation to first render) | chromium process s | heatmap cells | member rows |\n|---|---|---|---|---|---|");
     for i in 0..a.repeats {
         let profile = tempfile::tempdir()?;
         let t = Instant::now();
@@ -280,9 +284,11 @@ pub fn run(a: Args) -> Result<()> {
         };
         let cells = drawn("id=\"heatmap\"", "</svg>", "<rect class=\"cell\"");
         let rows = drawn("id=\"members\"", "</table>", "<tr data-peer=");
-        println!("| {} | {ms} | {wall:.2} | {cells} | {rows} |", i + 1);
+        let round = attr(body, "data-round").unwrap_or_default();
+        println!(
+            "| {} | {round} | {ms} | {wall:.2} | {cells} | {rows} |",
+            i + 1
+        );
     }
-    let _ = stop.send(());
-    let _ = rt.block_on(server);
     Ok(())
 }

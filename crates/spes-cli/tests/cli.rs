@@ -294,7 +294,7 @@ fn demo_writes_report_plots_and_summary() {
             assert!(n[key].as_f64().unwrap() > 0.0, "node lacks {key}: {n}");
         }
     }
-    for png in ["loss.png", "expert_load.png"] {
+    for png in ["loss.png", "expert_load.png", "sync.png"] {
         let bytes = std::fs::read(out.join(png)).unwrap();
         assert_eq!(&bytes[1..4], b"PNG", "{png}");
         assert!(bytes.len() > 10_000, "{png} is nearly empty");
@@ -305,11 +305,18 @@ fn demo_writes_report_plots_and_summary() {
         report.contains("loss.png") && report.contains("(step 10): α = 0.0250"),
         "{report}"
     );
-    // Sync cost per round, next to compute, for both rounds.
-    let costs = report.split("## Sync cost per round").nth(1).unwrap();
+    // Sync cost per round, next to compute, for both rounds: in summary.json, drawn in sync.png.
+    let rounds: Vec<u64> = summary["round_costs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["compute_s"].as_f64().unwrap() > 0.0 && c["server_aggregation_s"].is_number())
+        .map(|c| c["round"].as_u64().unwrap())
+        .collect();
+    assert_eq!(rounds, vec![1, 2], "{summary}");
     assert!(
-        costs.contains("\n| 1 | ") && costs.contains("\n| 2 | "),
-        "{costs}"
+        report.contains("## Sync cost") && report.contains("sync.png"),
+        "{report}"
     );
 }
 

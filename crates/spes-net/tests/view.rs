@@ -157,6 +157,9 @@ fn a_live_run_is_watched_through_prometheus_a_browser_status_and_tensorboard() {
     let server = Server::start_options("127.0.0.1:0", opts);
     let url = server.url();
 
+    // Node 0 also serves its own /metrics.
+    let node_metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let node_web = node_metrics.local_addr().unwrap();
     // Each node trains 2 rounds, pauses, 2 more, pauses, then runs to the end.
     tch::set_num_threads(1);
     let (paused_tx, paused) = mpsc::channel();
@@ -165,10 +168,13 @@ fn a_live_run_is_watched_through_prometheus_a_browser_status_and_tensorboard() {
         .map(|peer| {
             let (go_tx, go) = mpsc::channel::<()>();
             resume.push(go_tx);
-            let (opts, paused_tx) = (
+            let (mut opts, paused_tx) = (
                 node_options(&cfg, &url, peer, tmp.path()),
                 paused_tx.clone(),
             );
+            if peer == 0 {
+                opts.metrics_listener = Some(node_metrics.try_clone().unwrap());
+            }
             std::thread::spawn(move || {
                 let mut node = spes_net::Node::connect(opts).unwrap();
                 for _ in 0..2 {
@@ -227,6 +233,17 @@ fn a_live_run_is_watched_through_prometheus_a_browser_status_and_tensorboard() {
         assert!(second.contains_key(&format!("spes_node_idle_share{l}")));
     }
     assert!(second["spes_val_loss"].is_finite() && second["spes_members"] == 2.0);
+    let (code, own) = get(node_web, "/metrics");
+    assert_eq!(code, 200);
+    let own = parse_prometheus(&own);
+    assert!(
+        own["spes_node_step{peer=\"0\"}"] >= 8.0,
+        "node 0's own /metrics: {own:?}"
+    );
+    assert!(
+        !own.contains_key("spes_round"),
+        "a node serves only its own families"
+    );
 
     // 2. The page in a real browser, with this run's values.
     let dom = chromium_dom(&format!("http://{web}/"), &tmp.path().join("chromium"));
