@@ -59,8 +59,48 @@ fn tokenize_and_train_through_the_cli() {
         "train.eval_task_docs=10",
     ]);
     args.extend(SMALL);
+    let tb = tmp.path().join("tb");
+    let tb_set = format!("train.tensorboard=\"{}\"", tb.display());
+    args.extend(["--set", &tb_set]);
     let o = spes(&args);
     assert!(o.status.success(), "{}", text(&o));
+    // TensorBoard's own reader finds the trainer's curves.
+    let script = "import sys\nfrom tensorboard.backend.event_processing.event_accumulator import EventAccumulator as A\na = A(sys.argv[1]); a.Reload()\nprint(len(a.Scalars('train/loss')), len(a.Scalars('val/loss')))";
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+    let read = Command::new(&python)
+        .args(["-c", script, tb.join("train").to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(read.status.success(), "{}", text(&read));
+    let counts = String::from_utf8_lossy(&read.stdout);
+    assert_eq!(
+        counts.trim(),
+        "3 2",
+        "train/loss every 10 steps, val/loss at 0 and 30"
+    );
+    // Logs to a pipe carry no colour codes; `--log-format json` writes one object per line.
+    let mut resume = args.clone();
+    resume.push("--resume");
+    let o = spes(&resume);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success() && err.contains("resuming from"), "{err}");
+    assert!(!err.contains('\x1b'), "colour codes in a pipe: {err:?}");
+    let mut json = vec!["--log-format", "json"];
+    json.extend(resume.iter().copied());
+    let o = spes(&json);
+    assert!(o.status.success(), "{}", text(&o));
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stderr)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(
+        lines.iter().any(|l| l["level"] == "INFO"
+            && l["fields"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with("resuming from")),
+        "{lines:?}"
+    );
     let rows: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
