@@ -158,9 +158,21 @@ fn load_heatmap(path: &Path, load: &[Vec<f64>], owners: &[usize]) -> Result<()> 
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(0f64..experts as f64, 0f64..layers as f64)
+        .build_cartesian_2d(
+            // A segmented range of 0..n-1 has n segments, each labelled at its centre.
+            (0..experts as i32 - 1).into_segmented(),
+            (0..layers as i32 - 1).into_segmented(),
+        )
         .map_err(plot_err)?;
-    let owner_of = |e: usize| owners.get(e).map_or(String::new(), |o| format!("P{o}"));
+    let owner_of = |e: i32| {
+        owners
+            .get(e as usize)
+            .map_or(String::new(), |o| format!("P{o}"))
+    };
+    let at = |v: &SegmentValue<i32>| match v {
+        SegmentValue::Exact(i) | SegmentValue::CenterOf(i) => Some(*i),
+        SegmentValue::Last => None,
+    };
     chart
         .configure_mesh()
         .disable_mesh()
@@ -172,15 +184,12 @@ fn load_heatmap(path: &Path, load: &[Vec<f64>], owners: &[usize]) -> Result<()> 
         .y_desc("layer")
         .x_labels(experts)
         .y_labels(layers)
-        .x_label_formatter(&|x| {
-            let e = x.floor() as usize;
-            if owners.is_empty() {
-                e.to_string()
-            } else {
-                format!("{e} {}", owner_of(e))
-            }
+        .x_label_formatter(&|x| match at(x) {
+            Some(e) if owners.is_empty() => e.to_string(),
+            Some(e) => format!("{e} {}", owner_of(e)),
+            None => String::new(),
         })
-        .y_label_formatter(&|y| format!("{:.0}", y.floor()))
+        .y_label_formatter(&|y| at(y).map_or(String::new(), |l| l.to_string()))
         .draw()
         .map_err(plot_err)?;
     let cells = load.iter().enumerate().flat_map(|(l, row)| {
@@ -189,8 +198,12 @@ fn load_heatmap(path: &Path, load: &[Vec<f64>], owners: &[usize]) -> Result<()> 
             // Light yellow to dark blue.
             let mix = |a: f64, b: f64| (a + (b - a) * t).round() as u8;
             let color = RGBColor(mix(255.0, 8.0), mix(247.0, 48.0), mix(188.0, 107.0));
+            let (e, l) = (e as i32, l as i32);
             Rectangle::new(
-                [(e as f64, l as f64), (e as f64 + 0.96, l as f64 + 0.92)],
+                [
+                    (SegmentValue::Exact(e), SegmentValue::Exact(l)),
+                    (SegmentValue::Exact(e + 1), SegmentValue::Exact(l + 1)),
+                ],
                 color.filled(),
             )
         })
