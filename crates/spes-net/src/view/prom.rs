@@ -1,6 +1,7 @@
 //! `/metrics`: a [`RunView`] in the Prometheus text exposition format (0.0.4), written by the
-//! Prometheus project's Rust client (`prometheus`, without its protobuf feature). Families are
-//! registered afresh for each scrape from the snapshot, so nothing here keeps state.
+//! `prometheus` crate (TiKV's client, the most used in Rust, without its protobuf feature).
+//! Families are registered afresh for each scrape from the snapshot, so nothing here keeps
+//! state.
 
 use super::{NodeView, RunView};
 use prometheus::{Encoder, GaugeVec, IntCounterVec, Opts, Registry, TextEncoder};
