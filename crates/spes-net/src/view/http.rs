@@ -123,16 +123,35 @@ async fn metrics(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     if !s.allowed(&headers) {
         return unauthorized();
     }
-    reply(super::prom::CONTENT_TYPE, (s.endpoints.metrics)())
+    match off_runtime(&s, |e| Some((e.metrics)())).await {
+        Some(text) => reply(super::prom::CONTENT_TYPE, text),
+        None => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+/// Runs `f` on the blocking pool: building a view takes the server's locks, which a round's
+/// close can hold for seconds, and the runtime's workers also serve gRPC.
+async fn off_runtime(
+    s: &Arc<Shared>,
+    f: impl FnOnce(&Endpoints) -> Option<String> + Send + 'static,
+) -> Option<String> {
+    let s = s.clone();
+    tokio::task::spawn_blocking(move || f(&s.endpoints))
+        .await
+        .ok()
+        .flatten()
 }
 
 async fn run_json(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     if !s.allowed(&headers) {
         return unauthorized();
     }
-    match &s.endpoints.run_json {
-        Some(f) => reply("application/json", f()),
-        None => StatusCode::NOT_FOUND.into_response(),
+    if s.endpoints.run_json.is_none() {
+        return StatusCode::NOT_FOUND.into_response();
+    }
+    match off_runtime(&s, |e| e.run_json.as_ref().map(|f| f())).await {
+        Some(json) => reply("application/json", json),
+        None => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     }
 }
 
@@ -141,19 +160,22 @@ async fn page(
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
 ) -> Response {
-    let Some(run_json) = &s.endpoints.run_json else {
+    if s.endpoints.run_json.is_none() {
         return reply(
             "text/plain; charset=utf-8",
             "a spes node: see /metrics\n".into(),
         );
-    };
+    }
     // With the credential (a header, or the `?token=` the page was opened with) the page
     // comes with the view inside; without it, an empty page that asks with the token.
     let allowed = s.allowed(&headers) || s.matches(query.get("token").map(String::as_str));
-    let html = if allowed {
-        page_with(&run_json())
-    } else {
-        PAGE.to_owned()
+    let view = match allowed {
+        true => off_runtime(&s, |e| e.run_json.as_ref().map(|f| f())).await,
+        false => None,
+    };
+    let html = match view {
+        Some(json) => page_with(&json),
+        None => PAGE.to_owned(),
     };
     let mut r = reply("text/html; charset=utf-8", html);
     // The page may talk to this listener only, and load nothing from anywhere.
