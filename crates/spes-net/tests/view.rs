@@ -402,3 +402,82 @@ print(json.dumps(out))
         "round 0 and each of the 10 rounds scored: {curves}"
     );
 }
+
+/// The listener as it runs off loopback: HTTPS with the server's certificate, and the viewer
+/// credential on every data route (the rules themselves are unit-tested in `http.rs`).
+#[test]
+fn the_listener_serves_https_and_asks_for_the_viewer_credential() {
+    use rustls::pki_types::{CertificateDer, ServerName};
+    use spes_net::view::http::{serve, Endpoints};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let (pem, key) = (
+        cert.cert.pem().into_bytes(),
+        cert.signing_key.serialize_pem().into_bytes(),
+    );
+    let viewer = spes_net::auth::viewer_credential(SECRET);
+    let opts = HttpOptions {
+        tls: Some((pem, key)),
+        token: Some(viewer.clone()),
+    };
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let endpoints = Endpoints {
+        metrics: Box::new(|| "spes_round 3\n".to_owned()),
+        run_json: Some(Box::new(|| "{\"run\":{}}".to_owned())),
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = rt.spawn(serve(listener, opts, endpoints, async {
+        let _ = stopped.await;
+    }));
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from(cert.cert.der().to_vec()))
+        .unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let get = |path: &str, token: Option<String>| {
+        let path = path.to_owned();
+        let connector = connector.clone();
+        rt.block_on(async move {
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let name = ServerName::try_from("localhost").unwrap();
+            let mut tls = connector.connect(name, tcp).await.unwrap();
+            let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+            let req = format!(
+                "GET {path} HTTP/1.1\r\nHost: localhost\r\n{auth}Connection: close\r\n\r\n"
+            );
+            tls.write_all(req.as_bytes()).await.unwrap();
+            let mut text = String::new();
+            let _ = tls.read_to_string(&mut text).await;
+            text
+        })
+    };
+    let status = |reply: &str| reply.split(' ').nth(1).unwrap().to_owned();
+    assert_eq!(status(&get("/metrics", None)), "401");
+    assert_eq!(
+        status(&get("/metrics", Some("spes-viewer-00".into()))),
+        "401"
+    );
+    let ok = get("/metrics", Some(viewer.clone()));
+    assert!(status(&ok) == "200" && ok.contains("spes_round 3"), "{ok}");
+    assert_eq!(status(&get("/api/run", None)), "401");
+    // Without the credential the page comes empty; with `?token=` it holds the view.
+    let empty = get("/", None);
+    assert!(status(&empty) == "200" && !empty.contains("{\"run\":{}}"));
+    let with_token = get(&format!("/?token={viewer}"), None);
+    assert!(
+        with_token.contains("{\"run\":{}}"),
+        "the page with the view inside"
+    );
+    let _ = stop.send(());
+    rt.block_on(server).unwrap().unwrap();
+}
