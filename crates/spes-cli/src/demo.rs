@@ -202,6 +202,32 @@ pub struct Args {
     /// (e.g. 127.0.0.1:8080; open http://127.0.0.1:8080/ in a browser).
     #[arg(long)]
     pub http: Option<std::net::SocketAddr>,
+    /// Make node PEER's steps FACTOR times as long (`3=2`: node 3 at half speed; repeatable),
+    /// to watch nodes of unlike speed on one machine (`train.slowdown`).
+    #[arg(long, value_name = "PEER=FACTOR", value_parser = parse_slowdown)]
+    pub slowdown: Vec<(usize, f64)>,
+}
+
+/// `PEER=FACTOR` with FACTOR ≥ 1.
+fn parse_slowdown(s: &str) -> Result<(usize, f64), String> {
+    let parsed = s
+        .split_once('=')
+        .and_then(|(p, f)| Some((p.trim().parse().ok()?, f.trim().parse().ok()?)));
+    match parsed {
+        Some((p, f)) if f >= 1.0 => Ok((p, f)),
+        _ => Err(format!(
+            "`{s}` is not PEER=FACTOR with FACTOR ≥ 1, such as 3=2"
+        )),
+    }
+}
+
+/// What a launch adds to its processes beyond the config.
+#[derive(Default)]
+pub struct Extras {
+    /// The server's HTTP listener.
+    pub http: Option<std::net::SocketAddr>,
+    /// `train.slowdown` per node.
+    pub slowdown: Vec<(usize, f64)>,
 }
 
 /// Runs the demo: data, server and nodes, then `summary.json` and `report.md`.
@@ -213,6 +239,7 @@ pub fn run(a: Args) -> Result<()> {
         link,
         partition,
         http,
+        slowdown,
     } = a;
     let started = Instant::now();
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
@@ -226,17 +253,25 @@ pub fn run(a: Args) -> Result<()> {
         DemoPartition::Shuffle => None,
         kind => Some(prepare_parts(out, &data, cfg.sync.nodes, kind)?),
     };
-    let config_toml =
-        launch(out, &cfg, &device, link, true, parts.as_deref(), http).map_err(|e| {
-            if e.is::<Interrupted>() {
-                anyhow::anyhow!(
-                    "{e}. Run `spes demo --out {}` again to resume",
-                    out.display()
-                )
-            } else {
-                e
-            }
-        })?;
+    let config_toml = launch(
+        out,
+        &cfg,
+        &device,
+        link,
+        true,
+        parts.as_deref(),
+        &Extras { http, slowdown },
+    )
+    .map_err(|e| {
+        if e.is::<Interrupted>() {
+            anyhow::anyhow!(
+                "{e}. Run `spes demo --out {}` again to resume",
+                out.display()
+            )
+        } else {
+            e
+        }
+    })?;
     let nodes = cfg.sync.nodes;
     report(out, nodes, started, &config_toml)
 }
@@ -263,7 +298,7 @@ pub fn launch(
     link: Option<LinkSpec>,
     show_progress: bool,
     node_data: Option<&[PathBuf]>,
-    http: Option<std::net::SocketAddr>,
+    extras: &Extras,
 ) -> Result<String> {
     std::fs::create_dir_all(out.join("logs"))
         .with_context(|| format!("cannot create {}", out.display()))?;
@@ -291,7 +326,7 @@ pub fn launch(
         .args(["--linger-s", "30"])
         .arg("--secret-file")
         .arg(&secret);
-    if let Some(addr) = http {
+    if let Some(addr) = extras.http {
         server.args(["--http", &addr.to_string()]);
         eprintln!("live run page: http://{addr}/ (Prometheus: http://{addr}/metrics)");
     }
@@ -334,6 +369,9 @@ pub fn launch(
         node.arg("--out").arg(out.join(format!("node-{peer}")));
         node.arg("--credential-file").arg(credential);
         common(&mut node);
+        for (_, f) in extras.slowdown.iter().filter(|(p, _)| *p == peer) {
+            node.arg("--set").arg(format!("train.slowdown={f}"));
+        }
         if let Some(dir) = node_data.and_then(|d| d.get(peer)) {
             node.arg("--set")
                 .arg(format!("data.path={}", dir.display()));

@@ -292,7 +292,15 @@ fn train(cfg: &RunConfig, dir: &Path, device: tch::Device, device_arg: &str) -> 
         let resume = dir.join("checkpoints").exists();
         spes_train::run(cfg.clone(), dir, device, resume, None, false, None)?;
     } else {
-        demo::launch(dir, cfg, device_arg, None, false, None, None)?;
+        demo::launch(
+            dir,
+            cfg,
+            device_arg,
+            None,
+            false,
+            None,
+            &demo::Extras::default(),
+        )?;
     }
     Ok(())
 }

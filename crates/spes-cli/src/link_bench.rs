@@ -83,7 +83,15 @@ pub fn run(a: Args) -> Result<()> {
         overrides.extend(option.overrides(a.stride));
         let cfg = demo::config(&data, &overrides)?;
         eprintln!("bench-link: {} over {:?} …", option.label(), a.link);
-        demo::launch(&out, &cfg, "cpu", Some(a.link), false, None, None)?;
+        demo::launch(
+            &out,
+            &cfg,
+            "cpu",
+            Some(a.link),
+            false,
+            None,
+            &demo::Extras::default(),
+        )?;
         let peers: Vec<u64> = (0..cfg.sync.nodes as u64).collect();
         let costs: Vec<report::RoundCost> = report::round_costs(&out, &peers)
             .into_iter()

@@ -373,19 +373,32 @@ pub fn write(out: &Path, summary: &DemoSummary, config_toml: &str) -> Result<()>
     md.push_str(&format!("| rounds | {} |\n", n(summary.rounds)));
     md.push_str(&format!("| wall time | {:.0} s |\n\n", summary.wall_s));
     md.push_str(
-        "| node | trainable params | optimizer state | bytes up | bytes down | peak RSS |\n",
+        "| node | trainable params | optimizer state | bytes up | bytes down | peak RSS | s per step | idle share |\n",
     );
-    md.push_str("|---|---|---|---|---|---|\n");
+    md.push_str("|---|---|---|---|---|---|---|---|\n");
     let mib = |v: u64| v as f64 / (1u64 << 20) as f64;
     for n in nodes {
+        // Over the node's rounds: its training seconds per step, and the share it stood still.
+        let syncs: Vec<SyncRecord> =
+            metrics::read::<NodeLine>(&out.join(format!("node-{}/metrics.jsonl", n.peer)))
+                .into_iter()
+                .filter_map(|l| match l {
+                    NodeLine::Sync(s) => Some(s),
+                    NodeLine::Step(_) => None,
+                })
+                .collect();
+        let compute: f64 = syncs.iter().map(|s| s.compute_s).sum();
+        let idle: f64 = syncs.iter().map(|s| s.idle_s).sum();
         md.push_str(&format!(
-            "| {} | {:.2} M | {:.1} MiB | {:.1} MiB | {:.1} MiB | {:.0} MiB |\n",
+            "| {} | {:.2} M | {:.1} MiB | {:.1} MiB | {:.1} MiB | {:.0} MiB | {:.3} | {:.1} % |\n",
             n.peer,
             n.trainable_params as f64 / 1e6,
             mib(n.optimizer_state_bytes),
             mib(n.bytes_up),
             mib(n.bytes_down),
-            n.peak_rss_mb
+            n.peak_rss_mb,
+            compute / n.steps.max(1) as f64,
+            100.0 * (1.0 - metrics::utilization(compute, idle)),
         ));
     }
     let costs = &summary.round_costs;

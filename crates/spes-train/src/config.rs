@@ -159,6 +159,14 @@ pub struct TrainConfig {
     /// (`train`, `node-<peer>`, `server`): `tensorboard --logdir <dir>` shows them side by side.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensorboard: Option<PathBuf>,
+    /// Measurement aid: each step takes this many times as long (the rest asleep, its CPU
+    /// free), so one machine can stand in for nodes of unlike speed. 1: off.
+    #[serde(skip_serializing_if = "is_one")]
+    pub slowdown: f64,
+}
+
+fn is_one(v: &f64) -> bool {
+    *v == 1.0
 }
 
 impl Default for TrainConfig {
@@ -196,6 +204,7 @@ impl Default for TrainConfig {
             eval_tasks_every: 0,
             eval_task_docs: 200,
             tensorboard: None,
+            slowdown: 1.0,
         }
     }
 }
@@ -227,6 +236,7 @@ node_local_train_keys!(
     moe_kernel,
     frozen_experts_bf16,
     tensorboard,
+    slowdown,
 );
 
 impl RunConfig {
@@ -349,6 +359,12 @@ impl RunConfig {
         }
         if !(0.0..=1.0).contains(&t.lr_floor) {
             bail!("train.lr_floor must be in [0, 1], got {}", t.lr_floor);
+        }
+        if !(t.slowdown >= 1.0 && t.slowdown.is_finite()) {
+            bail!(
+                "train.slowdown must be a number ≥ 1 (1: off), got {}",
+                t.slowdown
+            );
         }
         let s = &self.sync;
         if s.mode != Mode::Centralized {
@@ -576,7 +592,7 @@ mod tests {
         let sync = toml::Value::try_from(SyncConfig::default()).unwrap();
         // (Optional keys are absent while unset.)
         for k in TrainConfig::NODE_LOCAL {
-            let optional = ["frozen_experts_bf16", "tensorboard"].contains(k);
+            let optional = ["frozen_experts_bf16", "tensorboard", "slowdown"].contains(k);
             assert!(train.get(k).is_some() || optional, "{k}");
         }
         for k in SyncConfig::PER_ROLE {

@@ -211,6 +211,14 @@ impl Trainer {
             lr,
             &batches,
         )?;
+        let slowdown = self.cfg.train.slowdown;
+        if slowdown > 1.0 {
+            // Stands for a slower card: the step takes `slowdown` times as long, its CPU free.
+            std::thread::sleep(std::time::Duration::from_secs_f64(
+                s.seconds * (slowdown - 1.0),
+            ));
+            s.seconds *= slowdown;
+        }
         if self.loader.drawn().len() > 1 {
             let seq = self.cfg.train.seq_len as u64;
             s.source_tokens = self.loader.drawn().iter().map(|w| w * seq).collect();
