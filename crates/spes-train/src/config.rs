@@ -601,6 +601,24 @@ mod tests {
     }
 
     #[test]
+    fn a_slowdown_is_one_or_more_and_node_local() {
+        let slow = RunConfig::parse(BASE, &["train.slowdown=2.5".into()]).unwrap();
+        assert_eq!(slow.train.slowdown, 2.5);
+        for bad in ["0.5", "nan", "inf"] {
+            let e = RunConfig::parse(BASE, &[format!("train.slowdown={bad}")])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("train.slowdown must be a number ≥ 1"), "{e}");
+        }
+        let server = RunConfig::parse(BASE, &[]).unwrap();
+        let node = RunConfig::for_node(server, &slow, 1).unwrap();
+        assert_eq!(node.train.slowdown, 2.5, "a node's own");
+        assert!(!toml::to_string(&RunConfig::parse(BASE, &[]).unwrap())
+            .unwrap()
+            .contains("slowdown"));
+    }
+
+    #[test]
     fn data_is_one_path_or_a_weighted_mixture() {
         let mix = "[model]\npreset = \"tiny\"\n[data]\nsources = [{ path = \"web\", weight = 0.75 }, { path = \"code\", weight = 0.25 }]\n[train]\nmax_steps = 5\n";
         let c = RunConfig::parse(mix, &[]).unwrap();
