@@ -7,6 +7,9 @@ use plotters::prelude::*;
 use spes_train::metrics::{self, DemoSummary, NodeLine, RoundRecord, SyncRecord};
 use std::path::Path;
 
+/// Bytes in a MiB, for the report's figures.
+const MIB: f64 = (1u64 << 20) as f64;
+
 /// DejaVu Sans (see assets/DEJAVU-LICENSE), so plots have text without system fonts.
 const FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
 
@@ -228,25 +231,18 @@ fn sync_plot(path: &Path, costs: &[RoundCost]) -> Result<()> {
         ("sync".to_string(), series(|c| c.sync_s)),
         ("idle".to_string(), series(|c| c.idle_s)),
     ];
-    let mib = (1u64 << 20) as f64;
     let bytes = vec![
-        (
-            "up".to_string(),
-            series(|c| c.bytes_up / (1u64 << 20) as f64),
-        ),
-        (
-            "down".to_string(),
-            series(|c| c.bytes_down / (1u64 << 20) as f64),
-        ),
+        ("up".to_string(), series(|c| c.bytes_up / MIB)),
+        ("down".to_string(), series(|c| c.bytes_down / MIB)),
         (
             "node written".to_string(),
-            series(|c| c.bytes_written / (1u64 << 20) as f64),
+            series(|c| c.bytes_written / MIB),
         ),
         (
             "server written".to_string(),
             costs
                 .iter()
-                .filter_map(|c| Some((c.round as f64, c.server_bytes_written? as f64 / mib)))
+                .filter_map(|c| Some((c.round as f64, c.server_bytes_written? as f64 / MIB)))
                 .collect(),
         ),
     ];
@@ -376,7 +372,7 @@ pub fn write(out: &Path, summary: &DemoSummary, config_toml: &str) -> Result<()>
         "| node | trainable params | optimizer state | bytes up | bytes down | peak RSS | s per step | idle share |\n",
     );
     md.push_str("|---|---|---|---|---|---|---|---|\n");
-    let mib = |v: u64| v as f64 / (1u64 << 20) as f64;
+    let mib = |v: u64| v as f64 / MIB;
     for n in nodes {
         // Over the node's rounds: its training seconds per step, and the share it stood still.
         let syncs: Vec<SyncRecord> =
@@ -405,7 +401,7 @@ pub fn write(out: &Path, summary: &DemoSummary, config_toml: &str) -> Result<()>
     md.push_str("\n## Sync cost\n\n*Sync* runs from a node's upload to its loaded model; *idle* is the time training stood still for it (with `sync.overlap`, only the wait for the result); *written* is what each role wrote to its disk (its own I/O counters). `sync.png` draws each round; `summary.json` (`round_costs`) holds the numbers.\n\n");
     let rounds = costs.len().max(1) as f64;
     let mean = |f: fn(&RoundCost) -> f64| costs.iter().map(f).sum::<f64>() / rounds;
-    let mib = |b: f64| b / (1u64 << 20) as f64;
+    let mib = |b: f64| b / MIB;
     let (compute, idle) = (mean(|c| c.compute_s), mean(|c| c.idle_s));
     let node_total: f64 = costs.iter().map(|c| c.bytes_written * c.nodes as f64).sum();
     let server_total: u64 = costs.iter().filter_map(|c| c.server_bytes_written).sum();

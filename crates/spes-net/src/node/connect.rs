@@ -11,15 +11,6 @@ use anyhow::{bail, Context, Result};
 use std::time::Duration;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 
-pub(super) fn connect_client(opts: &NodeOptions, url: &str) -> Result<Client> {
-    client(
-        url,
-        opts.credential.as_deref(),
-        opts.tls_ca.as_deref(),
-        opts.insecure,
-    )
-}
-
 /// A client of the server at `url` that sends `credential` with every call (a node's, or the
 /// viewer's for `spes status`), trusting `tls_ca` (else the web PKI roots) for `https`.
 /// Refuses to send a credential in plaintext off loopback unless `insecure`.
@@ -75,8 +66,14 @@ impl Link {
             .map(|url| {
                 Ok(Shard {
                     client: {
+                        // The channel's worker task starts on `rt`.
                         let _entered = rt.enter();
-                        connect_client(opts, url)?
+                        client(
+                            url,
+                            opts.credential.as_deref(),
+                            opts.tls_ca.as_deref(),
+                            opts.insecure,
+                        )?
                     },
                     names: None,
                     full_bytes: 0,

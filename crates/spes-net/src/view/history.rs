@@ -4,8 +4,8 @@
 //! (and read back from it on a restart), bounded in memory whatever the run's length, and
 //! downsampled for the page.
 
-use super::{EventKind, EventView, LoadView, RoundPoint, TimelineRow};
-use spes_train::metrics::RoundRecord;
+use super::{EventKind, EventView, LoadView, RoundPoint};
+use spes_train::metrics::{NodeRound, RoundRecord};
 use std::collections::VecDeque;
 
 /// Points kept in memory; beyond it the older half is thinned to every other point, so a run
@@ -24,7 +24,7 @@ const RECENT: usize = 250;
 pub struct History {
     rounds: Vec<RoundPoint>,
     loss: Vec<[f64; 2]>,
-    timeline: VecDeque<(u64, Vec<TimelineRow>)>,
+    timeline: VecDeque<(u64, Vec<NodeRound>)>,
     events: VecDeque<EventView>,
     pub expert_load: Option<LoadView>,
 }
@@ -75,19 +75,7 @@ impl History {
         }
         let Some(c) = close else { return };
         if !c.nodes.is_empty() {
-            let rows = c
-                .nodes
-                .iter()
-                .map(|n| TimelineRow {
-                    round: n.round,
-                    peer: n.peer,
-                    compute_s: n.compute_s,
-                    sync_s: n.sync_s,
-                    idle_s: n.idle_s,
-                    bytes_up: n.bytes_up,
-                    bytes_down: n.bytes_down,
-                })
-                .collect();
+            let rows = c.nodes.clone();
             self.timeline.push_back((r.round, rows));
             while self.timeline.len() > TIMELINE_ROUNDS {
                 self.timeline.pop_front();
@@ -151,7 +139,7 @@ impl History {
     }
 
     /// The newest rounds' per-node rows, oldest first.
-    pub fn timeline(&self) -> Vec<TimelineRow> {
+    pub fn timeline(&self) -> Vec<NodeRound> {
         self.timeline
             .iter()
             .flat_map(|(_, rows)| rows.clone())
@@ -195,7 +183,7 @@ fn downsample<T: Clone>(v: &[T]) -> Vec<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use spes_train::metrics::{NodeRound, RoundClose};
+    use spes_train::metrics::RoundClose;
 
     fn record(round: u64) -> RoundRecord {
         let nodes = vec![NodeRound {

@@ -21,7 +21,8 @@ pub struct RunView {
     /// (tokens, validation loss), downsampled.
     pub loss: Vec<[f64; 2]>,
     pub rounds: Vec<RoundPoint>,
-    pub timeline: Vec<TimelineRow>,
+    /// Each node's part of the newest rounds, as the nodes reported it.
+    pub timeline: Vec<NodeRound>,
     pub expert_load: Option<LoadView>,
     /// Newest first.
     pub events: Vec<EventView>,
@@ -79,18 +80,6 @@ pub struct RoundPoint {
     pub aggregation_s: f64,
     pub peers: usize,
     pub missing: usize,
-}
-
-/// One node's part of one round.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct TimelineRow {
-    pub round: u64,
-    pub peer: usize,
-    pub compute_s: f64,
-    pub sync_s: f64,
-    pub idle_s: f64,
-    pub bytes_up: u64,
-    pub bytes_down: u64,
 }
 
 /// The newest scored expert load, `load[layer][expert]`, and who owns each expert.

@@ -168,8 +168,8 @@ pub fn render(view: &RunView) -> String {
         &["peer"],
     );
     for n in &view.nodes {
-        let l = [n.peer.to_string()];
-        let l: [&str; 1] = [l[0].as_str()];
+        let p = n.peer.to_string();
+        let l = [p.as_str()];
         if let Some(a) = n.lease_age_s {
             peer.with_label_values(&l).set(a);
         }
