@@ -26,7 +26,7 @@ use spes_train::metrics::{MetricsLog, RoundRecord};
 use spes_train::RunConfig;
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -328,8 +328,11 @@ pub async fn serve(
         (!opened.fresh).then_some(published_round * cfg.sync.sync_steps),
     )?
     .with_tensorboard(cfg.train.tensorboard.as_deref(), &role)?;
-    let logged = last_logged_round(&opts.out);
-    let history = History::of(&spes_train::metrics::read(&opts.out.join("metrics.jsonl")));
+    // The log as kept after a crash: the restart point, and the operator's history.
+    let logged_rounds: Vec<RoundRecord> =
+        spes_train::metrics::read(&opts.out.join("metrics.jsonl"));
+    let logged = last_logged_round(&logged_rounds);
+    let history = History::of(&logged_rounds);
     let (published, _) = watch::channel(published_round);
     let (wake_tx, wake_rx) = mpsc::sync_channel(1);
     let clock = Instant::now();
@@ -531,8 +534,7 @@ struct Logged {
     initial_val_loss: Option<f64>,
 }
 
-fn last_logged_round(out: &Path) -> Option<Logged> {
-    let lines: Vec<RoundRecord> = spes_train::metrics::read(&out.join("metrics.jsonl"));
+fn last_logged_round(lines: &[RoundRecord]) -> Option<Logged> {
     let last = lines.last()?;
     Some(Logged {
         round: last.round,
