@@ -5,8 +5,9 @@
 # 0.24 builds and links against (.venv/libtorch -> site-packages/torch), and transformers for
 # the Hugging Face parity tests and interop. Where the wheel brought CUDA (nvidia-cuda-runtime),
 # also the host headers it lacks (nvidia-cuda-crt and nvidia-cuda-cccl of the same CUDA
-# release, ~3 MB) so spes-ext can build its NCCL part. For the operator-view tests:
-# tensorboard and prometheus_client in the venv, and Debian's chromium. Needs python3 and cargo.
+# release, ~3 MB) so spes-ext can build its NCCL part. With --tests (scripts/test.sh), also what
+# the operator-view tests read spes's output with: tensorboard and prometheus_client in the
+# venv, and Debian's chromium; `./spes demo` needs none of them. Needs python3 and cargo.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.venv"
@@ -53,18 +54,20 @@ if [ "$have" != "$transformers_version" ]; then
   echo "setup: installing transformers==$transformers_version into $venv" >&2
   "$venv/bin/pip" install --quiet --disable-pip-version-check "transformers==$transformers_version"
 fi
-for pin in "tensorboard==$tensorboard_version" "prometheus_client==$prometheus_client_version"; do
-  pkg=${pin%%==*}
-  have=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('$pkg'))" 2>/dev/null || true)
-  if [ "$have" != "${pin##*==}" ]; then
-    echo "setup: installing $pin into $venv" >&2
-    "$venv/bin/pip" install --quiet --disable-pip-version-check "$pin"
+if [ "${1:-}" = "--tests" ]; then
+  for pin in "tensorboard==$tensorboard_version" "prometheus_client==$prometheus_client_version"; do
+    pkg=${pin%%==*}
+    have=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('$pkg'))" 2>/dev/null || true)
+    if [ "$have" != "${pin##*==}" ]; then
+      echo "setup: installing $pin into $venv" >&2
+      "$venv/bin/pip" install --quiet --disable-pip-version-check "$pin"
+    fi
+  done
+  if [ -z "${CHROMIUM:-}" ] && ! command -v chromium >/dev/null; then
+    echo "setup: installing chromium (headless browser for the live page's test)" >&2
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get install -y -q chromium >/dev/null || $sudo sh -c 'apt-get update -q && apt-get install -y -q chromium' >/dev/null
   fi
-done
-if [ -z "${CHROMIUM:-}" ] && ! command -v chromium >/dev/null; then
-  echo "setup: installing chromium (headless browser for the live page's test)" >&2
-  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get install -y -q chromium >/dev/null || $sudo sh -c 'apt-get update -q && apt-get install -y -q chromium' >/dev/null
 fi
 cuda=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('nvidia-cuda-runtime'))" 2>/dev/null || true)
 if [ -n "$cuda" ]; then

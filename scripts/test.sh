@@ -4,6 +4,6 @@
 # Tests read ../shared (corpora, tokenizer) next to the checkout.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-"$root/scripts/setup.sh"
+"$root/scripts/setup.sh" --tests
 cd "$root"
 cargo test --profile suite --workspace "$@"

@@ -175,7 +175,7 @@ fn run_server(
 pub fn run(a: Args) -> Result<()> {
     if !a.chromium.exists() {
         bail!(
-            "no browser at {} (scripts/setup.sh installs chromium; or --chromium)",
+            "no browser at {} (scripts/setup.sh --tests installs chromium; or --chromium)",
             a.chromium.display()
         );
     }

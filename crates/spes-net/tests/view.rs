@@ -2,7 +2,8 @@
 //! the Prometheus project's Python parser, the live page rendered by headless Chromium, the
 //! `Status` call with the viewer credential, and TensorBoard's own reader on the event files.
 //! Two nodes pause twice mid-run (their heartbeats go on), so every check sees a live run.
-//! Needs `.venv` with tensorboard and prometheus_client and `chromium` (scripts/setup.sh).
+//! Needs `.venv` with tensorboard and prometheus_client and `chromium`: `scripts/setup.sh
+//! --tests`, which `scripts/test.sh` runs, installs them.
 
 mod common;
 
@@ -128,7 +129,9 @@ fn chromium_dom(url: &str, profile: &Path) -> String {
             url,
         ])
         .output()
-        .unwrap_or_else(|e| panic!("cannot run {bin} (scripts/setup.sh installs chromium): {e}"));
+        .unwrap_or_else(|e| {
+            panic!("cannot run {bin} (scripts/setup.sh --tests installs chromium): {e}")
+        });
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     String::from_utf8(o.stdout).unwrap()
 }
