@@ -97,12 +97,13 @@ impl Trainer {
     }
 
     /// Announces a step with what the followers must match: rank 0's step and token count
-    /// (which a load may have moved) and its load-balancing scale (as f32 bits).
-    pub(crate) fn announce_step(&self) -> Result<()> {
+    /// (which a load may have moved), the step's rows per rank, and its load-balancing scale
+    /// (as f32 bits).
+    pub(crate) fn announce_step(&self, rows: usize) -> Result<()> {
         if !self.leads {
             return Ok(());
         }
-        let mut args = vec![self.step as i64, self.tokens as i64];
+        let mut args = vec![self.step as i64, self.tokens as i64, rows as i64];
         if let Some(scale) = self.model.lb_count_scale() {
             let values = Vec::<f32>::try_from(&scale.to_device(Device::Cpu).to_kind(Kind::Float))?;
             args.extend(values.iter().map(|v| v.to_bits() as i64));
@@ -140,14 +141,15 @@ pub fn follow(dp: DataParallel, device: Device) -> Result<()> {
             Op::Done => return Ok(()),
             Op::Step => {
                 (tr.step, tr.tokens) = (args[0] as u64, args[1] as u64);
-                let scale: Vec<f32> = args[2..]
+                let rows = args[2] as usize;
+                let scale: Vec<f32> = args[3..]
                     .iter()
                     .map(|&b| f32::from_bits(b as u32))
                     .collect();
                 let scale =
                     (!scale.is_empty()).then(|| Tensor::from_slice(&scale).to_device(device));
                 tr.model.set_lb_count_scale(scale);
-                tr.train_step()?;
+                tr.train_rows(rows)?;
             }
             Op::Retrain => {
                 let roles = roles_where(&tr.model, args);

@@ -191,12 +191,28 @@ impl Trainer {
     /// ranks, each micro-batch is `batch_size` rows per rank: the node reads
     /// `ranks × batch_size` rows and this rank takes its own slice.
     pub fn train_step(&mut self) -> Result<StepStats> {
-        self.announce_step()?;
-        let (rows, accum) = (self.cfg.train.batch_size, self.cfg.train.grad_accum);
+        self.train_rows(self.cfg.train.batch_size * self.cfg.train.grad_accum)
+    }
+
+    /// The node's ranks: 1, or its data-parallel group's size.
+    pub fn ranks(&self) -> usize {
+        self.dp.as_ref().map_or(1, |d| d.world())
+    }
+
+    /// One optimizer step over `rows` rows per rank (a round by tokens gives a node more or
+    /// fewer than the run's batch), in micro-batches of at most `batch_size` rows so memory
+    /// stays that of the run's batch; the loss is the mean over the rows.
+    pub fn train_rows(&mut self, rows: usize) -> Result<StepStats> {
+        if rows == 0 {
+            bail!("a training step needs at least one row");
+        }
+        self.announce_step(rows)?;
+        let micro = self.cfg.train.batch_size;
         let (rank, world) = self.dp.as_ref().map_or((0, 1), |d| (d.rank(), d.world()));
         let row_len = self.cfg.train.seq_len + 1;
-        let batches: Vec<Tensor> = (0..accum)
-            .map(|_| {
+        let batches: Vec<Tensor> = (0..rows.div_ceil(micro))
+            .map(|i| {
+                let rows = micro.min(rows - i * micro);
                 let flat = self.loader.next_batch(rows * world);
                 let mine = flat[rank * rows * row_len..(rank + 1) * rows * row_len].to_vec();
                 self.batch_tensor(rows, mine)
@@ -483,6 +499,18 @@ pub fn step_on_batches(
 ) -> Result<StepStats> {
     let start = Instant::now();
     let n = batches.len() as f64;
+    let rows_of = |b: &Tensor| b.size()[0];
+    let total_rows: i64 = batches.iter().map(rows_of).sum();
+    // Micro-batches of one size weigh 1/n each, exactly as they always did; unequal ones (a
+    // round by tokens) weigh by their rows, so the step's loss is the mean over its rows.
+    let equal = batches.iter().all(|b| rows_of(b) == rows_of(&batches[0]));
+    let share = |b: &Tensor| {
+        if equal {
+            1.0 / n
+        } else {
+            rows_of(b) as f64 / total_rows as f64
+        }
+    };
     // Loss parts stay on the device until one read at the end: a read is a GPU sync.
     let mut sums: Option<Tensor> = None;
     let mut tokens = 0;
@@ -496,19 +524,28 @@ pub fn step_on_batches(
         let (rows, cols) = batch.size2().expect("batch is [rows, seq+1]");
         tokens += (rows * (cols - 1)) as u64;
         let l = match dp.filter(|_| o.overlap_reduce && i + 1 == batches.len()) {
-            Some(dp) => {
-                model.backward_in_stages(batch, &o.weights, 1.0 / n, o.checkpoint, &mut |stage| {
+            Some(dp) => model.backward_in_stages(
+                batch,
+                &o.weights,
+                share(batch),
+                o.checkpoint,
+                &mut |stage| {
                     if failed.is_none() {
                         match dp.start_stage(stage) {
                             Ok(p) => reducing.extend(p),
                             Err(e) => failed = Some(e),
                         }
                     }
-                })
-            }
-            None => model.backward(batch, &o.weights, 1.0 / n, o.checkpoint),
+                },
+            ),
+            None => model.backward(batch, &o.weights, share(batch), o.checkpoint),
         };
-        let parts = Tensor::stack(&[&l.total, &l.ce, &l.z_loss, &l.lb, &l.router_z], 0) / n;
+        let parts = Tensor::stack(&[&l.total, &l.ce, &l.z_loss, &l.lb, &l.router_z], 0);
+        let parts = if equal {
+            parts / n
+        } else {
+            parts * share(batch)
+        };
         sums = Some(match sums.take() {
             Some(acc) => acc + parts,
             None => parts,

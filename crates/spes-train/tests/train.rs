@@ -288,3 +288,25 @@ fn token_files_of_other_tools_train_as_spes_shards() {
         assert_eq!(train(&out), expected, "layout {i}");
     }
 }
+
+/// A step of more rows than the batch (a round by tokens) is cut into micro-batches of at most
+/// `batch_size`, weighed by their rows: 6 rows as 4 + 2 give the cross-entropy of the same 6
+/// rows taken at once (weighing the two halves equally would not).
+#[test]
+fn a_step_of_uneven_micro_batches_is_the_mean_over_its_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let all = |_: Role| true;
+    let mut whole = Trainer::new(config(&data, &["train.batch_size=6"]), Device::Cpu, all).unwrap();
+    let mut cut = Trainer::new(config(&data, &[]), Device::Cpu, all).unwrap();
+    let a = whole.train_step().unwrap();
+    let b = cut.train_rows(6).unwrap();
+    assert_eq!((a.tokens, b.tokens), (6 * 32, 6 * 32));
+    assert!(
+        (a.losses.ce - b.losses.ce).abs() < 1e-5,
+        "{} vs {}",
+        a.losses.ce,
+        b.losses.ce
+    );
+    assert!(cut.train_rows(0).is_err(), "a step needs a row");
+}
