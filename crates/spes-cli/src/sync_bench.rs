@@ -130,7 +130,7 @@ fn measured_rss(preset: &str, nodes: usize, batch: usize, seq: usize) -> Result<
 /// (not copied), validated and folded in, then the round closes (merge off) — the server's
 /// whole path for a round. Prints bytes of uploads per second for both wires.
 fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
-    use spes_sync::{Coordinator, Delta, Layout, Ownership, Scope, Start, SyncConfig, Wire};
+    use spes_sync::{Coordinator, Delta, Layout, Ownership, Scope, Start, SyncConfig, Wire, Work};
     let cfg = ModelConfig::preset(preset)?;
     if nodes == 0 || nodes > cfg.n_experts {
         bail!(
@@ -219,7 +219,7 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
                 let fold_in = |named| {
                     read += t.elapsed().as_secs_f64();
                     let t = std::time::Instant::now();
-                    let folded = coord.upload(peer, 0, round, named, 0.0);
+                    let folded = coord.upload(peer, 0, round, named, Work::default(), 0.0);
                     fold += t.elapsed().as_secs_f64();
                     folded
                 };

@@ -4,7 +4,9 @@
 //! node leaves for good after round 3 and a new one joins once round 4 is out. What is asserted
 //! holds for any timing: the run finishes, every round is published once, every expert has one
 //! owner in every round, the eviction and the join are in the metrics, and every live node ends
-//! bit-identical to the final published model. Bounded: the whole run must end within 240 s.
+//! bit-identical to the final published model. The rounds are by tokens, averaged by tokens,
+//! and node 2 stands for a card 3× slower: every round's budget splits the run's rows among the
+//! members, and node 2's share is the smallest. Bounded: the whole run must end within 240 s.
 
 use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
@@ -137,6 +139,8 @@ eval_batches = 2
 mode = "spes"
 nodes = {NODES}
 sync_steps = {SYNC_STEPS}
+round_by = "tokens"
+average_by = "tokens"
 merge_every = 4
 merge_until = 12
 merge_top_k = 2
@@ -232,7 +236,7 @@ evict_after_s = 1
             &["sync.checkpoint_every_rounds=4"],
         ),
         node(1, Some("upload@2"), true, false, &[]),
-        node(2, Some("download@3"), true, false, &[]),
+        node(2, Some("download@3"), true, false, &["train.slowdown=3"]),
         // Leaves for good during round 4, after uploading round 3.
         node(3, Some("train@7"), false, false, &[]),
     ];
@@ -386,6 +390,49 @@ evict_after_s = 1
             );
         }
     }
+
+    // Every round's budget gives each member of the next round at least a row a step and
+    // splits the run's rows (members × sync_steps × batch_size) exactly; every upload reported
+    // its rows; the slowed node 2 gets the smallest share in most rounds it is a member of.
+    let (mut slowest, mut with_2) = (0, 0);
+    for (l, next) in lines[1..].iter().zip(&lines[2..]) {
+        let budget: BTreeMap<String, u64> = l["budget"]
+            .as_object()
+            .unwrap_or_else(|| panic!("round {} has no budget: {l}", l["round"]))
+            .iter()
+            .map(|(p, b)| (p.clone(), b.as_u64().unwrap()))
+            .collect();
+        let members: Vec<String> = next["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m.to_string())
+            .collect();
+        let peers: Vec<String> = budget.keys().cloned().collect();
+        let mut sorted = members.clone();
+        sorted.sort();
+        assert_eq!(
+            peers, sorted,
+            "the budget is the next round's members': {l}"
+        );
+        assert_eq!(
+            budget.values().sum::<u64>(),
+            members.len() as u64 * SYNC_STEPS * 4,
+            "{l}"
+        );
+        assert!(budget.values().all(|&b| b >= SYNC_STEPS), "{l}");
+        for w in l["work"].as_array().unwrap() {
+            assert!(w["rows"].as_u64().unwrap() >= SYNC_STEPS, "{l}");
+        }
+        if let Some(&mine) = budget.get("2") {
+            with_2 += 1;
+            slowest += usize::from(budget.values().all(|&b| b >= mine));
+        }
+    }
+    assert!(
+        2 * slowest > with_2,
+        "node 2 (3× slower) had the smallest budget in {slowest} of {with_2} rounds"
+    );
 
     // Every live node ends bit-identical to the final published model.
     let global =

@@ -94,6 +94,32 @@ pub enum AggregateRule {
     Median,
 }
 
+/// How much each node trains in a round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RoundBy {
+    /// Every node trains `sync_steps` steps of `batch_size × grad_accum` rows: a node half as
+    /// fast makes every other one wait half of each round.
+    Steps,
+    /// The round's tokens (`nodes × sync_steps` steps of `batch_size × grad_accum` rows, as
+    /// with `steps`) are split among the members in proportion to the throughput each one
+    /// measured in its last round ([`crate::budget`]), so all of them spend about the same time
+    /// on their share. Every node still takes `sync_steps` optimizer steps (the learning-rate
+    /// schedule follows steps, and so the run's global tokens); a faster node's steps are
+    /// larger, cut into micro-batches of at most `batch_size` rows so its memory does not grow.
+    Tokens,
+}
+
+/// How the server weighs the members' changes of the averaged (shared) tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AverageBy {
+    /// Every upload counts once: the plain mean.
+    Node,
+    /// Each upload counts by the rows it trained this round (`aggregate = "mean"` only).
+    Tokens,
+}
+
 /// `[sync]`: the decentralized run (ignored by `spes train`, which is centralized).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -103,6 +129,11 @@ pub struct SyncConfig {
     pub nodes: usize,
     /// Local optimizer steps between synchronisations (H).
     pub sync_steps: u64,
+    /// "steps" (default): every node trains `sync_steps` steps of the run's batch; "tokens":
+    /// the round's tokens are split among the nodes by measured throughput ([`RoundBy`]).
+    pub round_by: RoundBy,
+    /// "node" (default: the plain mean) or "tokens" (weights by rows trained; [`AverageBy`]).
+    pub average_by: AverageBy,
     /// Explicit expert ownership: `ownership[p]` lists node p's expert indices (the same in every
     /// layer). Empty: contiguous blocks, node p owns `p·E/N .. (p+1)·E/N`.
     pub ownership: Vec<Vec<usize>>,
@@ -199,6 +230,8 @@ impl Default for SyncConfig {
             mode: Mode::Centralized,
             nodes: 4,
             sync_steps: 100,
+            round_by: RoundBy::Steps,
+            average_by: AverageBy::Node,
             ownership: Vec::new(),
             wire: Wire::Bf16Delta,
             sparse_chunk: 4096,

@@ -8,7 +8,8 @@
 //! has been expired for `evict_after_s` are evicted and nodes that asked to join are admitted;
 //! the next round's ownership is rebalanced over the new members ([`Scope::with_members`]).
 
-use crate::config::SyncConfig;
+use crate::budget::{self, Work};
+use crate::config::{AverageBy, RoundBy, SyncConfig};
 use crate::delta::{self, Delta, RoundDelta};
 use crate::named::{Layout, Named};
 use crate::outer::{norm_preserving_scale, OuterState, Source};
@@ -85,6 +86,24 @@ pub struct RoundReport {
     pub joined: Vec<usize>,
     /// With `outer.norm_preserving`: the averaged changes' scale, mean over their values.
     pub outer_scale: Option<f64>,
+    /// What each upload of this round trained and how much its change weighed in the average
+    /// of the shared tensors, in peer order.
+    #[serde(default)]
+    pub work: Vec<PeerWork>,
+    /// `sync.round_by = "tokens"`: the rows each member of the next round trains in it, by
+    /// peer (empty: each its `sync_steps` steps of the batch).
+    #[serde(default)]
+    pub budget: BTreeMap<usize, u64>,
+}
+
+/// One upload's part of a round.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PeerWork {
+    pub peer: usize,
+    #[serde(flatten)]
+    pub work: Work,
+    /// Its share of the average of the shared tensors (the shares sum to 1).
+    pub weight: f64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -124,6 +143,13 @@ pub struct Coordinator {
     /// ([`Coordinator::ending_at`]).
     last_round: Option<u64>,
     outer: OuterState,
+    /// What each upload of the open round reported it trained.
+    work: BTreeMap<usize, Work>,
+    /// What each upload of the last closed round reported: what the next round's budget
+    /// follows ([`Coordinator::budget`]).
+    last_work: BTreeMap<usize, Work>,
+    /// Rows one node trains in a round at the run's batch ([`Coordinator::with_round_rows`]).
+    round_rows: Option<u64>,
 }
 
 /// A tensor's fate in a round's close.
@@ -194,6 +220,9 @@ impl Coordinator {
             residual: HashMap::new(),
             last_round: None,
             outer: OuterState::default(),
+            work: BTreeMap::new(),
+            last_work: BTreeMap::new(),
+            round_rows: None,
             layout,
             cfg,
             max_update_rms,
@@ -426,14 +455,16 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Accepts `peer`'s upload for `round`, or says why not; a rejection changes nothing.
-    /// Keeps none of `tensors`' storage, so they may view a mapped file (see [`Aggregator::add`]).
+    /// Accepts `peer`'s upload for `round`, which says it trained `work`, or says why not; a
+    /// rejection changes nothing. Keeps none of `tensors`' storage, so they may view a mapped
+    /// file (see [`Aggregator::add`]).
     pub fn upload(
         &mut self,
         peer: usize,
         session: u64,
         round: u64,
         tensors: Named,
+        work: Work,
         now: f64,
     ) -> Result<(), RoundError> {
         self.check_upload(peer, session, round, now)?;
@@ -450,9 +481,22 @@ impl Coordinator {
             self.max_update_rms,
         )
         .map_err(invalid)?;
+        let weight = self.weight_of(&work);
         self.agg
-            .add(&self.layout, peer, deltas)
-            .map_err(|e| invalid(e.to_string()))
+            .add(&self.layout, peer, deltas, weight)
+            .map_err(|e| invalid(e.to_string()))?;
+        self.work.insert(peer, work);
+        Ok(())
+    }
+
+    /// The weight of an upload that reports `work` in the average of the shared tensors, by
+    /// `sync.average_by`: its rows (the run's rows per round when it reports none), or 1.
+    fn weight_of(&self, work: &Work) -> f64 {
+        match self.cfg.average_by {
+            AverageBy::Node => 1.0,
+            AverageBy::Tokens if work.rows > 0 => work.rows as f64,
+            AverageBy::Tokens => self.round_rows.unwrap_or(1) as f64,
+        }
     }
 
     /// Delta mode: what the last closed round published (`None` before any close).
@@ -547,9 +591,26 @@ impl Coordinator {
         if every > 0 && self.round.is_multiple_of(every) {
             next_scope = next_scope.rotated();
         }
+        let next_members: Vec<usize> = next_scope.members().into_iter().collect();
         if next_scope != scope {
             self.agg = aggregator(&self.cfg, next_scope);
         }
+        self.last_work = std::mem::take(&mut self.work);
+        let total: f64 = self.last_work.values().map(|w| self.weight_of(w)).sum();
+        let shares = self
+            .last_work
+            .iter()
+            .map(|(&peer, w)| PeerWork {
+                peer,
+                work: *w,
+                weight: self.weight_of(w) / total,
+            })
+            .collect();
+        let budget = next_members
+            .iter()
+            .copied()
+            .zip(self.budget(&next_members))
+            .collect();
         let report = RoundReport {
             round: self.round,
             step,
@@ -563,6 +624,8 @@ impl Coordinator {
             evicted,
             joined,
             outer_scale,
+            work: shares,
+            budget,
         };
         self.round += 1;
         self.opened_at = now;
@@ -576,6 +639,28 @@ impl Coordinator {
     /// was trained.
     pub fn ending_at(mut self, last: u64) -> Self {
         self.last_round = Some(last);
+        self
+    }
+
+    /// `sync.round_by = "tokens"`: the rows each of `members` trains in the next round, in
+    /// their order, split by the throughput the last closed round measured
+    /// ([`budget::split`]); empty for a round by steps. The server recomputes it when the
+    /// members change between rounds.
+    pub fn budget(&self, members: &[usize]) -> Vec<u64> {
+        match (self.cfg.round_by, self.round_rows) {
+            (RoundBy::Tokens, Some(rows)) => {
+                let total = rows * members.len() as u64;
+                budget::split(total, self.cfg.sync_steps, members, &self.last_work)
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// A node trains `rows` rows in a round at the run's batch (`sync_steps × batch_size ×
+    /// grad_accum`): the unit of a round by tokens and the weight of an upload that reports
+    /// none.
+    pub fn with_round_rows(mut self, rows: u64) -> Self {
+        self.round_rows = Some(rows);
         self
     }
 

@@ -3,9 +3,10 @@
 //! global model); the node's half is the [`Replica`] (what a node uploads, what it fetches, how
 //! a published round becomes its weights). Around them: the `[sync]` config both read
 //! (`config`), named tensors and the model's layout (`named`), who owns which expert
-//! (`ownership`), who reads which data part (`parts`), one round's aggregation and expert merging (`round`), the server's optional
+//! (`ownership`), who reads which data part (`parts`), how much each node trains in a round (`budget`), one round's aggregation and expert merging (`round`), the server's optional
 //! outer optimizer (`outer`), and the one delta type that travels between them (`delta`).
 
+pub mod budget;
 pub mod config;
 pub mod coordinator;
 pub mod delta;
@@ -17,8 +18,9 @@ pub mod parts;
 pub mod replica;
 pub mod round;
 
-pub use config::{AggregateRule, Feedback, Mode, SyncConfig, Wire};
-pub use coordinator::{Coordinator, RoundError, RoundReport, Standing, Start};
+pub use budget::Work;
+pub use config::{AggregateRule, AverageBy, Feedback, Mode, RoundBy, SyncConfig, Wire};
+pub use coordinator::{Coordinator, PeerWork, RoundError, RoundReport, Standing, Start};
 pub use delta::{Delta, Deltas, RoundDelta};
 pub use named::{Layout, Named};
 pub use outer::OuterRule;

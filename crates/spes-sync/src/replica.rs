@@ -14,13 +14,16 @@
 //! - following ownership ([`Replica::follow`]): which experts to train, and the base's
 //!   bookkeeping when that changes;
 //! - the decayed load-balancing scale of the node's own experts ([`Replica::lb_scale`]);
+//! - with `sync.round_by = "tokens"`, the rows the server gave it for the next round
+//!   ([`Replica::follow_budget`], [`Replica::step_rows`]);
 //! - its state alone, for checkpoints that need not hold the whole model
 //!   ([`Replica::state`], [`Replica::restore`]).
 //!
 //! Weights are the model's tensors by name (`Named`, sharing the model's storage): the replica
 //! changes them in place and never keeps them.
 
-use crate::config::{Mode, SyncConfig};
+use crate::budget;
+use crate::config::{Mode, RoundBy, SyncConfig};
 use crate::delta::{self, Delta};
 use crate::named::{Layout, Named};
 use spes_model::Role;
@@ -138,6 +141,9 @@ pub struct Replica {
     /// `sync.feedback = "buffer"` with overlap: each trained tensor's change at the last
     /// upload, before the buffer was added, so steps trained since can be kept.
     changes: HashMap<String, Tensor>,
+    /// `sync.round_by = "tokens"`: the rows the server gave this node for the round it trains
+    /// (`None`: the run's batch, until a round says otherwise).
+    rows: Option<u64>,
 }
 
 impl Replica {
@@ -155,6 +161,7 @@ impl Replica {
             feedback: HashMap::new(),
             changes: HashMap::new(),
             flushed: false,
+            rows: None,
         }
     }
 
@@ -430,6 +437,34 @@ impl Replica {
             reset,
             experts: (0..self.owned.len()).filter(|&e| self.owned[e]).collect(),
         }
+    }
+
+    /// Follows the rows a published round gives each member of the next one (`budget`, in the
+    /// order of `members`; empty when the round is by steps, or from a server that sent none):
+    /// this node's share, when the run is by tokens. Otherwise the node trains the run's batch.
+    pub fn follow_budget(&mut self, members: &[usize], budget: &[u64]) {
+        self.rows = None;
+        if self.cfg.round_by != RoundBy::Tokens || budget.len() != members.len() {
+            return;
+        }
+        self.rows = members
+            .iter()
+            .position(|&p| p == self.peer)
+            .map(|i| budget[i])
+            .filter(|&rows| rows > 0);
+    }
+
+    /// The rows this node trains in the round: its budget, or `nominal` (the run's
+    /// `sync_steps × batch_size × grad_accum`) without one.
+    pub fn round_rows(&self, nominal: u64) -> u64 {
+        self.rows.unwrap_or(nominal)
+    }
+
+    /// The rows of step `k` (0-based within the round) of a round of `nominal` rows at the
+    /// run's batch: its budget spread evenly over the round's `sync_steps` steps, at least one.
+    pub fn step_rows(&self, k: u64, nominal: u64) -> u64 {
+        let steps = self.cfg.sync_steps.max(1);
+        budget::step_rows(self.round_rows(nominal).max(steps), steps, k % steps)
     }
 
     /// Decayed load balancing (docs/design/algorithm.md §6): the per-expert multiplier `[E]` of

@@ -5,7 +5,7 @@
 //! Uploads are folded into running sums as they arrive, so the server holds one model's worth of
 //! accumulators however many nodes there are.
 
-use crate::config::{AggregateRule, SyncConfig};
+use crate::config::{AggregateRule, AverageBy, SyncConfig};
 use crate::delta::{Delta, Deltas};
 use crate::named::{Layout, Named};
 use crate::ownership::Ownership;
@@ -109,6 +109,9 @@ pub struct Aggregator {
     /// Tensors taken from their owner, as uploaded, with the owner.
     owned: HashMap<String, (usize, Delta)>,
     uploaded: BTreeSet<usize>,
+    /// `sync.average_by = "tokens"`: the sum of the weights the averaged tensors' sums hold
+    /// (`None`: every upload counts once, the sums are plain).
+    weights: Option<f64>,
     scratch: Scratch,
     /// With [`Aggregator::with_spread`]: per averaged tensor, the sum over uploads of the
     /// squared norm of each uploaded delta.
@@ -241,6 +244,8 @@ impl Aggregator {
             kept: HashMap::new(),
             owned: HashMap::new(),
             uploaded: BTreeSet::new(),
+            weights: (cfg.average_by == AverageBy::Tokens && cfg.aggregate == AggregateRule::Mean)
+                .then_some(0.0),
             scratch: Scratch::default(),
             spread: None,
         }
@@ -263,12 +268,18 @@ impl Aggregator {
         &self.scope
     }
 
-    /// Folds in an upload that [`validate`] accepted. A peer's second upload is refused.
+    /// Folds in an upload that [`validate`] accepted, of `weight` (its rows, when the round
+    /// averages by tokens; ignored otherwise). A peer's second upload is refused.
     /// Keeps none of the upload's storage (copies what it keeps), so an upload may view a
     /// memory-mapped file that goes away after this call.
-    pub fn add(&mut self, layout: &Layout, peer: usize, upload: Deltas) -> Result<()> {
+    pub fn add(&mut self, layout: &Layout, peer: usize, upload: Deltas, weight: f64) -> Result<()> {
         if self.uploaded.contains(&peer) {
             bail!("peer {peer} already uploaded this round");
+        }
+        if self.weights.is_some() && !(weight > 0.0 && weight.is_finite()) {
+            bail!(
+                "peer {peer}'s upload weighs {weight}; a round by tokens needs a positive weight"
+            );
         }
         tch::no_grad(|| {
             for (name, d) in upload {
@@ -298,6 +309,21 @@ impl Aggregator {
                     });
                     continue;
                 }
+                if self.weights.is_some() {
+                    let scaled = match &d {
+                        Delta::Value(t) | Delta::Dense(t) => t.to_kind(Kind::Float) * weight,
+                        compressed => compressed.to_f32(&zeros()) * weight,
+                    };
+                    match self.sums.get_mut(&name) {
+                        Some(sum) => {
+                            let _ = sum.g_add_(&scaled);
+                        }
+                        None => {
+                            self.sums.insert(name, scaled);
+                        }
+                    }
+                    continue;
+                }
                 match (self.sums.get_mut(&name), &d) {
                     (Some(sum), Delta::Value(t) | Delta::Dense(t)) if t.kind() == Kind::Float => {
                         let _ = sum.g_add_(t);
@@ -321,6 +347,9 @@ impl Aggregator {
             }
         });
         self.uploaded.insert(peer);
+        if let Some(w) = &mut self.weights {
+            *w += weight;
+        }
         Ok(())
     }
 
@@ -328,6 +357,7 @@ impl Aggregator {
     /// owners' tensors as sent.
     pub fn finish(self) -> Combined {
         let n = self.uploaded.len();
+        let divisor = self.weights.unwrap_or(n as f64);
         let (rule, trim) = (self.rule, self.trim_fraction);
         let spread = self
             .spread
@@ -339,7 +369,7 @@ impl Aggregator {
             .sums
             .into_iter()
             .map(|(name, mut sum)| {
-                let _ = sum.g_div_scalar_(n as f64);
+                let _ = sum.g_div_scalar_(divisor);
                 (name, sum)
             })
             .collect();

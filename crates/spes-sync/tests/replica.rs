@@ -7,8 +7,8 @@ mod common;
 use common::*;
 use spes_model::Role;
 use spes_sync::{
-    Applied, Coordinator, Feedback, Follow, Layout, Named, Published, Replica, ReplicaError,
-    SyncConfig, Wire,
+    Applied, AverageBy, Coordinator, Feedback, Follow, Layout, Named, Published, Replica,
+    ReplicaError, RoundBy, SyncConfig, Wire, Work,
 };
 use tch::Kind;
 
@@ -54,7 +54,8 @@ fn upload(c: &mut Coordinator, n: &mut Node, now: f64) {
     let peer = n.replica.peer();
     let round = c.round();
     let wire = n.replica.upload(&n.weights, round, false).unwrap();
-    c.upload(peer, 100 + peer as u64, round, wire, now).unwrap();
+    c.upload(peer, 100 + peer as u64, round, wire, Work::default(), now)
+        .unwrap();
 }
 
 /// Brings node `n` to the round `c` published last, as the node would fetch it: a delta
@@ -544,4 +545,118 @@ fn a_node_that_rejoins_or_restores_its_state_stays_bit_identical() {
         Vec::<f32>::try_from(&scale).unwrap(),
         vec![0.75, 0.75, 1.0, 1.0]
     );
+}
+
+/// A round by tokens: the server splits the next round's rows by the throughput each upload
+/// reports, every node follows its share over the round's steps, and with `average_by =
+/// "tokens"` the shared tensors are the rows-weighted mean of the changes.
+#[test]
+fn a_round_by_tokens_gives_the_faster_node_more_rows_and_weighs_its_change_by_them() {
+    let m = model(2, 4);
+    let cfg = SyncConfig {
+        round_by: RoundBy::Tokens,
+        average_by: AverageBy::Tokens,
+        ..wire_cfg(Wire::Bf16Delta)
+    };
+    // 10 steps of 4 rows a round at the run's batch.
+    let nominal = 40;
+    let mut c = coordinator(&m, 2, cfg.clone(), 0.0).with_round_rows(nominal);
+    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    for n in &nodes {
+        assert_eq!(n.replica.round_rows(nominal), nominal, "no budget yet");
+        assert_eq!(n.replica.step_rows(3, nominal), 4);
+    }
+    let before = copy(c.global().0);
+    let embed = "model.embed_tokens.weight";
+    // Node 0 moves the embedding by +1, node 1 by +4; node 0 trained 3× the rows/s.
+    let (moves, work) = ([1.0, 4.0], [(40, 1.0), (40, 3.0)]);
+    let round = c.round();
+    for (p, n) in nodes.iter_mut().enumerate() {
+        let _ = tch::no_grad(|| {
+            get(&n.weights, embed)
+                .shallow_clone()
+                .g_add_scalar_(moves[p])
+        });
+        let wire = n.replica.upload(&n.weights, round, false).unwrap();
+        let (rows, compute_s) = work[p];
+        c.upload(
+            p,
+            100 + p as u64,
+            round,
+            wire,
+            Work { rows, compute_s },
+            1.0,
+        )
+        .unwrap();
+    }
+    let report = c.close(1.5);
+    let budget: Vec<u64> = report.budget.values().copied().collect();
+    assert_eq!(
+        budget,
+        vec![60, 20],
+        "3:1 by throughput, 2 × 40 rows in all"
+    );
+    assert_eq!(report.work.len(), 2);
+    assert!(
+        (report.work[0].weight - 0.5).abs() < 1e-12,
+        "equal rows, equal weights"
+    );
+    // Equal rows this round: the weighted mean is the plain mean, (1 + 4) / 2.
+    let moved = get(c.global().0, embed) - get(&before, embed);
+    assert!((scalar(&moved) - 2.5).abs() < 1e-2, "{}", scalar(&moved));
+    let members: Vec<usize> = c.scope().members().into_iter().collect();
+    for n in &mut nodes {
+        deliver(&c, n, true, false);
+        n.replica.follow_budget(&members, &budget);
+    }
+    let per_step: Vec<u64> = (0..10)
+        .map(|k| nodes[0].replica.step_rows(k, nominal))
+        .collect();
+    assert_eq!(per_step, vec![6; 10]);
+    assert_eq!(
+        (0..10)
+            .map(|k| nodes[1].replica.step_rows(k, nominal))
+            .sum::<u64>(),
+        20
+    );
+
+    // The next round weighs node 0's change by its 60 rows against node 1's 20.
+    let before = copy(c.global().0);
+    let round = c.round();
+    for (p, n) in nodes.iter_mut().enumerate() {
+        let _ = tch::no_grad(|| {
+            get(&n.weights, embed)
+                .shallow_clone()
+                .g_add_scalar_(moves[p])
+        });
+        let wire = n.replica.upload(&n.weights, round, false).unwrap();
+        let rows = n.replica.round_rows(nominal);
+        c.upload(
+            p,
+            100 + p as u64,
+            round,
+            wire,
+            Work {
+                rows,
+                compute_s: 1.0,
+            },
+            2.0,
+        )
+        .unwrap();
+    }
+    let report = c.close(2.5);
+    assert!((report.work[0].weight - 0.75).abs() < 1e-12);
+    let moved = get(c.global().0, embed) - get(&before, embed);
+    assert!(
+        (scalar(&moved) - 1.75).abs() < 1e-2,
+        "(60·1 + 20·4) / 80, got {}",
+        scalar(&moved)
+    );
+
+    // A server that sends no budget (or a round by steps) leaves the node at the run's batch.
+    nodes[0].replica.follow_budget(&members, &[]);
+    assert_eq!(nodes[0].replica.round_rows(nominal), nominal);
+    let mut by_steps = Replica::new(0, wire_cfg(Wire::Bf16Delta), c.layout().clone());
+    by_steps.follow_budget(&members, &[60, 20]);
+    assert_eq!(by_steps.round_rows(nominal), nominal);
 }

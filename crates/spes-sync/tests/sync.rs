@@ -9,7 +9,7 @@ use spes_model::{expert_tensor_name, Role};
 use spes_sync::{
     delta, merge_experts, validate, AggregateRule, Aggregator, Combined, Coordinator, Delta,
     Deltas, Layout, Mode, Named, Ownership, Published, Replica, RoundError, Scope, Standing, Start,
-    SyncConfig, Wire,
+    SyncConfig, Wire, Work,
 };
 use std::collections::BTreeSet;
 use tch::{Device, Kind, Tensor};
@@ -66,9 +66,9 @@ fn shared_params_are_averaged_and_experts_come_from_their_owner() {
     let prev = snapshot(&m);
     let scope = Scope::Spes(Ownership::resolve(&[], 4, 2).unwrap());
     let mut agg = Aggregator::new(scope.clone(), &cfg());
-    agg.add(&layout, 0, values(upload(&layout, &scope, 0, 1.0)))
+    agg.add(&layout, 0, values(upload(&layout, &scope, 0, 1.0)), 1.0)
         .unwrap();
-    agg.add(&layout, 1, values(upload(&layout, &scope, 1, 4.0)))
+    agg.add(&layout, 1, values(upload(&layout, &scope, 1, 4.0)), 1.0)
         .unwrap();
     let next = agg.finish();
     assert_eq!(combined(&next, "model.embed_tokens.weight"), 2.5);
@@ -88,9 +88,9 @@ fn diloco_averages_every_parameter_including_experts() {
         members: BTreeSet::from([0, 1]),
     };
     let mut agg = Aggregator::new(scope.clone(), &cfg());
-    agg.add(&layout, 0, values(upload(&layout, &scope, 0, 1.0)))
+    agg.add(&layout, 0, values(upload(&layout, &scope, 0, 1.0)), 1.0)
         .unwrap();
-    agg.add(&layout, 1, values(upload(&layout, &scope, 1, 3.0)))
+    agg.add(&layout, 1, values(upload(&layout, &scope, 1, 3.0)), 1.0)
         .unwrap();
     let next = agg.finish();
     assert!(next.owned.is_empty());
@@ -147,13 +147,13 @@ fn bad_uploads_are_rejected_without_side_effects() {
         .iter()
         .map(|(n, t)| (n.clone(), t.to_kind(Kind::BFloat16)))
         .collect();
-    agg.add(&layout, 0, values(bf16)).unwrap();
+    agg.add(&layout, 0, values(bf16), 1.0).unwrap();
     let e = agg
-        .add(&layout, 0, values(copy(&good)))
+        .add(&layout, 0, values(copy(&good)), 1.0)
         .unwrap_err()
         .to_string();
     assert!(e.contains("already uploaded"), "{e}");
-    agg.add(&layout, 1, values(upload(&layout, &scope, 1, 3.0)))
+    agg.add(&layout, 1, values(upload(&layout, &scope, 1, 3.0)), 1.0)
         .unwrap();
     let next = agg.finish();
     assert_eq!(combined(&next, "lm_head.weight"), 2.0);
@@ -204,7 +204,7 @@ fn robust_rules_ignore_one_outlier() {
     let fold = |cfg: SyncConfig, vals: &[f64]| {
         let mut agg = Aggregator::new(scope.clone(), &cfg);
         for (p, v) in vals.iter().enumerate() {
-            agg.add(&layout, p, values(upload(&layout, &scope, p, *v)))
+            agg.add(&layout, p, values(upload(&layout, &scope, p, *v)), 1.0)
                 .unwrap();
         }
         combined(&agg.finish(), "lm_head.weight")
@@ -316,12 +316,26 @@ fn coordinator_closes_on_all_live_peers_or_timeout_and_rejects_stale_rounds() {
     assert_eq!(c.global().1, 1);
 
     let e = c
-        .upload(0, 100, 1, upload(&layout, c.scope(), 0, 1.0), 104.0)
+        .upload(
+            0,
+            100,
+            1,
+            upload(&layout, c.scope(), 0, 1.0),
+            Work::default(),
+            104.0,
+        )
         .unwrap_err();
     assert_eq!(e, RoundError::Closed { round: 1, fetch: 1 });
     assert!(e.to_string().contains("load round 1"), "{e}");
     let e = c
-        .upload(0, 100, 3, upload(&layout, c.scope(), 0, 1.0), 104.0)
+        .upload(
+            0,
+            100,
+            3,
+            upload(&layout, c.scope(), 0, 1.0),
+            Work::default(),
+            104.0,
+        )
         .unwrap_err();
     assert_eq!(e, RoundError::NotOpen { round: 3, open: 2 });
     up(&mut c, &layout, 0, 5.0, 104.0).unwrap();
@@ -477,21 +491,23 @@ fn a_delta_upload_must_be_bf16_of_the_right_shape() {
     };
     let mut c = coordinator(&m, 2, r, 0.0);
     let fp32 = upload(&layout, c.scope(), 0, 0.0);
-    let e = c.upload(0, 100, 1, fp32, 0.0).unwrap_err();
+    let e = c.upload(0, 100, 1, fp32, Work::default(), 0.0).unwrap_err();
     assert!(e.to_string().contains("expected a bf16 delta"), "{e}");
     let mut wrong: Named = upload(&layout, c.scope(), 0, 0.0)
         .into_iter()
         .map(|(n, t)| (n, t.to_kind(Kind::BFloat16)))
         .collect();
     wrong[0].1 = Tensor::zeros([3], (Kind::BFloat16, Device::Cpu));
-    let e = c.upload(0, 100, 1, wrong, 0.0).unwrap_err();
+    let e = c
+        .upload(0, 100, 1, wrong, Work::default(), 0.0)
+        .unwrap_err();
     assert!(e.to_string().contains("has shape"), "{e}");
     // A zero delta of everything this node owns is accepted and changes nothing it owns.
     let zero: Named = upload(&layout, c.scope(), 0, 0.0)
         .into_iter()
         .map(|(n, t)| (n, t.to_kind(Kind::BFloat16)))
         .collect();
-    c.upload(0, 100, 1, zero, 0.0).unwrap();
+    c.upload(0, 100, 1, zero, Work::default(), 0.0).unwrap();
     let before = snapshot(&m);
     c.close(1.0);
     let g = c.global().0;
@@ -540,11 +556,11 @@ fn a_quantized_upload_must_have_its_sizes_and_sane_scales() {
     unpaired.retain(|(n, _)| !n.ends_with("#scale"));
     cases.push((unpaired, "lacks one of its"));
     for (u, why) in cases {
-        let e = c.upload(0, 100, 1, u, 0.0).unwrap_err();
+        let e = c.upload(0, 100, 1, u, Work::default(), 0.0).unwrap_err();
         assert!(e.to_string().contains(why), "{why}: {e}");
         assert!(c.uploaded().is_empty());
     }
-    c.upload(0, 100, 1, good(&c), 0.0).unwrap();
+    c.upload(0, 100, 1, good(&c), Work::default(), 0.0).unwrap();
 }
 
 #[test]
@@ -588,7 +604,8 @@ fn the_server_keeps_no_upload_storage() {
             for (peer, u) in uploads.iter().enumerate() {
                 let u = copy(u);
                 let views: Vec<Tensor> = u.iter().map(|(_, t)| t.shallow_clone()).collect();
-                c.upload(peer, 100 + peer as u64, 1, u, 0.0).unwrap();
+                c.upload(peer, 100 + peer as u64, 1, u, Work::default(), 0.0)
+                    .unwrap();
                 if clobber {
                     for mut t in views {
                         let _ = t.fill_(3.0);
@@ -643,7 +660,8 @@ fn outer_round(c: &mut Coordinator, layout: &Layout, wire: Wire, now: f64) {
                 .into_iter()
                 .map(|(n, t)| (n.clone(), (t - get(&base, &n)).to_kind(Kind::BFloat16)))
                 .collect();
-            c.upload(peer, 100 + peer as u64, round, wire, now).unwrap();
+            c.upload(peer, 100 + peer as u64, round, wire, Work::default(), now)
+                .unwrap();
         }
     }
     c.close(now + 0.5);
@@ -778,7 +796,8 @@ fn norm_preserving_scale_undoes_what_averaging_shrank() {
                 .collect();
             deltas.push(copy(&wire));
             let round = c.round();
-            c.upload(peer, 100 + peer as u64, round, wire, 0.5).unwrap();
+            c.upload(peer, 100 + peer as u64, round, wire, Work::default(), 0.5)
+                .unwrap();
         }
         let report = c.close(1.0);
         // Each averaged tensor's scale from the uploaded (bf16) deltas themselves.
@@ -880,7 +899,7 @@ fn ownership_rotates_after_every_r_rounds_and_uploads_follow_it() {
     );
     let round = c.round();
     assert!(matches!(
-        c.upload(0, 100, round, stale, 5.0),
+        c.upload(0, 100, round, stale, Work::default(), 5.0),
         Err(RoundError::Invalid { .. })
     ));
 }

@@ -4,7 +4,7 @@
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use spes_model::ModelConfig;
-pub use spes_sync::config::{AggregateRule, Mode, SyncConfig, Wire};
+pub use spes_sync::config::{AggregateRule, AverageBy, Mode, RoundBy, SyncConfig, Wire};
 use std::path::{Path, PathBuf};
 
 /// A whole run. `model` is fully resolved (a preset plus any overridden fields).
@@ -454,6 +454,12 @@ impl RunConfig {
                     s.feedback_decay
                 );
             }
+            if s.average_by == AverageBy::Tokens && s.aggregate != AggregateRule::Mean {
+                bail!(
+                    "sync.average_by = \"tokens\" weighs a mean; it needs sync.aggregate = \"mean\", not {:?}",
+                    s.aggregate
+                );
+            }
             if !(16..=32768).contains(&s.sparse_chunk) {
                 bail!(
                     "sync.sparse_chunk must be in 16..=32768 (an index within a chunk is int16), got {}",
@@ -616,6 +622,29 @@ mod tests {
         assert!(!toml::to_string(&RunConfig::parse(BASE, &[]).unwrap())
             .unwrap()
             .contains("slowdown"));
+    }
+
+    #[test]
+    fn rounds_by_tokens_are_checked_by_key() {
+        let spes = |extra: &[&str]| {
+            let mut sets = vec!["sync.mode=spes".to_string(), "sync.sync_steps=5".into()];
+            sets.extend(extra.iter().map(|s| s.to_string()));
+            RunConfig::parse(BASE, &sets)
+        };
+        let c = spes(&["sync.round_by=tokens", "sync.average_by=tokens"]).unwrap();
+        assert_eq!(
+            (c.sync.round_by, c.sync.average_by),
+            (RoundBy::Tokens, AverageBy::Tokens)
+        );
+        let e = spes(&["sync.average_by=tokens", "sync.aggregate=median"]).unwrap_err();
+        assert!(e.to_string().contains("sync.aggregate = \"mean\""), "{e}");
+        let e = spes(&["sync.round_by=time"]).unwrap_err().to_string();
+        assert!(e.contains("sync.round_by") && e.contains("tokens"), "{e}");
+        let d = spes(&[]).unwrap();
+        assert_eq!(
+            (d.sync.round_by, d.sync.average_by),
+            (RoundBy::Steps, AverageBy::Node)
+        );
     }
 
     #[test]

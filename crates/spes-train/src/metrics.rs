@@ -224,6 +224,14 @@ pub struct RoundClose {
     /// flattening that puts these fields into [`RoundRecord`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nodes: Vec<NodeRound>,
+    /// What each upload reported it trained, and its weight in the average of the shared
+    /// tensors (`sync.average_by`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub work: Vec<spes_sync::PeerWork>,
+    /// `sync.round_by = "tokens"`: the rows each member of the next round trains in it, by
+    /// peer.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub budget: BTreeMap<usize, u64>,
 }
 
 /// One expert's merge in a round.

@@ -8,31 +8,33 @@ use crate::proto::refusal::Kind as Refused;
 use crate::proto::PayloadHeader;
 use crate::refusal;
 use anyhow::Result;
-use spes_sync::{delta, Named, Published};
+use spes_sync::{delta, Named, Published, Work};
 use spes_train::metrics::{Event, SyncRecord};
 use std::time::Instant;
 use tonic::Code;
 
 impl Node {
-    /// Encodes `upload` for the wire and writes it per server shard: the round that ends now.
-    pub(super) fn prepare_upload(&mut self, upload: &Named) -> Result<(u64, Vec<Upload>)> {
+    /// Encodes `upload` for the wire and writes it per server shard: the round that ends now,
+    /// with what the round trained.
+    pub(super) fn prepare_upload(&mut self, upload: &Named) -> Result<(u64, Vec<Upload>, Work)> {
         self.session.check_lost()?;
+        let work = std::mem::take(&mut self.work);
         let round = self.trainer.step / self.trainer.cfg.sync.sync_steps;
         let last = self.trainer.step >= self.trainer.cfg.train.max_steps;
         let wire = self.replica.upload(upload, round, last)?;
         let kind = delta::payload_kind(self.trainer.cfg.sync.wire);
-        Ok((round, self.link.encode_upload(wire, kind)))
+        Ok((round, self.link.encode_upload(wire, kind), work))
     }
 
     /// Overlap: uploads and fetches the round that ends now on another thread while this one
     /// trains on; the result is applied when it is in ([`Node::train_round`]).
     pub(super) fn start_sync(&mut self, upload: &Named) -> Result<()> {
-        let (round, files) = self.prepare_upload(upload)?;
+        let (round, files, work) = self.prepare_upload(upload)?;
         let plan = self.replica.fetch_plan(Some(round), true);
         let link = self.link.clone();
         let thread = std::thread::Builder::new()
             .name(format!("sync-{round}"))
-            .spawn(move || link.exchange(round, files, plan))?;
+            .spawn(move || link.exchange(round, files, work, plan))?;
         self.pending = Some(Pending {
             thread,
             started: Instant::now(),
@@ -59,9 +61,9 @@ impl Node {
     /// (or whatever round the server says to load). Returns the round now loaded.
     pub fn sync(&mut self, upload: &Named) -> Result<u64> {
         let t0 = Instant::now();
-        let (round, files) = self.prepare_upload(upload)?;
+        let (round, files, work) = self.prepare_upload(upload)?;
         let plan = self.replica.fetch_plan(Some(round), true);
-        let exchange = self.link.exchange(round, files, plan);
+        let exchange = self.link.exchange(round, files, work, plan);
         self.settle(exchange, round, t0, t0)
     }
 

@@ -153,13 +153,15 @@ impl Node {
         }
     }
 
-    /// Takes the ownership a fetched round announces for the next round; waits to be admitted
+    /// Takes the ownership (and, by tokens, the rows) a fetched round announces for the next
+    /// round; waits to be admitted
     /// again if this node is not a member of it.
     pub(super) fn follow(&mut self, header: &PayloadHeader) -> Result<()> {
         let owners: Vec<usize> = header.owners.iter().map(|&o| o as usize).collect();
         let members: Vec<usize> = header.members.iter().map(|&m| m as usize).collect();
         let weights = self.weights();
         let untrained = self.trainer.opt.param_names().next().is_none();
+        self.replica.follow_budget(&members, &header.budget);
         match self.replica.follow(&owners, &members, &weights) {
             Follow::NotMember => {
                 tracing::warn!(

@@ -24,7 +24,7 @@ use anyhow::{bail, Result};
 use meter::Meter;
 use session::{DataClaim, Session};
 use spes_model::MoeModel;
-use spes_sync::{Named, Replica};
+use spes_sync::{Named, Replica, Work};
 use spes_train::data_parallel::DataParallel;
 use spes_train::{checkpoint, RunConfig, Trainer};
 use std::path::PathBuf;
@@ -92,6 +92,8 @@ pub struct Node {
     checkpointing: Option<std::thread::JoinHandle<Result<PathBuf>>>,
     /// When the last checkpoint was taken (or the node started).
     last_checkpoint: Instant,
+    /// What the round being trained has trained so far: its upload reports it.
+    work: Work,
 }
 
 impl Drop for Node {
@@ -156,6 +158,7 @@ impl Node {
             meter,
             checkpointing: None,
             last_checkpoint: Instant::now(),
+            work: Work::default(),
         };
         node.enter(&reply, saved)?;
         Ok(node)
@@ -186,7 +189,9 @@ impl Node {
             .collect()
     }
 
-    /// Trains until the next sync step and returns the tensors to upload.
+    /// Trains until the next sync step and returns the tensors to upload. Each step trains the
+    /// rows the replica gives it: the run's batch, or with `sync.round_by = "tokens"` this
+    /// node's share of the round spread over its steps.
     pub fn train_round(&mut self) -> Result<Named> {
         let cfg = &self.trainer.cfg;
         let (h, log_every, max_steps) = (
@@ -194,6 +199,8 @@ impl Node {
             cfg.train.log_every,
             cfg.train.max_steps,
         );
+        let ranks = self.trainer.ranks() as u64;
+        let step_rows = (cfg.train.batch_size * cfg.train.grad_accum) as u64 * ranks;
         loop {
             let scale = self
                 .replica
@@ -201,7 +208,11 @@ impl Node {
             if scale.is_some() {
                 self.trainer.model.set_lb_count_scale(scale);
             }
-            let s = self.trainer.train_step()?;
+            let rows = self.replica.step_rows(self.trainer.step % h, h * step_rows);
+            let per_rank = rows.div_ceil(ranks).max(1);
+            let s = self.trainer.train_rows(per_rank as usize)?;
+            self.work.rows += per_rank * ranks;
+            self.work.compute_s += s.seconds;
             let step = self.trainer.step;
             if !s.losses.loss.is_finite() {
                 bail!(

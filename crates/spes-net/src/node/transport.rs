@@ -10,7 +10,7 @@ use crate::proto::{DoneRequest, FetchRequest, JoinReply, JoinRequest, PayloadHea
 use crate::{fault, payload, refusal};
 use anyhow::Result;
 use spes_sync::delta::tensor_of;
-use spes_sync::{FetchPlan, Named};
+use spes_sync::{FetchPlan, Named, Work};
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -211,12 +211,17 @@ impl Link {
         Ok(replies.swap_remove(0))
     }
 
-    /// Uploads every shard's file for `round`; the first refusal (in shard order) wins.
-    pub fn upload(&self, round: u64, uploads: &[Upload]) -> Result<(), Status> {
+    /// Uploads every shard's file for `round`, which trained `work`; the first refusal (in
+    /// shard order) wins.
+    pub fn upload(&self, round: u64, uploads: &[Upload], work: Work) -> Result<(), Status> {
         let results = self.on_all(|i, s| {
             let u = &uploads[i];
             let size = u.bytes.len() as u64;
-            let header = payload::upload_header(self.peer, self.session, round, size, u.xxh3);
+            let header = PayloadHeader {
+                rows: work.rows,
+                compute_s: work.compute_s,
+                ..payload::upload_header(self.peer, self.session, round, size, u.xxh3)
+            };
             retry(&self.handle, self.patience, "upload", || {
                 let (mut c, bytes, header) = (s.client.clone(), u.bytes.clone(), header.clone());
                 async move {
@@ -324,9 +329,15 @@ impl Link {
         Ok(Fetched { header, bodies })
     }
 
-    /// Uploads round `round`, then fetches it as `ask` says.
-    pub fn exchange(&self, round: u64, uploads: Vec<Upload>, ask: FetchPlan) -> Exchange {
-        let sent = self.upload(round, &uploads);
+    /// Uploads round `round` (which trained `work`), then fetches it as `ask` says.
+    pub fn exchange(
+        &self,
+        round: u64,
+        uploads: Vec<Upload>,
+        work: Work,
+        ask: FetchPlan,
+    ) -> Exchange {
+        let sent = self.upload(round, &uploads, work);
         let up = match sent {
             Ok(()) => uploads.iter().map(|u| u.bytes.len() as u64).sum(),
             Err(s) if refusal::kind(&s) == Some(Refused::Duplicate) => 0,

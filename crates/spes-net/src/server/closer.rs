@@ -8,8 +8,9 @@ use super::State;
 use anyhow::Result;
 use spes_data::ValWindows;
 use spes_model::MoeModel;
-use spes_sync::{Named, RoundDelta, RoundReport};
+use spes_sync::{Named, RoundBy, RoundDelta, RoundReport};
 use spes_train::metrics::{MergeRecord, MetricsLog, RoundClose, RoundRecord};
+use spes_train::RunConfig;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -101,9 +102,28 @@ fn round_record(
             outer_scale: r.outer_scale,
             bytes_written: 0,
             nodes: Default::default(),
+            work: r.work.clone(),
+            budget: r.budget.clone(),
         }),
         ..RoundRecord::default()
     }
+}
+
+/// Training tokens a closed round added: its uploads' `sync_steps` steps of the run's batch,
+/// or, by tokens, the rows each upload reports it trained.
+fn round_tokens(cfg: &RunConfig, r: &RoundReport) -> u64 {
+    let nominal = cfg.sync.sync_steps * cfg.tokens_per_step();
+    if cfg.sync.round_by != RoundBy::Tokens {
+        return r.peers.len() as u64 * nominal;
+    }
+    let seq = cfg.train.seq_len as u64;
+    r.peers
+        .iter()
+        .map(|p| match r.work.iter().find(|w| w.peer == *p) {
+            Some(w) if w.work.rows > 0 => w.work.rows * seq,
+            _ => nominal,
+        })
+        .sum()
 }
 
 /// The round closer: closes ready rounds, publishes them (retrying until it works), announces
@@ -156,8 +176,7 @@ pub(super) fn run_closer(
             }
         };
         if let Some((report, global, delta, carried, next, gone, aggregation_s)) = closed {
-            let tokens = s.progress.lock().unwrap().newest().tokens
-                + report.peers.len() as u64 * s.cfg.sync.sync_steps * s.cfg.tokens_per_step();
+            let tokens = s.progress.lock().unwrap().newest().tokens + round_tokens(&s.cfg, &report);
             let io = {
                 let mut io = s.io.lock().unwrap();
                 let done = io.done.clone();
@@ -185,6 +204,7 @@ pub(super) fn run_closer(
                 round: report.round,
                 global: &global,
                 next: &next,
+                budget: &report.budget,
                 tokens,
                 gone: &gone,
                 record: record.clone(),

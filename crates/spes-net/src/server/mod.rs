@@ -24,7 +24,7 @@ use spes_sync::{Coordinator, Layout, Scope, Standing, Start};
 use spes_train::config::Partition;
 use spes_train::metrics::{MetricsLog, RoundRecord};
 use spes_train::RunConfig;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -233,6 +233,7 @@ impl State {
             if let Some(newest) = st.rounds.last_mut().filter(|r| r.round == published) {
                 newest.owners = scope.owners();
                 newest.members = scope.members().into_iter().collect();
+                newest.budget = coord.budget(&newest.members);
                 if let Err(e) = st.save(&self.store.out) {
                     tracing::error!("cannot record the new members: {e:#}");
                 }
@@ -250,7 +251,12 @@ impl State {
             let path = self.store.pending_path(open, peer);
             if path.exists() {
                 let now = self.now();
-                let fold = |named| coord.upload(peer, 0, open, named, now);
+                // An upload kept by an older server has no record of its work: unweighed.
+                let work = std::fs::read(self.store.pending_work_path(open, peer))
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok())
+                    .unwrap_or_default();
+                let fold = |named| coord.upload(peer, 0, open, named, work, now);
                 // Safety: as in `accept`.
                 match unsafe { payload::with_mapped(&path, fold) }? {
                     Ok(()) => tracing::info!(
@@ -354,7 +360,8 @@ pub async fn serve(
         },
         0.0,
     )
-    .ending_at(cfg.train.max_steps / cfg.sync.sync_steps);
+    .ending_at(cfg.train.max_steps / cfg.sync.sync_steps)
+    .with_round_rows(cfg.sync.sync_steps * (cfg.train.batch_size * cfg.train.grad_accum) as u64);
     coord
         .restore_carried(opened.carried)
         .map_err(|e| anyhow::anyhow!("round {published_round}'s carried state: {e}"))?;
@@ -396,6 +403,7 @@ pub async fn serve(
                 round: 0,
                 global: &opened.global,
                 next: &scope,
+                budget: &BTreeMap::new(),
                 tokens: 0,
                 gone: &BTreeSet::new(),
                 record: record.clone(),

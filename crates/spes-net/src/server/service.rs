@@ -12,7 +12,8 @@ use crate::proto::{
     PayloadHeader, StatusReply, StatusRequest, UploadReply,
 };
 use crate::{payload, refusal};
-use spes_sync::Standing;
+use spes_data::shard::write_atomic;
+use spes_sync::{Standing, Work};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -158,6 +159,8 @@ impl Spes for Service {
             members: meta.members.iter().map(|&m| m as u32).collect(),
             delta: as_delta,
             skipped_own,
+            budget: meta.budget.clone(),
+            ..PayloadHeader::default()
         };
         s.io.lock().unwrap().bytes_out += header.total_bytes;
         s.watch
@@ -271,7 +274,11 @@ impl State {
         let accepted = (|| {
             let mut coord = self.coord.lock().unwrap();
             let now = self.now();
-            let fold = |named| coord.upload(peer, header.session, header.round, named, now);
+            let work = Work {
+                rows: header.rows,
+                compute_s: header.compute_s,
+            };
+            let fold = |named| coord.upload(peer, header.session, header.round, named, work, now);
             // Safety: `Coordinator::upload` keeps none of an upload's storage, and `part` is
             // this call's own file.
             unsafe { payload::with_mapped(part, fold) }
@@ -280,6 +287,9 @@ impl State {
                 })?
                 .map_err(|e| refusal::of_round_error(&e))?;
             let kept = self.store.pending_path(header.round, peer);
+            let work = serde_json::to_vec(&work).expect("a Work serialises");
+            write_atomic(&self.store.pending_work_path(header.round, peer), &work)
+                .map_err(|e| Status::internal(format!("cannot keep the upload: {e:#}")))?;
             std::fs::rename(part, &kept)
                 .and_then(|_| spes_data::shard::sync_dir(&kept))
                 .map_err(|e| Status::internal(format!("cannot keep the upload: {e}")))

@@ -21,7 +21,7 @@ use spes_data::shard::write_atomic;
 use spes_model::MoeModel;
 use spes_sync::{delta, Layout, Named, PartBook, RoundDelta, Scope};
 use spes_train::metrics::RoundRecord;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 pub(super) const STATE_FILE: &str = "server.json";
@@ -41,6 +41,10 @@ pub(super) struct PublishedRound {
     /// Delta wires: the round's deltas from the round before, as the files a fetch streams.
     #[serde(default)]
     pub parts: Vec<DeltaPart>,
+    /// `sync.round_by = "tokens"`: the rows each of `members` trains in the round after this
+    /// one ([`spes_sync::Coordinator::budget`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub budget: Vec<u64>,
 }
 
 /// A file written under `--out`, with its size and checksum.
@@ -188,6 +192,7 @@ impl From<StateV2> for ServerState {
                             own: p.own,
                         })
                         .collect(),
+                    budget: Vec::new(),
                 })
                 .collect(),
             initial_val_loss: v2.initial_val_loss,
@@ -211,6 +216,8 @@ pub(super) struct Publication<'a> {
     pub round: u64,
     pub global: &'a Named,
     pub next: &'a Scope,
+    /// The rows each of `next`'s members trains in the next round, by peer (empty: by steps).
+    pub budget: &'a BTreeMap<usize, u64>,
     pub tokens: u64,
     pub gone: &'a BTreeSet<usize>,
     pub record: RoundRecord,
@@ -243,12 +250,17 @@ impl Store {
             None
         };
         crate::fault::point("publish", p.round);
+        let members: Vec<usize> = p.next.members().into_iter().collect();
+        // A budget covers every next member or none (a round by steps).
+        let budget: Option<Vec<u64>> = members.iter().map(|m| p.budget.get(m).copied()).collect();
+        let budget = budget.unwrap_or_default();
         let entry = PublishedRound {
             round: p.round,
             tokens: p.tokens,
             owners: p.next.owners(),
-            members: p.next.members().into_iter().collect(),
+            members,
             parts,
+            budget,
         };
         let dropped = {
             let mut st = st.lock().unwrap();
@@ -341,6 +353,14 @@ impl Store {
         self.out
             .join("pending")
             .join(format!("round-{round:06}-peer-{peer}.safetensors"))
+    }
+
+    /// Where what that upload reported it trained is kept beside it (a restarted server
+    /// weighs and budgets by it again).
+    pub fn pending_work_path(&self, round: u64, peer: usize) -> PathBuf {
+        self.out
+            .join("pending")
+            .join(format!("round-{round:06}-peer-{peer}.work.json"))
     }
 }
 

@@ -4,7 +4,7 @@
 
 use spes_model::{ModelConfig, MoeModel, NormPlacement, QkNorm};
 use spes_sync::{
-    Coordinator, Layout, Mode, Named, Ownership, RoundError, Scope, Start, SyncConfig, Wire,
+    Coordinator, Layout, Mode, Named, Ownership, RoundError, Scope, Start, SyncConfig, Wire, Work,
 };
 use std::collections::BTreeSet;
 use tch::{Device, Kind, Tensor};
@@ -122,5 +122,5 @@ pub fn up(
 ) -> Result<(), RoundError> {
     let u = upload(layout, c.scope(), peer, value);
     let round = c.round();
-    c.upload(peer, 100 + peer as u64, round, u, now)
+    c.upload(peer, 100 + peer as u64, round, u, Work::default(), now)
 }
