@@ -114,6 +114,9 @@ pub enum RoundBy {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AverageBy {
+    /// `tokens` when the round is by tokens (and the rule a mean), else `node`: measured the
+    /// better of the two there (docs/results/unlike-nodes.md).
+    Auto,
     /// Every upload counts once: the plain mean.
     Node,
     /// Each upload counts by the rows it trained this round (`aggregate = "mean"` only).
@@ -132,7 +135,8 @@ pub struct SyncConfig {
     /// "steps" (default): every node trains `sync_steps` steps of the run's batch; "tokens":
     /// the round's tokens are split among the nodes by measured throughput ([`RoundBy`]).
     pub round_by: RoundBy,
-    /// "node" (default: the plain mean) or "tokens" (weights by rows trained; [`AverageBy`]).
+    /// "auto" (default: "tokens" when `round_by = "tokens"`, else "node"), "node" (the plain
+    /// mean) or "tokens" (weights by rows trained; [`AverageBy`]).
     pub average_by: AverageBy,
     /// Explicit expert ownership: `ownership[p]` lists node p's expert indices (the same in every
     /// layer). Empty: contiguous blocks, node p owns `p·E/N .. (p+1)·E/N`.
@@ -231,7 +235,7 @@ impl Default for SyncConfig {
             nodes: 4,
             sync_steps: 100,
             round_by: RoundBy::Steps,
-            average_by: AverageBy::Node,
+            average_by: AverageBy::Auto,
             ownership: Vec::new(),
             wire: Wire::Bf16Delta,
             sparse_chunk: 4096,
@@ -295,6 +299,17 @@ impl SyncConfig {
     /// Whether nodes train on while a round is exchanged: `overlap` on a delta wire.
     pub fn overlaps(&self) -> bool {
         self.overlap && self.wire.is_delta()
+    }
+
+    /// Whether the shared tensors' mean weighs each upload by the rows it trained
+    /// (`average_by`, with `auto` resolved).
+    pub fn weighs_by_tokens(&self) -> bool {
+        self.aggregate == AggregateRule::Mean
+            && match self.average_by {
+                AverageBy::Tokens => true,
+                AverageBy::Node => false,
+                AverageBy::Auto => self.round_by == RoundBy::Tokens,
+            }
     }
 
     /// Whether a node's weights carry more than the global model after a sync: steps trained

@@ -9,7 +9,7 @@
 //! the next round's ownership is rebalanced over the new members ([`Scope::with_members`]).
 
 use crate::budget::{self, Work};
-use crate::config::{AverageBy, RoundBy, SyncConfig};
+use crate::config::{RoundBy, SyncConfig};
 use crate::delta::{self, Delta, RoundDelta};
 use crate::named::{Layout, Named};
 use crate::outer::{norm_preserving_scale, OuterState, Source};
@@ -492,10 +492,10 @@ impl Coordinator {
     /// The weight of an upload that reports `work` in the average of the shared tensors, by
     /// `sync.average_by`: its rows (the run's rows per round when it reports none), or 1.
     fn weight_of(&self, work: &Work) -> f64 {
-        match self.cfg.average_by {
-            AverageBy::Node => 1.0,
-            AverageBy::Tokens if work.rows > 0 => work.rows as f64,
-            AverageBy::Tokens => self.round_rows.unwrap_or(1) as f64,
+        match (self.cfg.weighs_by_tokens(), work.rows) {
+            (false, _) => 1.0,
+            (true, 0) => self.round_rows.unwrap_or(1) as f64,
+            (true, rows) => rows as f64,
         }
     }
 

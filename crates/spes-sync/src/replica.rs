@@ -144,6 +144,9 @@ pub struct Replica {
     /// `sync.round_by = "tokens"`: the rows the server gave this node for the round it trains
     /// (`None`: the run's batch, until a round says otherwise).
     rows: Option<u64>,
+    /// The rows the newest published round gave it, taken up when a round starts, so every
+    /// round trains one budget whole (with overlap a round arrives mid-round).
+    next_rows: Option<u64>,
 }
 
 impl Replica {
@@ -162,6 +165,7 @@ impl Replica {
             changes: HashMap::new(),
             flushed: false,
             rows: None,
+            next_rows: None,
         }
     }
 
@@ -441,17 +445,23 @@ impl Replica {
 
     /// Follows the rows a published round gives each member of the next one (`budget`, in the
     /// order of `members`; empty when the round is by steps, or from a server that sent none):
-    /// this node's share, when the run is by tokens. Otherwise the node trains the run's batch.
+    /// this node's share, when the run is by tokens, from the next round it starts
+    /// ([`Replica::start_round`]). Otherwise the node trains the run's batch.
     pub fn follow_budget(&mut self, members: &[usize], budget: &[u64]) {
-        self.rows = None;
+        self.next_rows = None;
         if self.cfg.round_by != RoundBy::Tokens || budget.len() != members.len() {
             return;
         }
-        self.rows = members
+        self.next_rows = members
             .iter()
             .position(|&p| p == self.peer)
             .map(|i| budget[i])
             .filter(|&rows| rows > 0);
+    }
+
+    /// A round's first step is next: it trains the newest budget followed.
+    pub fn start_round(&mut self) {
+        self.rows = self.next_rows;
     }
 
     /// The rows this node trains in the round: its budget, or `nominal` (the run's

@@ -5,7 +5,7 @@
 //! Uploads are folded into running sums as they arrive, so the server holds one model's worth of
 //! accumulators however many nodes there are.
 
-use crate::config::{AggregateRule, AverageBy, SyncConfig};
+use crate::config::{AggregateRule, SyncConfig};
 use crate::delta::{Delta, Deltas};
 use crate::named::{Layout, Named};
 use crate::ownership::Ownership;
@@ -109,7 +109,7 @@ pub struct Aggregator {
     /// Tensors taken from their owner, as uploaded, with the owner.
     owned: HashMap<String, (usize, Delta)>,
     uploaded: BTreeSet<usize>,
-    /// `sync.average_by = "tokens"`: the sum of the weights the averaged tensors' sums hold
+    /// Weighing by tokens ([`SyncConfig::weighs_by_tokens`]): the sum of the weights the averaged tensors' sums hold
     /// (`None`: every upload counts once, the sums are plain).
     weights: Option<f64>,
     scratch: Scratch,
@@ -244,8 +244,7 @@ impl Aggregator {
             kept: HashMap::new(),
             owned: HashMap::new(),
             uploaded: BTreeSet::new(),
-            weights: (cfg.average_by == AverageBy::Tokens && cfg.aggregate == AggregateRule::Mean)
-                .then_some(0.0),
+            weights: cfg.weighs_by_tokens().then_some(0.0),
             scratch: Scratch::default(),
             spread: None,
         }

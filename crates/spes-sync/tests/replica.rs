@@ -608,6 +608,12 @@ fn a_round_by_tokens_gives_the_faster_node_more_rows_and_weighs_its_change_by_th
     for n in &mut nodes {
         deliver(&c, n, true, false);
         n.replica.follow_budget(&members, &budget);
+        assert_eq!(
+            n.replica.round_rows(nominal),
+            nominal,
+            "from the next round on"
+        );
+        n.replica.start_round();
     }
     let per_step: Vec<u64> = (0..10)
         .map(|k| nodes[0].replica.step_rows(k, nominal))
@@ -655,8 +661,10 @@ fn a_round_by_tokens_gives_the_faster_node_more_rows_and_weighs_its_change_by_th
 
     // A server that sends no budget (or a round by steps) leaves the node at the run's batch.
     nodes[0].replica.follow_budget(&members, &[]);
+    nodes[0].replica.start_round();
     assert_eq!(nodes[0].replica.round_rows(nominal), nominal);
     let mut by_steps = Replica::new(0, wire_cfg(Wire::Bf16Delta), c.layout().clone());
     by_steps.follow_budget(&members, &[60, 20]);
+    by_steps.start_round();
     assert_eq!(by_steps.round_rows(nominal), nominal);
 }

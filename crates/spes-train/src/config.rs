@@ -163,10 +163,30 @@ pub struct TrainConfig {
     /// free), so one machine can stand in for nodes of unlike speed. 1: off.
     #[serde(skip_serializing_if = "is_one")]
     pub slowdown: f64,
+    /// A node's own micro-batch: sequences per forward and backward pass, what its memory
+    /// holds (0: `batch_size`). A step keeps its rows (`batch_size × grad_accum`, or its share
+    /// of a round by tokens); only how they are cut changes.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub micro_batch: usize,
 }
 
 fn is_one(v: &f64) -> bool {
     *v == 1.0
+}
+
+fn is_zero(v: &usize) -> bool {
+    *v == 0
+}
+
+impl TrainConfig {
+    /// Sequences per forward and backward pass: `micro_batch`, or `batch_size` when unset.
+    pub fn micro_rows(&self) -> usize {
+        if self.micro_batch > 0 {
+            self.micro_batch
+        } else {
+            self.batch_size
+        }
+    }
 }
 
 impl Default for TrainConfig {
@@ -205,6 +225,7 @@ impl Default for TrainConfig {
             eval_task_docs: 200,
             tensorboard: None,
             slowdown: 1.0,
+            micro_batch: 0,
         }
     }
 }
@@ -237,6 +258,7 @@ node_local_train_keys!(
     frozen_experts_bf16,
     tensorboard,
     slowdown,
+    micro_batch,
 );
 
 impl RunConfig {
@@ -598,7 +620,13 @@ mod tests {
         let sync = toml::Value::try_from(SyncConfig::default()).unwrap();
         // (Optional keys are absent while unset.)
         for k in TrainConfig::NODE_LOCAL {
-            let optional = ["frozen_experts_bf16", "tensorboard", "slowdown"].contains(k);
+            let optional = [
+                "frozen_experts_bf16",
+                "tensorboard",
+                "slowdown",
+                "micro_batch",
+            ]
+            .contains(k);
             assert!(train.get(k).is_some() || optional, "{k}");
         }
         for k in SyncConfig::PER_ROLE {
@@ -607,7 +635,7 @@ mod tests {
     }
 
     #[test]
-    fn a_slowdown_is_one_or_more_and_node_local() {
+    fn a_slowdown_and_a_micro_batch_are_node_local() {
         let slow = RunConfig::parse(BASE, &["train.slowdown=2.5".into()]).unwrap();
         assert_eq!(slow.train.slowdown, 2.5);
         for bad in ["0.5", "nan", "inf"] {
@@ -617,8 +645,11 @@ mod tests {
             assert!(e.contains("train.slowdown must be a number ≥ 1"), "{e}");
         }
         let server = RunConfig::parse(BASE, &[]).unwrap();
-        let node = RunConfig::for_node(server, &slow, 1).unwrap();
+        let node = RunConfig::for_node(server.clone(), &slow, 1).unwrap();
         assert_eq!(node.train.slowdown, 2.5, "a node's own");
+        let small = RunConfig::parse(BASE, &["train.micro_batch=2".into()]).unwrap();
+        let node = RunConfig::for_node(server, &small, 1).unwrap();
+        assert_eq!(node.train.micro_rows(), 2, "a node's own micro-batch");
         assert!(!toml::to_string(&RunConfig::parse(BASE, &[]).unwrap())
             .unwrap()
             .contains("slowdown"));
@@ -643,8 +674,15 @@ mod tests {
         let d = spes(&[]).unwrap();
         assert_eq!(
             (d.sync.round_by, d.sync.average_by),
-            (RoundBy::Steps, AverageBy::Node)
+            (RoundBy::Steps, AverageBy::Auto)
         );
+        assert!(!d.sync.weighs_by_tokens(), "by steps: the plain mean");
+        let auto = spes(&["sync.round_by=tokens"]).unwrap();
+        assert!(auto.sync.weighs_by_tokens(), "by tokens: weighed by rows");
+        let plain = spes(&["sync.round_by=tokens", "sync.average_by=node"]).unwrap();
+        assert!(!plain.sync.weighs_by_tokens());
+        let robust = spes(&["sync.round_by=tokens", "sync.aggregate=median"]).unwrap();
+        assert!(!robust.sync.weighs_by_tokens(), "a median has no weights");
     }
 
     #[test]

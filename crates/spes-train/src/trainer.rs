@@ -200,14 +200,15 @@ impl Trainer {
     }
 
     /// One optimizer step over `rows` rows per rank (a round by tokens gives a node more or
-    /// fewer than the run's batch), in micro-batches of at most `batch_size` rows so memory
-    /// stays that of the run's batch; the loss is the mean over the rows.
+    /// fewer than the run's batch), in micro-batches of at most `micro_batch` (else
+    /// `batch_size`) rows so memory stays what the node chose; the loss is the mean over the
+    /// rows.
     pub fn train_rows(&mut self, rows: usize) -> Result<StepStats> {
         if rows == 0 {
             bail!("a training step needs at least one row");
         }
         self.announce_step(rows)?;
-        let micro = self.cfg.train.batch_size;
+        let micro = self.cfg.train.micro_rows();
         let (rank, world) = self.dp.as_ref().map_or((0, 1), |d| (d.rank(), d.world()));
         let row_len = self.cfg.train.seq_len + 1;
         let batches: Vec<Tensor> = (0..rows.div_ceil(micro))

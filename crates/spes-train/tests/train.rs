@@ -308,5 +308,13 @@ fn a_step_of_uneven_micro_batches_is_the_mean_over_its_rows() {
         a.losses.ce,
         b.losses.ce
     );
+    // A node's own micro-batch cuts the same rows in passes of 2: the same cross-entropy, a
+    // load-balancing loss of its own (it is per pass).
+    let small = config(&data, &["train.micro_batch=2"]);
+    assert_eq!(small.train.micro_rows(), 2);
+    let mut halves = Trainer::new(small, Device::Cpu, all).unwrap();
+    let c = halves.train_rows(6).unwrap();
+    assert!((a.losses.ce - c.losses.ce).abs() < 1e-5);
+    assert_ne!(a.losses.lb_loss, c.losses.lb_loss, "three passes, not one");
     assert!(cut.train_rows(0).is_err(), "a step needs a row");
 }

@@ -208,6 +208,9 @@ impl Node {
             if scale.is_some() {
                 self.trainer.model.set_lb_count_scale(scale);
             }
+            if self.trainer.step.is_multiple_of(h) {
+                self.replica.start_round();
+            }
             let rows = self.replica.step_rows(self.trainer.step % h, h * step_rows);
             let per_rank = rows.div_ceil(ranks).max(1);
             let s = self.trainer.train_rows(per_rank as usize)?;
