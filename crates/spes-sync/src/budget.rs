@@ -82,8 +82,9 @@ pub fn split(total: u64, floor: u64, members: &[usize], work: &BTreeMap<usize, W
 }
 
 fn equal(total: u64, n: usize) -> Vec<u64> {
-    let (each, extra) = (total / n as u64, total % n as u64);
-    (0..n as u64).map(|i| each + u64::from(i < extra)).collect()
+    (0..n as u64)
+        .map(|i| step_rows(total, n as u64, i))
+        .collect()
 }
 
 /// Rows of step `k` (from 0) of a round of `steps` steps that trains `rows` rows: as even as

@@ -547,6 +547,28 @@ fn a_node_that_rejoins_or_restores_its_state_stays_bit_identical() {
     );
 }
 
+/// Node p moves tensor `name` by `moves[p]` and uploads the open round, reporting `work[p]`.
+fn move_and_upload(
+    c: &mut Coordinator,
+    nodes: &mut [Node],
+    name: &str,
+    moves: &[f64],
+    work: [Work; 2],
+    now: f64,
+) {
+    let round = c.round();
+    for (p, n) in nodes.iter_mut().enumerate() {
+        let _ = tch::no_grad(|| {
+            get(&n.weights, name)
+                .shallow_clone()
+                .g_add_scalar_(moves[p])
+        });
+        let wire = n.replica.upload(&n.weights, round, false).unwrap();
+        c.upload(p, 100 + p as u64, round, wire, work[p], now)
+            .unwrap();
+    }
+}
+
 /// A round by tokens: the server splits the next round's rows by the throughput each upload
 /// reports, every node follows its share over the round's steps, and with `average_by =
 /// "tokens"` the shared tensors are the rows-weighted mean of the changes.
@@ -569,26 +591,18 @@ fn a_round_by_tokens_gives_the_faster_node_more_rows_and_weighs_its_change_by_th
     let before = copy(c.global().0);
     let embed = "model.embed_tokens.weight";
     // Node 0 moves the embedding by +1, node 1 by +4; node 0 trained 3× the rows/s.
-    let (moves, work) = ([1.0, 4.0], [(40, 1.0), (40, 3.0)]);
-    let round = c.round();
-    for (p, n) in nodes.iter_mut().enumerate() {
-        let _ = tch::no_grad(|| {
-            get(&n.weights, embed)
-                .shallow_clone()
-                .g_add_scalar_(moves[p])
-        });
-        let wire = n.replica.upload(&n.weights, round, false).unwrap();
-        let (rows, compute_s) = work[p];
-        c.upload(
-            p,
-            100 + p as u64,
-            round,
-            wire,
-            Work { rows, compute_s },
-            1.0,
-        )
-        .unwrap();
-    }
+    let moves = [1.0, 4.0];
+    let round_work = [
+        Work {
+            rows: 40,
+            compute_s: 1.0,
+        },
+        Work {
+            rows: 40,
+            compute_s: 3.0,
+        },
+    ];
+    move_and_upload(&mut c, &mut nodes, embed, &moves, round_work, 1.0);
     let report = c.close(1.5);
     let budget: Vec<u64> = report.budget.values().copied().collect();
     assert_eq!(
@@ -628,28 +642,11 @@ fn a_round_by_tokens_gives_the_faster_node_more_rows_and_weighs_its_change_by_th
 
     // The next round weighs node 0's change by its 60 rows against node 1's 20.
     let before = copy(c.global().0);
-    let round = c.round();
-    for (p, n) in nodes.iter_mut().enumerate() {
-        let _ = tch::no_grad(|| {
-            get(&n.weights, embed)
-                .shallow_clone()
-                .g_add_scalar_(moves[p])
-        });
-        let wire = n.replica.upload(&n.weights, round, false).unwrap();
-        let rows = n.replica.round_rows(nominal);
-        c.upload(
-            p,
-            100 + p as u64,
-            round,
-            wire,
-            Work {
-                rows,
-                compute_s: 1.0,
-            },
-            2.0,
-        )
-        .unwrap();
-    }
+    let round_work = [0, 1].map(|p| Work {
+        rows: nodes[p].replica.round_rows(nominal),
+        compute_s: 1.0,
+    });
+    move_and_upload(&mut c, &mut nodes, embed, &moves, round_work, 2.0);
     let report = c.close(2.5);
     assert!((report.work[0].weight - 0.75).abs() < 1e-12);
     let moved = get(c.global().0, embed) - get(&before, embed);

@@ -503,6 +503,12 @@ impl RunConfig {
     pub fn tokens_per_step(&self) -> u64 {
         (self.train.batch_size * self.train.grad_accum * self.train.seq_len) as u64
     }
+
+    /// Rows (sequences) one single-rank node trains in a round at the run's batch:
+    /// `sync_steps × batch_size × grad_accum`, the unit of a round by tokens.
+    pub fn rows_per_round(&self) -> u64 {
+        self.sync.sync_steps * (self.train.batch_size * self.train.grad_accum) as u64
+    }
 }
 
 /// Applies one `section.key=value`; the value is TOML (`40`, `1e-3`, `true`, `"x"`) or a bare string.

@@ -196,7 +196,7 @@ impl Trainer {
 
     /// The node's ranks: 1, or its data-parallel group's size.
     pub fn ranks(&self) -> usize {
-        self.dp.as_ref().map_or(1, |d| d.world())
+        self.dp.as_ref().map_or(1, DataParallel::world)
     }
 
     /// One optimizer step over `rows` rows per rank (a round by tokens gives a node more or
@@ -340,8 +340,7 @@ impl Trainer {
         if step <= self.step {
             return Ok(());
         }
-        let world = self.dp.as_ref().map_or(1, DataParallel::world);
-        let rows = (self.cfg.train.batch_size * self.cfg.train.grad_accum * world) as u64;
+        let rows = (self.cfg.train.batch_size * self.cfg.train.grad_accum * self.ranks()) as u64;
         let position = self.loader.position() + (step - self.step) * rows;
         self.loader = spes_data::Loader::open_mixture(
             &self.cfg.data.sources(),

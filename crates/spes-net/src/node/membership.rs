@@ -154,8 +154,7 @@ impl Node {
     }
 
     /// Takes the ownership (and, by tokens, the rows) a fetched round announces for the next
-    /// round; waits to be admitted
-    /// again if this node is not a member of it.
+    /// round; waits to be admitted again if this node is not a member of it.
     pub(super) fn follow(&mut self, header: &PayloadHeader) -> Result<()> {
         let owners: Vec<usize> = header.owners.iter().map(|&o| o as usize).collect();
         let members: Vec<usize> = header.members.iter().map(|&m| m as usize).collect();

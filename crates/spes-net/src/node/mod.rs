@@ -200,7 +200,7 @@ impl Node {
             cfg.train.max_steps,
         );
         let ranks = self.trainer.ranks() as u64;
-        let step_rows = (cfg.train.batch_size * cfg.train.grad_accum) as u64 * ranks;
+        let nominal = cfg.rows_per_round() * ranks;
         loop {
             let scale = self
                 .replica
@@ -211,7 +211,7 @@ impl Node {
             if self.trainer.step.is_multiple_of(h) {
                 self.replica.start_round();
             }
-            let rows = self.replica.step_rows(self.trainer.step % h, h * step_rows);
+            let rows = self.replica.step_rows(self.trainer.step % h, nominal);
             let per_rank = rows.div_ceil(ranks).max(1);
             let s = self.trainer.train_rows(per_rank as usize)?;
             self.work.rows += per_rank * ranks;

@@ -112,18 +112,19 @@ fn round_record(
 /// Training tokens a closed round added: its uploads' `sync_steps` steps of the run's batch,
 /// or, by tokens, the rows each upload reports it trained.
 fn round_tokens(cfg: &RunConfig, r: &RoundReport) -> u64 {
-    let nominal = cfg.sync.sync_steps * cfg.tokens_per_step();
-    if cfg.sync.round_by != RoundBy::Tokens {
-        return r.peers.len() as u64 * nominal;
-    }
-    let seq = cfg.train.seq_len as u64;
-    r.peers
-        .iter()
-        .map(|p| match r.work.iter().find(|w| w.peer == *p) {
-            Some(w) if w.work.rows > 0 => w.work.rows * seq,
-            _ => nominal,
-        })
-        .sum()
+    let nominal = cfg.rows_per_round();
+    let rows: u64 = match cfg.sync.round_by {
+        RoundBy::Steps => r.peers.len() as u64 * nominal,
+        RoundBy::Tokens => r
+            .peers
+            .iter()
+            .map(|p| match r.work.iter().find(|w| w.peer == *p) {
+                Some(w) if w.work.rows > 0 => w.work.rows,
+                _ => nominal,
+            })
+            .sum(),
+    };
+    rows * cfg.train.seq_len as u64
 }
 
 /// The round closer: closes ready rounds, publishes them (retrying until it works), announces

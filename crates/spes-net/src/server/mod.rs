@@ -361,7 +361,7 @@ pub async fn serve(
         0.0,
     )
     .ending_at(cfg.train.max_steps / cfg.sync.sync_steps)
-    .with_round_rows(cfg.sync.sync_steps * (cfg.train.batch_size * cfg.train.grad_accum) as u64);
+    .with_round_rows(cfg.rows_per_round());
     coord
         .restore_carried(opened.carried)
         .map_err(|e| anyhow::anyhow!("round {published_round}'s carried state: {e}"))?;
