@@ -206,6 +206,24 @@ pub struct Args {
     /// to watch nodes of unlike speed on one machine (`train.slowdown`).
     #[arg(long, value_name = "PEER=FACTOR", value_parser = parse_slowdown)]
     pub slowdown: Vec<(usize, f64)>,
+    /// Set a node-local key on node PEER alone (`3:train.memory_gib=1.2`: node 3 declares a
+    /// smaller memory budget; repeatable).
+    #[arg(long, value_name = "PEER:KEY=VALUE", value_parser = parse_node_set)]
+    pub node_set: Vec<(usize, String)>,
+}
+
+/// `PEER:KEY=VALUE`.
+fn parse_node_set(s: &str) -> Result<(usize, String), String> {
+    match s.split_once(':') {
+        Some((p, set)) if set.contains('=') => p
+            .trim()
+            .parse()
+            .map(|p| (p, set.to_string()))
+            .map_err(|_| format!("`{s}`: `{p}` is not a peer id")),
+        _ => Err(format!(
+            "`{s}` is not PEER:KEY=VALUE, such as 3:train.memory_gib=1.2"
+        )),
+    }
 }
 
 /// `PEER=FACTOR` with FACTOR ≥ 1.
@@ -228,6 +246,8 @@ pub struct Extras {
     pub http: Option<std::net::SocketAddr>,
     /// `train.slowdown` per node.
     pub slowdown: Vec<(usize, f64)>,
+    /// Other `--set`s of one node each.
+    pub node_set: Vec<(usize, String)>,
 }
 
 /// Runs the demo: data, server and nodes, then `summary.json` and `report.md`.
@@ -240,6 +260,7 @@ pub fn run(a: Args) -> Result<()> {
         partition,
         http,
         slowdown,
+        node_set,
     } = a;
     let started = Instant::now();
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
@@ -260,7 +281,11 @@ pub fn run(a: Args) -> Result<()> {
         link,
         true,
         parts.as_deref(),
-        &Extras { http, slowdown },
+        &Extras {
+            http,
+            slowdown,
+            node_set,
+        },
     )
     .map_err(|e| {
         if e.is::<Interrupted>() {
@@ -371,6 +396,9 @@ pub fn launch(
         common(&mut node);
         for (_, f) in extras.slowdown.iter().filter(|(p, _)| *p == peer) {
             node.arg("--set").arg(format!("train.slowdown={f}"));
+        }
+        for (_, set) in extras.node_set.iter().filter(|(p, _)| *p == peer) {
+            node.arg("--set").arg(set);
         }
         if let Some(dir) = node_data.and_then(|d| d.get(peer)) {
             node.arg("--set")

@@ -251,6 +251,7 @@ async fn join_all(peers: &Arc<Vec<Peer>>) -> Result<()> {
                 join: false,
                 data_parts: Vec::new(),
                 report: None,
+                max_experts: None,
             };
             match c.join(req).await {
                 Ok(_) => break,

@@ -4,7 +4,9 @@
 
 use anyhow::{bail, Result};
 use spes_model::ModelConfig;
-use spes_train::memory_plan::{largest_micro_batch, plan, MemoryInput, MemoryPlan};
+use spes_train::memory_plan::{
+    experts_that_fit, largest_micro_batch, plan, MemoryInput, MemoryPlan,
+};
 use spes_train::{Mode, Precision, RunConfig};
 use std::path::PathBuf;
 
@@ -206,6 +208,20 @@ pub fn run(a: Args) -> Result<()> {
                 base.seq_len
             ),
             None => println!("{how}: {fits}; not even a micro-batch of 1 fits"),
+        }
+    }
+    if !a.diloco && base.own_experts < m.n_experts {
+        match experts_that_fit(&base, budget) {
+            Ok(k) => println!(
+                "\nExperts per layer a node can own in {} GiB (plain): {k}; with \
+                 train.memory_gib = {} the server gives it no more.",
+                a.gpu_mem, a.gpu_mem
+            ),
+            Err(one) => println!(
+                "\nNo expert fits in {} GiB (plain): owning one needs {:.2} GiB.",
+                a.gpu_mem,
+                one as f64 / GIB
+            ),
         }
     }
     Ok(())

@@ -168,9 +168,10 @@ fn load_heatmap(path: &Path, load: &[Vec<f64>], owners: &[usize]) -> Result<()> 
         )
         .map_err(plot_err)?;
     let owner_of = |e: i32| {
-        owners
-            .get(e as usize)
-            .map_or(String::new(), |o| format!("P{o}"))
+        owners.get(e as usize).map_or(String::new(), |&o| match o {
+            spes_sync::UNOWNED => "frozen".to_string(),
+            o => format!("P{o}"),
+        })
     };
     let at = |v: &SegmentValue<i32>| match v {
         SegmentValue::Exact(i) | SegmentValue::CenterOf(i) => Some(*i),

@@ -209,6 +209,7 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
                         .collect(),
                     published: i * stride,
                     gone: Default::default(),
+                    caps: Default::default(),
                 },
                 0.0,
             );

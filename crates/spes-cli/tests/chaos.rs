@@ -6,7 +6,9 @@
 //! owner in every round, the eviction and the join are in the metrics, and every live node ends
 //! bit-identical to the final published model. The rounds are by tokens, averaged by tokens,
 //! and node 2 stands for a card 3× slower: every round's budget splits the run's rows among the
-//! members, and node 2's share is the smallest. Bounded: the whole run must end within 240 s.
+//! members, and node 2's share is the smallest. Node 1 declares memory for one expert
+//! (`train.memory_gib`): from round 2 on it never owns more, through its crash and the
+//! others' churn. Bounded: the whole run must end within 240 s.
 
 use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
@@ -152,6 +154,13 @@ evict_after_s = 1
         ),
     )
     .unwrap();
+    // A budget between what owning one expert and owning two takes on this CPU.
+    let cfg = spes_train::RunConfig::load(&config, &[]).unwrap();
+    let need = |own: usize| {
+        let i = spes_train::memory_plan::MemoryInput::of_node(&cfg, tch::Device::Cpu, 1, own);
+        spes_train::memory_plan::plan(&i).total() as f64 / (1u64 << 30) as f64
+    };
+    let one_expert = format!("train.memory_gib={:.9}", (need(1) + need(2)) / 2.0);
     let secret = dir.join("secret");
     std::fs::write(&secret, SECRET).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -235,7 +244,7 @@ evict_after_s = 1
             false,
             &["sync.checkpoint_every_rounds=4"],
         ),
-        node(1, Some("upload@2"), true, false, &[]),
+        node(1, Some("upload@2"), true, false, &[one_expert.as_str()]),
         node(2, Some("download@3"), true, false, &["train.slowdown=3"]),
         // Leaves for good during round 4, after uploading round 3.
         node(3, Some("train@7"), false, false, &[]),
@@ -352,6 +361,14 @@ evict_after_s = 1
             assert!(
                 owners.contains(m),
                 "round {}: member {m} owns nothing",
+                l["round"]
+            );
+        }
+        if l["round"].as_u64().unwrap() >= 2 {
+            let mine = owners.iter().filter(|&&o| o == 1).count();
+            assert!(
+                mine <= 1,
+                "round {}: node 1 owns {mine} experts: {l}",
                 l["round"]
             );
         }

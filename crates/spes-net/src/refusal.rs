@@ -33,6 +33,7 @@ pub fn of_round_error(e: &RoundError) -> Status {
         RoundError::PeerTaken { .. } => status(Code::AlreadyExists, Kind::PeerTaken, 0, msg),
         RoundError::OutOfRange { .. } => status(Code::InvalidArgument, Kind::OutOfRange, 0, msg),
         RoundError::RunFull { .. } => status(Code::ResourceExhausted, Kind::RunFull, 0, msg),
+        RoundError::NoRoom { .. } => status(Code::ResourceExhausted, Kind::NoRoom, 0, msg),
         RoundError::Invalid { .. } => status(Code::InvalidArgument, Kind::Invalid, 0, msg),
     }
 }

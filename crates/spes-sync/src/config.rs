@@ -123,6 +123,22 @@ pub enum AverageBy {
     Tokens,
 }
 
+/// How the server splits the experts among the members (within each member's cap, the
+/// experts its declared memory holds: `train.memory_gib`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OwnBy {
+    /// `throughput` when the round is by tokens, else `equal`.
+    Auto,
+    /// ⌊E/N⌋ or ⌈E/N⌉ each: with rounds by steps every node gives its experts the same steps.
+    Equal,
+    /// In proportion to the rows each member trained per second in its last round, so a slow
+    /// node, which trains fewer rows of a round by tokens, owns fewer experts and each expert
+    /// gets about the same data. Moves experts only when a member is two or more from its
+    /// share.
+    Throughput,
+}
+
 /// `[sync]`: the decentralized run (ignored by `spes train`, which is centralized).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -138,6 +154,9 @@ pub struct SyncConfig {
     /// "auto" (default: "tokens" when `round_by = "tokens"`, else "node"), "node" (the plain
     /// mean) or "tokens" (weights by rows trained; [`AverageBy`]).
     pub average_by: AverageBy,
+    /// "auto" (default: "throughput" when `round_by = "tokens"`, else "equal"), "equal" or
+    /// "throughput": how the experts are split among the members, within their caps ([`OwnBy`]).
+    pub own_by: OwnBy,
     /// Explicit expert ownership: `ownership[p]` lists node p's expert indices (the same in every
     /// layer). Empty: contiguous blocks, node p owns `p·E/N .. (p+1)·E/N`.
     pub ownership: Vec<Vec<usize>>,
@@ -236,6 +255,7 @@ impl Default for SyncConfig {
             sync_steps: 100,
             round_by: RoundBy::Steps,
             average_by: AverageBy::Auto,
+            own_by: OwnBy::Auto,
             ownership: Vec::new(),
             wire: Wire::Bf16Delta,
             sparse_chunk: 4096,
@@ -310,6 +330,15 @@ impl SyncConfig {
                 AverageBy::Node => false,
                 AverageBy::Auto => self.round_by == RoundBy::Tokens,
             }
+    }
+
+    /// Whether the experts are split by measured throughput (`own_by`, with `auto` resolved).
+    pub fn owns_by_throughput(&self) -> bool {
+        match self.own_by {
+            OwnBy::Throughput => true,
+            OwnBy::Equal => false,
+            OwnBy::Auto => self.round_by == RoundBy::Tokens,
+        }
     }
 
     /// Whether a node's weights carry more than the global model after a sync: steps trained

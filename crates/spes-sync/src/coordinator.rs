@@ -7,12 +7,19 @@
 //! `timeout_s` after it opened, and never without an upload. At the close, members whose lease
 //! has been expired for `evict_after_s` are evicted and nodes that asked to join are admitted;
 //! the next round's ownership is rebalanced over the new members ([`Scope::with_members`]).
+//!
+//! A node may declare a cap at join: the most experts its memory holds. The ownership never
+//! gives a member more than its cap and, with `sync.own_by = "throughput"`, splits the experts
+//! by the members' measured throughput ([`Claims`]). A member whose cap is below what it owns
+//! in the open round sits that round out (it cannot train it) and owns within its cap from the
+//! next; experts no member has room for stay as they are ([`crate::UNOWNED`]).
 
 use crate::budget::{self, Work};
 use crate::config::{RoundBy, SyncConfig};
 use crate::delta::{self, Delta, RoundDelta};
 use crate::named::{Layout, Named};
 use crate::outer::{norm_preserving_scale, OuterState, Source};
+use crate::ownership::Claims;
 use crate::round::{all_finite, merge_experts, validate, Aggregator, Combined, MergeEvent, Scope};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -50,6 +57,11 @@ pub enum RoundError {
         members: usize,
         max: usize,
     },
+    #[error(
+        "peer {peer} declares room for no expert: a member trains at least one; give the node \
+         more memory (train.memory_gib) or a smaller micro-batch"
+    )]
+    NoRoom { peer: usize },
     #[error("upload of peer {peer} {reason}")]
     Invalid { peer: usize, reason: String },
 }
@@ -113,12 +125,13 @@ struct Lease {
     renewed: f64,
 }
 
-/// Where a coordinator starts: the model published last, its round (0: θ⁰), and the peers
-/// evicted so far.
+/// Where a coordinator starts: the model published last, its round (0: θ⁰), the peers
+/// evicted so far and the caps nodes declared.
 pub struct Start {
     pub global: Named,
     pub published: u64,
     pub gone: BTreeSet<usize>,
+    pub caps: BTreeMap<usize, usize>,
 }
 
 /// Collects round `round()` on top of the model published at `round() - 1` (round 0 = θ⁰).
@@ -150,6 +163,10 @@ pub struct Coordinator {
     last_work: BTreeMap<usize, Work>,
     /// Rows one node trains in a round at the run's batch ([`Coordinator::with_round_rows`]).
     round_rows: Option<u64>,
+    /// The most experts each node that declared one can own (persisted, [`Coordinator::caps`]).
+    caps: BTreeMap<usize, usize>,
+    /// Members sitting the open round out: their cap is below what they own in it.
+    sitting_out: BTreeSet<usize>,
 }
 
 /// A tensor's fate in a round's close.
@@ -200,6 +217,7 @@ impl Coordinator {
             global,
             published,
             gone,
+            caps,
         } = start;
         let leases = scope
             .members()
@@ -223,6 +241,8 @@ impl Coordinator {
             work: BTreeMap::new(),
             last_work: BTreeMap::new(),
             round_rows: None,
+            caps,
+            sitting_out: BTreeSet::new(),
             layout,
             cfg,
             max_update_rms,
@@ -268,6 +288,44 @@ impl Coordinator {
     /// Evicted peers (persisted, so a restart remembers them).
     pub fn gone(&self) -> &BTreeSet<usize> {
         &self.gone
+    }
+
+    /// The caps nodes declared at join (persisted, so a restart keeps them).
+    pub fn caps(&self) -> &BTreeMap<usize, usize> {
+        &self.caps
+    }
+
+    /// Members sitting the open round out until it closes (their cap is below what they own
+    /// in it); the round does not wait for them.
+    pub fn sitting_out(&self) -> &BTreeSet<usize> {
+        &self.sitting_out
+    }
+
+    /// What `members` claim of the experts: their caps and, with `sync.own_by =
+    /// "throughput"`, the rows per second each trained in the last closed round (a member
+    /// that did not report any counts as the mean of those that did).
+    fn claims(&self, members: &BTreeSet<usize>) -> Claims {
+        let cap = members
+            .iter()
+            .filter_map(|p| self.caps.get(p).map(|&c| (*p, c)))
+            .collect();
+        let mut weight = BTreeMap::new();
+        if self.cfg.owns_by_throughput() {
+            let rate =
+                |w: &Work| (w.rows > 0 && w.compute_s > 0.0).then(|| w.rows as f64 / w.compute_s);
+            let known: BTreeMap<usize, f64> = members
+                .iter()
+                .filter_map(|p| self.last_work.get(p).and_then(rate).map(|r| (*p, r)))
+                .collect();
+            if !known.is_empty() {
+                let mean = known.values().sum::<f64>() / known.len() as f64;
+                weight = members
+                    .iter()
+                    .map(|p| (*p, known.get(p).copied().unwrap_or(mean)))
+                    .collect();
+            }
+        }
+        Claims { weight, cap }
     }
 
     /// What the server carries from round to round besides the model, for its restart point:
@@ -347,18 +405,28 @@ impl Coordinator {
     /// Takes or renews `peer`'s lease for process `session` and says where it stands. A member
     /// is refused only if another live process holds its id; an evicted peer, or any peer with
     /// `join`, is admitted from the next round (at once if no member is live and the open round
-    /// has no upload, so a run whose nodes all died can restart with new ones).
+    /// has no upload, so a run whose nodes all died can restart with new ones). `cap`, when
+    /// given, is the most experts the node can own: 0 is refused; a member owning more in the
+    /// open round sits it out (admitted from the next, within its cap), unless nobody else
+    /// trains it, when the open round is rebalanced at once.
     pub fn join(
         &mut self,
         peer: usize,
         session: u64,
         join: bool,
+        cap: Option<usize>,
         now: f64,
     ) -> Result<Standing, RoundError> {
         self.check_range(peer)?;
+        if cap == Some(0) {
+            return Err(RoundError::NoRoom { peer });
+        }
         self.take_lease(peer, session, now)?;
+        if let Some(c) = cap {
+            self.caps.insert(peer, c);
+        }
         if self.scope().members().contains(&peer) {
-            return Ok(Standing::Member);
+            return Ok(self.stand_within_cap(peer, now));
         }
         if !(join || self.joining.contains(&peer) || self.gone.contains(&peer)) {
             self.leases.remove(&peer);
@@ -378,6 +446,43 @@ impl Coordinator {
         Ok(Standing::Joining {
             from: self.round + 1,
         })
+    }
+
+    /// A member's standing in the open round given its cap: it trains the round if what it
+    /// owns fits, else it sits the round out, unless no other live member trains it and
+    /// nothing was uploaded, when the open round is rebalanced under the caps now.
+    fn stand_within_cap(&mut self, peer: usize, now: f64) -> Standing {
+        let owns = match self.scope() {
+            Scope::Spes(o) => o.experts_of(peer).len(),
+            Scope::Diloco { .. } => 0,
+        };
+        let cap = self.caps.get(&peer).copied().unwrap_or(usize::MAX);
+        if self.sitting_out.contains(&peer) {
+            return Standing::Joining {
+                from: self.round + 1,
+            };
+        }
+        if owns <= cap {
+            return Standing::Member;
+        }
+        // A member whose lease a restart gave (session 0) has not said it trains yet.
+        let others_train = self
+            .live_members(now)
+            .iter()
+            .any(|p| *p != peer && !self.sitting_out.contains(p) && self.leases[p].session != 0);
+        if !others_train && self.uploaded().is_empty() {
+            let members = self.scope().members();
+            let scope = self
+                .scope()
+                .with_members(&members, &self.claims(&members))
+                .expect("members and caps were checked at join");
+            self.agg = aggregator(&self.cfg, scope);
+            return Standing::Member;
+        }
+        self.sitting_out.insert(peer);
+        Standing::Joining {
+            from: self.round + 1,
+        }
     }
 
     fn check_range(&self, peer: usize) -> Result<(), RoundError> {
@@ -418,7 +523,7 @@ impl Coordinator {
         }
         let scope = self
             .scope()
-            .with_members(&members)
+            .with_members(&members, &self.claims(&members))
             .expect("join() keeps members within the expert count");
         self.agg = aggregator(&self.cfg, scope);
     }
@@ -513,8 +618,9 @@ impl Coordinator {
     /// timeout passed.
     pub fn ready(&self, now: f64) -> bool {
         let uploaded = self.uploaded();
-        !uploaded.is_empty()
-            && (self.live_members(now).is_subset(uploaded) || now >= self.deadline())
+        let mut waited = self.live_members(now);
+        waited.retain(|p| !self.sitting_out.contains(p));
+        !uploaded.is_empty() && (waited.is_subset(uploaded) || now >= self.deadline())
     }
 
     /// Aggregates (keeping the previous model if the result is not finite), merges on merge
@@ -580,10 +686,13 @@ impl Coordinator {
             self.gone.insert(*p);
             self.leases.remove(p);
         }
-        let mut next_scope = if next != members {
+        self.last_work = std::mem::take(&mut self.work);
+        self.sitting_out.clear();
+        let claims = self.claims(&next);
+        let mut next_scope = if next != members || scope.strays_from(&claims) {
             scope
-                .with_members(&next)
-                .expect("members stay within 1..=experts")
+                .with_members(&next, &claims)
+                .expect("members stay within 1..=experts, each with room for one")
         } else {
             scope.clone()
         };
@@ -595,7 +704,6 @@ impl Coordinator {
         if next_scope != scope {
             self.agg = aggregator(&self.cfg, next_scope);
         }
-        self.last_work = std::mem::take(&mut self.work);
         let total: f64 = self.last_work.values().map(|w| self.weight_of(w)).sum();
         let shares = self
             .last_work

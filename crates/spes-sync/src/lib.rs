@@ -24,7 +24,7 @@ pub use coordinator::{Coordinator, PeerWork, RoundError, RoundReport, Standing, 
 pub use delta::{Delta, Deltas, RoundDelta};
 pub use named::{Layout, Named};
 pub use outer::OuterRule;
-pub use ownership::Ownership;
+pub use ownership::{Claims, Ownership, UNOWNED};
 pub use parts::{PartBook, PartError};
 pub use replica::{Applied, FetchPlan, Follow, Published, Replica, ReplicaError, ReplicaState};
 pub use round::{merge_experts, validate, Aggregator, Combined, MergeEvent, Scope};

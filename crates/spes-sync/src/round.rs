@@ -8,7 +8,7 @@
 use crate::config::{AggregateRule, SyncConfig};
 use crate::delta::{Delta, Deltas};
 use crate::named::{Layout, Named};
-use crate::ownership::Ownership;
+use crate::ownership::{Claims, Ownership};
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use spes_model::{expert_tensor_name, Role, EXPERT_PARTS};
@@ -66,14 +66,23 @@ impl Scope {
         })
     }
 
-    /// The same rule over other members (SPES: ownership rebalanced, see [`Ownership::rebalance`]).
-    pub fn with_members(&self, members: &BTreeSet<usize>) -> Result<Scope> {
+    /// The same rule over other members, or the same under other claims (SPES: ownership
+    /// rebalanced, see [`Ownership::rebalance`]).
+    pub fn with_members(&self, members: &BTreeSet<usize>, claims: &Claims) -> Result<Scope> {
         Ok(match self {
-            Scope::Spes(o) => Scope::Spes(o.rebalance(members)?),
+            Scope::Spes(o) => Scope::Spes(o.rebalance(members, claims)?),
             Scope::Diloco { .. } => Scope::Diloco {
                 members: members.clone(),
             },
         })
+    }
+
+    /// SPES: whether the ownership strays from what `claims` ask ([`Ownership::strays_from`]).
+    pub fn strays_from(&self, claims: &Claims) -> bool {
+        match self {
+            Scope::Spes(o) => o.strays_from(claims),
+            Scope::Diloco { .. } => false,
+        }
     }
 
     /// SPES: every expert passes to the next member ([`Ownership::rotated`]); DiLoCo: the same.

@@ -9,9 +9,9 @@ use spes_model::{expert_tensor_name, Role};
 use spes_sync::{
     delta, merge_experts, validate, AggregateRule, Aggregator, Combined, Coordinator, Delta,
     Deltas, Layout, Mode, Named, Ownership, Published, Replica, RoundError, Scope, Standing, Start,
-    SyncConfig, Wire, Work,
+    SyncConfig, Wire, Work, UNOWNED,
 };
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use tch::{Device, Kind, Tensor};
 
 /// Whole values as an fp32-wire upload's deltas.
@@ -296,10 +296,10 @@ fn coordinator_closes_on_all_live_peers_or_timeout_and_rejects_stale_rounds() {
     let mut c = coordinator(&m, 2, cfg(), 100.0);
     assert_eq!(c.round(), 1);
     assert!(!c.ready(1000.0), "never closes without an upload");
-    c.join(0, 100, false, 100.0).unwrap();
-    c.join(1, 101, false, 100.0).unwrap();
+    c.join(0, 100, false, None, 100.0).unwrap();
+    c.join(1, 101, false, None, 100.0).unwrap();
     up(&mut c, &layout, 0, 1.0, 101.0).unwrap();
-    c.join(1, 101, false, 102.0).unwrap();
+    c.join(1, 101, false, None, 102.0).unwrap();
     assert!(!c.ready(104.9), "node 1 is live and has not uploaded");
     assert!(
         c.ready(105.0),
@@ -378,8 +378,8 @@ fn dead_nodes_are_evicted_and_their_experts_adopted_and_joiners_admitted() {
         },
         0.0,
     );
-    c.join(0, 100, false, 0.0).unwrap();
-    c.join(1, 101, false, 0.0).unwrap();
+    c.join(0, 100, false, None, 0.0).unwrap();
+    c.join(1, 101, false, None, 0.0).unwrap();
     // Node 1 dies at t=0. Node 0 keeps uploading; at t=13 node 1's lease has been expired for
     // 10 s, so the close evicts it and node 0 owns every expert from round 2.
     up(&mut c, &layout, 0, 1.0, 13.5).unwrap();
@@ -393,7 +393,7 @@ fn dead_nodes_are_evicted_and_their_experts_adopted_and_joiners_admitted() {
     assert_eq!(c.scope().members(), BTreeSet::from([0]));
     assert_eq!(c.gone(), &BTreeSet::from([1]));
     // A second process with node 0's id is refused while node 0 is live.
-    let e = c.join(0, 999, false, 14.0).unwrap_err();
+    let e = c.join(0, 999, false, None, 14.0).unwrap_err();
     assert!(matches!(e, RoundError::PeerTaken { peer: 0, .. }), "{e:?}");
     assert!(
         e.to_string().contains("peer 0 is held by a live node"),
@@ -401,20 +401,20 @@ fn dead_nodes_are_evicted_and_their_experts_adopted_and_joiners_admitted() {
     );
     // A stranger needs --join; peer 3 joins and becomes a member from round 3.
     assert_eq!(
-        c.join(3, 103, false, 14.0),
+        c.join(3, 103, false, None, 14.0),
         Err(RoundError::NotMember { peer: 3 })
     );
     assert_eq!(
-        c.join(3, 103, true, 14.0),
+        c.join(3, 103, true, None, 14.0),
         Ok(Standing::Joining { from: 3 })
     );
     assert_eq!(
-        c.join(9, 1, true, 14.0),
+        c.join(9, 1, true, None, 14.0),
         Err(RoundError::OutOfRange { peer: 9, max: 4 })
     );
     // The evicted node comes back: it is admitted like a joiner, without --join.
     assert_eq!(
-        c.join(1, 101, false, 14.0),
+        c.join(1, 101, false, None, 14.0),
         Ok(Standing::Joining { from: 3 })
     );
     up(&mut c, &layout, 0, 2.0, 15.0).unwrap();
@@ -442,7 +442,7 @@ fn a_run_whose_nodes_all_died_admits_a_joiner_at_once_and_evicts_the_dead_later(
     let m = model(1, 4);
     let mut c = coordinator(&m, 2, cfg(), 0.0);
     // Nobody live, nothing uploaded: the joiner becomes a member of the open round.
-    assert_eq!(c.join(2, 7, true, 100.0), Ok(Standing::Member));
+    assert_eq!(c.join(2, 7, true, None, 100.0), Ok(Standing::Member));
     assert_eq!(c.round(), 1);
     assert_eq!(c.scope().members(), BTreeSet::from([0, 1, 2]));
     // With every member expired for long, a close evicts none of the live ones.
@@ -647,7 +647,7 @@ fn node_after(c: &Coordinator, round: u64, before: &Named) -> Named {
 /// Round 1 and 2 of a 2-node run where node 0 uploads 1.0 and node 1 uploads 3.0 everywhere.
 fn outer_round(c: &mut Coordinator, layout: &Layout, wire: Wire, now: f64) {
     for peer in 0..2 {
-        c.join(peer, 100 + peer as u64, false, now).unwrap();
+        c.join(peer, 100 + peer as u64, false, None, now).unwrap();
     }
     if wire == Wire::Fp32 {
         up(c, layout, 0, 1.0, now).unwrap();
@@ -733,6 +733,7 @@ fn the_outer_optimizer_steps_each_change_with_momentum_and_survives_a_restart() 
                     global: copy(&g1),
                     published: 1,
                     gone: BTreeSet::new(),
+                    caps: BTreeMap::new(),
                 },
                 2.0,
             );
@@ -789,7 +790,7 @@ fn norm_preserving_scale_undoes_what_averaging_shrank() {
         let mut c = coordinator(&m, 4, r, 0.0);
         let mut deltas: Vec<Named> = Vec::new();
         for (peer, v) in values.iter().enumerate() {
-            c.join(peer, 100 + peer as u64, false, 0.0).unwrap();
+            c.join(peer, 100 + peer as u64, false, None, 0.0).unwrap();
             let wire: Named = upload(&layout, c.scope(), peer, *v)
                 .into_iter()
                 .map(|(n, t)| (n.clone(), (t - get(&theta0, &n)).to_kind(Kind::BFloat16)))
@@ -877,7 +878,7 @@ fn ownership_rotates_after_every_r_rounds_and_uploads_follow_it() {
     for round in 1..=4u64 {
         let now = round as f64;
         for peer in 0..2 {
-            c.join(peer, 100 + peer as u64, false, now).unwrap();
+            c.join(peer, 100 + peer as u64, false, None, now).unwrap();
         }
         up(&mut c, &layout, 0, 1.0, now).unwrap();
         up(&mut c, &layout, 1, 1.0, now).unwrap();
@@ -902,4 +903,179 @@ fn ownership_rotates_after_every_r_rounds_and_uploads_follow_it() {
         c.upload(0, 100, round, stale, Work::default(), 5.0),
         Err(RoundError::Invalid { .. })
     ));
+}
+
+/// Experts per member of the open round.
+fn owned_counts(c: &Coordinator, peers: &[usize]) -> Vec<usize> {
+    let Scope::Spes(o) = c.scope() else { panic!() };
+    peers.iter().map(|&p| o.experts_of(p).len()).collect()
+}
+
+#[test]
+fn a_node_of_half_the_capacity_owns_half_the_experts_through_eviction_and_rejoin() {
+    let m = model(1, 8);
+    let layout = Layout::of(&m);
+    let mut c = coordinator(
+        &m,
+        4,
+        SyncConfig {
+            merge_every: 0,
+            ..cfg()
+        },
+        0.0,
+    );
+    assert_eq!(
+        c.join(3, 103, false, Some(0), 0.0),
+        Err(RoundError::NoRoom { peer: 3 })
+    );
+    for p in 0..3 {
+        assert_eq!(
+            c.join(p, 100 + p as u64, false, Some(4), 0.0),
+            Ok(Standing::Member)
+        );
+    }
+    // Node 3's memory holds one expert but round 1 gives it two, and the others train round
+    // 1 already: it sits the round out, and the round does not wait for it.
+    assert_eq!(
+        c.join(3, 103, false, Some(1), 0.0),
+        Ok(Standing::Joining { from: 2 })
+    );
+    assert_eq!(c.sitting_out(), &BTreeSet::from([3]));
+    for p in 0..3 {
+        up(&mut c, &layout, p, 1.0, 1.0).unwrap();
+    }
+    assert!(c.ready(1.0));
+    let r = c.close(1.0);
+    assert_eq!(r.missing, vec![3]);
+    assert!(r.evicted.is_empty());
+    // From round 2 it owns half of what each of the others owns.
+    assert_eq!(owned_counts(&c, &[0, 1, 2, 3]), vec![3, 2, 2, 1]);
+    assert_eq!(c.caps(), &BTreeMap::from([(0, 4), (1, 4), (2, 4), (3, 1)]));
+    assert_eq!(
+        c.join(3, 103, false, None, 1.5),
+        Ok(Standing::Member),
+        "a heartbeat"
+    );
+    for p in 0..4 {
+        up(&mut c, &layout, p, 1.0, 2.0).unwrap();
+    }
+    c.close(2.0);
+    assert_eq!(
+        owned_counts(&c, &[0, 1, 2, 3]),
+        vec![3, 2, 2, 1],
+        "nothing moves"
+    );
+    // Node 0 dies and is evicted: its experts go to the others within their caps.
+    for t in [5.0, 10.0, 14.0] {
+        for p in 1..4 {
+            c.join(p, 100 + p as u64, false, None, t).unwrap();
+        }
+    }
+    for p in 1..4 {
+        up(&mut c, &layout, p, 1.0, 16.0).unwrap();
+    }
+    let r = c.close(16.0);
+    assert_eq!(r.evicted, vec![0]);
+    assert_eq!(owned_counts(&c, &[1, 2, 3]), vec![4, 3, 1]);
+    let Scope::Spes(o) = c.scope() else { panic!() };
+    assert!(o.unowned().is_empty(), "4 + 4 + 1 covers 8");
+    // Node 0 comes back with room for 2 only: it takes its share within that.
+    assert_eq!(
+        c.join(0, 100, false, Some(2), 17.0),
+        Ok(Standing::Joining { from: 5 })
+    );
+    for p in 1..4 {
+        up(&mut c, &layout, p, 1.0, 17.0).unwrap();
+    }
+    let r = c.close(17.0);
+    assert_eq!(r.joined, vec![0]);
+    assert_eq!(owned_counts(&c, &[0, 1, 2, 3]), vec![2, 3, 2, 1]);
+    assert_eq!(c.caps()[&0], 2, "the newest declaration counts");
+}
+
+#[test]
+fn experts_past_the_live_nodes_capacity_are_frozen_and_a_lone_capped_node_rebalances_at_once() {
+    let m = model(1, 8);
+    let layout = Layout::of(&m);
+    let mut c = coordinator(
+        &m,
+        2,
+        SyncConfig {
+            merge_every: 0,
+            ..cfg()
+        },
+        0.0,
+    );
+    // The first node to join trains alone so far: round 1 is split under its cap at once.
+    assert_eq!(c.join(0, 100, false, Some(3), 0.0), Ok(Standing::Member));
+    assert_eq!(owned_counts(&c, &[0, 1]), vec![3, 5]);
+    // Node 1 comes: it may hold 2 of the 4 it is given, others train: it sits out.
+    assert_eq!(
+        c.join(1, 101, false, Some(2), 0.0),
+        Ok(Standing::Joining { from: 2 })
+    );
+    up(&mut c, &layout, 0, 1.0, 1.0).unwrap();
+    let r = c.close(1.0);
+    assert_eq!(r.owners.iter().filter(|&&o| o == 0).count(), 3);
+    let Scope::Spes(o) = c.scope().clone() else {
+        panic!()
+    };
+    assert_eq!(owned_counts(&c, &[0, 1]), vec![3, 2]);
+    assert_eq!(o.unowned().len(), 3, "5 of 8 experts fit the live nodes");
+    assert!(o.owners().iter().all(|&p| p == 0 || p == 1 || p == UNOWNED));
+    // The unowned experts take no upload and keep their values.
+    let before = copy(c.global().0);
+    for p in 0..2 {
+        up(&mut c, &layout, p, 2.0, 2.0).unwrap();
+    }
+    c.close(2.0);
+    for e in o.unowned() {
+        let name = expert_tensor_name(0, e, "up_proj");
+        assert!(
+            get(c.global().0, &name).equal(get(&before, &name)),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn rounds_by_tokens_give_a_slow_node_fewer_experts_and_noise_moves_none() {
+    let m = model(1, 16);
+    let layout = Layout::of(&m);
+    let by_tokens = SyncConfig {
+        merge_every: 0,
+        round_by: spes_sync::config::RoundBy::Tokens,
+        ..cfg()
+    };
+    let mut c = coordinator(&m, 4, by_tokens.clone(), 0.0);
+    let round = |c: &mut Coordinator, rate: [f64; 4], now: f64| {
+        for (p, r) in rate.iter().enumerate() {
+            let u = upload(&layout, c.scope(), p, 1.0);
+            let work = Work {
+                rows: (40.0 * r) as u64,
+                compute_s: 10.0,
+            };
+            c.upload(p, 100 + p as u64, c.round(), u, work, now)
+                .unwrap();
+        }
+        c.close(now);
+        owned_counts(c, &[0, 1, 2, 3])
+    };
+    // Node 0 trains at a quarter of the others' rate: it owns 2 of 16 from round 2.
+    assert_eq!(round(&mut c, [1.0, 4.0, 4.0, 4.0], 1.0), vec![2, 5, 5, 4]);
+    assert_eq!(round(&mut c, [1.1, 3.9, 4.2, 3.8], 2.0), vec![2, 5, 5, 4]);
+    // With own_by = "equal" the split stays even.
+    let mut even = coordinator(
+        &m,
+        4,
+        SyncConfig {
+            own_by: spes_sync::config::OwnBy::Equal,
+            ..by_tokens
+        },
+        0.0,
+    );
+    assert_eq!(
+        round(&mut even, [1.0, 4.0, 4.0, 4.0], 1.0),
+        vec![4, 4, 4, 4]
+    );
 }

@@ -4,7 +4,7 @@
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use spes_model::ModelConfig;
-pub use spes_sync::config::{AggregateRule, AverageBy, Mode, RoundBy, SyncConfig, Wire};
+pub use spes_sync::config::{AggregateRule, AverageBy, Mode, OwnBy, RoundBy, SyncConfig, Wire};
 use std::path::{Path, PathBuf};
 
 /// A whole run. `model` is fully resolved (a preset plus any overridden fields).
@@ -168,6 +168,16 @@ pub struct TrainConfig {
     /// of a round by tokens); only how they are cut changes.
     #[serde(skip_serializing_if = "is_zero")]
     pub micro_batch: usize,
+    /// A node's memory budget per rank in GiB (0: none): it owns at most the experts whose
+    /// state fits in it, as `spes plan-memory` counts them, and tells the server at join; the
+    /// server gives it no more ([`spes_sync::Claims`]). A budget too small for one expert is
+    /// refused at start with what would fit.
+    #[serde(skip_serializing_if = "is_zero_f64")]
+    pub memory_gib: f64,
+}
+
+fn is_zero_f64(v: &f64) -> bool {
+    *v == 0.0
 }
 
 fn is_one(v: &f64) -> bool {
@@ -226,6 +236,7 @@ impl Default for TrainConfig {
             tensorboard: None,
             slowdown: 1.0,
             micro_batch: 0,
+            memory_gib: 0.0,
         }
     }
 }
@@ -259,6 +270,7 @@ node_local_train_keys!(
     tensorboard,
     slowdown,
     micro_batch,
+    memory_gib,
 );
 
 impl RunConfig {
@@ -386,6 +398,12 @@ impl RunConfig {
             bail!(
                 "train.slowdown must be a number ≥ 1 (1: off), got {}",
                 t.slowdown
+            );
+        }
+        if !(t.memory_gib >= 0.0 && t.memory_gib.is_finite()) {
+            bail!(
+                "train.memory_gib must be a number of GiB ≥ 0 (0: no budget), got {}",
+                t.memory_gib
             );
         }
         let s = &self.sync;
@@ -631,6 +649,7 @@ mod tests {
                 "tensorboard",
                 "slowdown",
                 "micro_batch",
+                "memory_gib",
             ]
             .contains(k);
             assert!(train.get(k).is_some() || optional, "{k}");
@@ -654,8 +673,15 @@ mod tests {
         let node = RunConfig::for_node(server.clone(), &slow, 1).unwrap();
         assert_eq!(node.train.slowdown, 2.5, "a node's own");
         let small = RunConfig::parse(BASE, &["train.micro_batch=2".into()]).unwrap();
-        let node = RunConfig::for_node(server, &small, 1).unwrap();
+        let node = RunConfig::for_node(server.clone(), &small, 1).unwrap();
         assert_eq!(node.train.micro_rows(), 2, "a node's own micro-batch");
+        let card = RunConfig::parse(BASE, &["train.memory_gib=24".into()]).unwrap();
+        let node = RunConfig::for_node(server.clone(), &card, 1).unwrap();
+        assert_eq!(node.train.memory_gib, 24.0, "a node's own memory budget");
+        let e = RunConfig::parse(BASE, &["train.memory_gib=-1".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.memory_gib must be"), "{e}");
         assert!(!toml::to_string(&RunConfig::parse(BASE, &[]).unwrap())
             .unwrap()
             .contains("slowdown"));
@@ -689,6 +715,11 @@ mod tests {
         assert!(!plain.sync.weighs_by_tokens());
         let robust = spes(&["sync.round_by=tokens", "sync.aggregate=median"]).unwrap();
         assert!(!robust.sync.weighs_by_tokens(), "a median has no weights");
+        assert!(auto.sync.owns_by_throughput() && !d.sync.owns_by_throughput());
+        let equal = spes(&["sync.round_by=tokens", "sync.own_by=equal"]).unwrap();
+        assert!(!equal.sync.owns_by_throughput());
+        let e = spes(&["sync.own_by=memory"]).unwrap_err().to_string();
+        assert!(e.contains("sync.own_by") && e.contains("throughput"), "{e}");
     }
 
     #[test]

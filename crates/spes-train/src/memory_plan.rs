@@ -6,7 +6,10 @@
 //! backward (see [`layer_activation_bytes`]); `spes bench` measures the real peak, and a test
 //! holds the two within 15 % on CPU.
 
-use spes_model::ModelConfig;
+use crate::config::RunConfig;
+use crate::trainer::{compute_kind, frozen_experts_bf16, moe_kernel};
+use spes_model::{ModelConfig, MoeKernel};
+use tch::{Device, Kind};
 
 /// What to plan for.
 #[derive(Clone, Debug)]
@@ -116,6 +119,70 @@ pub fn layer_activation_bytes(m: &ModelConfig, c: u64) -> u64 {
     3 * 4 * d + qkv_inputs + attention + router + experts
 }
 
+impl MemoryInput {
+    /// What a node of run `cfg` on `device` with `ranks` ranks plans for, owning `own_experts`
+    /// experts per layer: its micro-batch, precision, kernel and frozen-expert residency as the
+    /// trainer resolves them, 1 GiB of runtime (`spes plan-memory`'s default) and 10 % headroom.
+    pub fn of_node(cfg: &RunConfig, device: Device, ranks: usize, own_experts: usize) -> Self {
+        let t = &cfg.train;
+        let bf16 = compute_kind(t.precision, device) == Kind::BFloat16;
+        MemoryInput {
+            model: cfg.model.clone(),
+            own_experts,
+            ranks,
+            micro_batch: t.micro_rows(),
+            seq_len: t.seq_len,
+            compute_bytes: if bf16 { 2 } else { 4 },
+            activation_checkpointing: t.activation_checkpointing,
+            grouped_experts: moe_kernel(t.moe_kernel, device) == MoeKernel::Grouped,
+            frozen_bf16: bf16 && frozen_experts_bf16(t.frozen_experts_bf16, device),
+            logits_chunk: 1 << 26,
+            runtime_bytes: 1 << 30,
+            slack: 0.1,
+        }
+    }
+}
+
+/// How many experts per layer a node can own within `budget` bytes: the most whose plan fits
+/// (every expert at most), or `Err` with the bytes one expert would need.
+pub fn experts_that_fit(i: &MemoryInput, budget: u64) -> Result<usize, u64> {
+    let total = |own: usize| {
+        plan(&MemoryInput {
+            own_experts: own,
+            ..i.clone()
+        })
+        .total()
+    };
+    let fits = (1..=i.model.n_experts)
+        .take_while(|&k| total(k) <= budget)
+        .last();
+    fits.ok_or_else(|| total(1))
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The most experts per layer a node of run `cfg` may own under its `train.memory_gib`
+/// (`None`: no budget), or an error saying what would fit: the budget one expert needs, and
+/// the other ways to get there.
+pub fn node_cap(cfg: &RunConfig, device: Device, ranks: usize) -> anyhow::Result<Option<usize>> {
+    let gib = cfg.train.memory_gib;
+    if gib <= 0.0 || cfg.sync.mode != crate::config::Mode::Spes {
+        return Ok(None);
+    }
+    let input = MemoryInput::of_node(cfg, device, ranks, 1);
+    match experts_that_fit(&input, (gib * GIB) as u64) {
+        Ok(k) => Ok(Some(k)),
+        Err(one) => anyhow::bail!(
+            "train.memory_gib = {gib} GiB holds no expert: owning one expert per layer needs \
+             {:.2} GiB at micro-batch {} × {} tokens (spes plan-memory counts it); give at least \
+             that, or lower train.micro_batch, or set train.activation_checkpointing = true",
+            one as f64 / GIB,
+            input.micro_batch,
+            input.seq_len
+        ),
+    }
+}
+
 /// Bytes at the peak of a training step.
 pub fn plan(i: &MemoryInput) -> MemoryPlan {
     let m = &i.model;
@@ -216,6 +283,30 @@ mod tests {
             runtime_bytes: 1 << 30,
             slack: 0.0,
         }
+    }
+
+    #[test]
+    fn a_budget_caps_the_experts_a_node_owns() {
+        let i = input("1b", 1);
+        let at = |own: usize| {
+            plan(&MemoryInput {
+                own_experts: own,
+                ..i.clone()
+            })
+            .total()
+        };
+        assert_eq!(experts_that_fit(&i, at(5)), Ok(5));
+        assert_eq!(experts_that_fit(&i, at(5) + 1), Ok(5));
+        assert_eq!(experts_that_fit(&i, at(6) - 1), Ok(5));
+        assert_eq!(experts_that_fit(&i, u64::MAX), Ok(i.model.n_experts));
+        assert_eq!(experts_that_fit(&i, at(1) - 1), Err(at(1)));
+        // Halving the experts halves their moments: the shared part is the same.
+        let (four, two) = (plan(&input("1b", 4)), plan(&input("1b", 2)));
+        let shared = plan(&input("1b", 0)).adamw_moments;
+        assert_eq!(
+            four.adamw_moments - shared,
+            2 * (two.adamw_moments - shared)
+        );
     }
 
     #[test]

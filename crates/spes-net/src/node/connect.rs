@@ -92,6 +92,7 @@ impl Link {
             patience: Duration::from_secs_f64(opts.patience_s),
             out: opts.out.clone(),
             data_parts: Vec::new(),
+            max_experts: None,
         })
     }
 }

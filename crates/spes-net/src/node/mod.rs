@@ -113,6 +113,15 @@ impl Node {
         let mut link = Link::open(&opts, &session.rt, session.id)?;
         let claim = DataClaim::of(&opts.cfg)?;
         link.data_parts = claim.parts.clone();
+        let ranks = opts.data_parallel.as_ref().map_or(1, DataParallel::world);
+        link.max_experts = spes_train::memory_plan::node_cap(&opts.cfg, opts.device, ranks)?;
+        if let Some(k) = link.max_experts {
+            tracing::info!(
+                "node {}: train.memory_gib = {} GiB holds {k} experts per layer",
+                opts.peer,
+                opts.cfg.train.memory_gib
+            );
+        }
         let reply = link.join(opts.join).map_err(|e| explain(e, &opts.server))?;
         let cfg = session.config(&opts.cfg, &reply.config_toml)?;
         claim.check(&cfg, &reply.tokenizer_xxh3)?;

@@ -89,6 +89,7 @@ impl Session {
                         session,
                         join: false,
                         data_parts: Vec::new(),
+                        max_experts: None,
                         report: report.lock().unwrap().as_ref().map(report_to_proto),
                     });
                     req.set_timeout(every.max(Duration::from_secs(2)));

@@ -51,25 +51,16 @@ pub(super) fn call<T>(msg: T) -> Request<T> {
     req
 }
 
-/// Joins (or rejoins) the run as `peer`, retrying through outages.
+/// Joins (or rejoins) the run with `req`, retrying through outages.
 pub(super) fn join_run(
     rt: &tokio::runtime::Handle,
     client: &Client,
     patience: Duration,
-    peer: usize,
-    session: u64,
-    join: bool,
-    data_parts: &[String],
+    req: &JoinRequest,
 ) -> Result<JoinReply, Status> {
     retry(rt, patience, "join", || {
         let mut c = client.clone();
-        let req = JoinRequest {
-            peer: peer as u32,
-            session,
-            join,
-            data_parts: data_parts.to_vec(),
-            report: None,
-        };
+        let req = req.clone();
         async move { c.join(call(req)).await }
     })
     .map(|r| r.into_inner())
@@ -146,6 +137,8 @@ pub(super) struct Link {
     pub out: PathBuf,
     /// The data parts this node reads (`data.partition = "disjoint"`), declared at each join.
     pub data_parts: Vec<String>,
+    /// The most experts per layer this node's memory holds (`train.memory_gib`), told at join.
+    pub max_experts: Option<usize>,
 }
 
 impl Link {
@@ -189,15 +182,15 @@ impl Link {
     pub fn join(&self, join: bool) -> Result<JoinReply, Status> {
         let k = self.shards.len();
         let replies = self.on_all(|i, s| {
-            let reply = join_run(
-                &self.handle,
-                &s.client,
-                self.patience,
-                self.peer,
-                self.session,
+            let req = JoinRequest {
+                peer: self.peer as u32,
+                session: self.session,
                 join,
-                &self.data_parts,
-            )?;
+                data_parts: self.data_parts.clone(),
+                report: None,
+                max_experts: self.max_experts.map(|k| k as u32),
+            };
+            let reply = join_run(&self.handle, &s.client, self.patience, &req)?;
             let (shard, shards) = (reply.shard as usize, (reply.shards as usize).max(1));
             if (shard, shards) != (i, k) {
                 return Err(Status::failed_precondition(format!(

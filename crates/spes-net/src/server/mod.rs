@@ -189,17 +189,20 @@ impl State {
         status
     }
 
-    /// Joins or renews `peer`'s lease. If that admitted it into the open round at once (no
-    /// node was live), the newest round's record of who trains next is updated and persisted,
-    /// so fetches and a restarted server see the new members.
+    /// Joins or renews `peer`'s lease. If that changed who trains the open round (a node
+    /// admitted at once because none was live, or the open round split under a cap because no
+    /// other node trains it), the newest round's record of who trains next is updated and
+    /// persisted, so fetches and a restarted server see it.
     /// With `data.partition = "disjoint"`, a join first claims the data parts the node
     /// declares (`parts`, `None` for a heartbeat), refused while another live node reads one.
+    /// A cap the node declares (`max_experts`) is kept with the restart point.
     fn join(
         &self,
         peer: usize,
         session: u64,
         join: bool,
         parts: Option<&[String]>,
+        max_experts: Option<usize>,
     ) -> Result<(Standing, Scope, u64), Status> {
         let mut coord = self.coord.lock().unwrap();
         let now = self.now();
@@ -213,9 +216,9 @@ impl State {
             }
             None => None,
         };
-        let before = coord.scope().members();
+        let before = coord.scope().clone();
         let standing = coord
-            .join(peer, session, join, now)
+            .join(peer, session, join, max_experts, now)
             .map_err(|e| refusal::of_round_error(&e))?;
         let scope = coord.scope().clone();
         let published = coord.global().1;
@@ -228,7 +231,20 @@ impl State {
                 }
             }
         }
-        if scope.members() != before {
+        if max_experts.is_some() {
+            let mut st = self.progress.lock().unwrap();
+            if &st.caps != coord.caps() {
+                st.caps = coord.caps().clone();
+                tracing::info!(
+                    "node {peer} has room for {} experts per layer",
+                    max_experts.unwrap_or_default()
+                );
+                if let Err(e) = st.save(&self.store.out) {
+                    tracing::error!("cannot record the cap of node {peer}: {e:#}");
+                }
+            }
+        }
+        if scope != before {
             let mut st = self.progress.lock().unwrap();
             if let Some(newest) = st.rounds.last_mut().filter(|r| r.round == published) {
                 newest.owners = scope.owners();
@@ -357,6 +373,7 @@ pub async fn serve(
             global: shallow(&opened.global),
             published: published_round,
             gone,
+            caps: progress.caps.clone(),
         },
         0.0,
     )

@@ -37,8 +37,13 @@ impl Spes for Service {
         let s = &self.state;
         let peer = authorize(&req, req.get_ref().peer)?;
         let r = req.get_ref();
-        let (standing, scope, published_round) =
-            s.join(peer, r.session, r.join, Some(&r.data_parts))?;
+        let (standing, scope, published_round) = s.join(
+            peer,
+            r.session,
+            r.join,
+            Some(&r.data_parts),
+            r.max_experts.map(|k| k as usize),
+        )?;
         let owned = (0..s.cfg.model.n_experts)
             .filter(|&e| {
                 standing == Standing::Member
@@ -71,7 +76,8 @@ impl Spes for Service {
     ) -> Result<Response<HeartbeatReply>, Status> {
         let s = &self.state;
         let peer = authorize(&req, req.get_ref().peer)?;
-        let (standing, _, published_round) = s.join(peer, req.get_ref().session, false, None)?;
+        let (standing, _, published_round) =
+            s.join(peer, req.get_ref().session, false, None, None)?;
         if let Some(report) = &req.get_ref().report {
             let checked = crate::view::report_of(report);
             let mut watch = s.watch.lock().unwrap();

@@ -90,6 +90,9 @@ pub(super) struct ServerState {
     /// `data.partition = "disjoint"`: who reads which data part.
     #[serde(default, skip_serializing_if = "PartBook::is_empty")]
     pub data_parts: PartBook,
+    /// The most experts each node that declared one may own (`train.memory_gib`), by peer.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub caps: BTreeMap<usize, usize>,
 }
 
 impl ServerState {
@@ -199,6 +202,7 @@ impl From<StateV2> for ServerState {
             gone: v2.gone,
             record: v2.record,
             data_parts: PartBook::default(),
+            caps: BTreeMap::new(),
         }
     }
 }
@@ -529,6 +533,7 @@ pub(super) fn open(opts: &ServerOptions) -> Result<Opened> {
             gone: Vec::new(),
             record: None,
             data_parts: PartBook::default(),
+            caps: BTreeMap::new(),
         };
         return Ok(Opened {
             model,

@@ -107,6 +107,7 @@ pub fn bounded(
             global: snapshot(m),
             published: 0,
             gone: BTreeSet::new(),
+            caps: Default::default(),
         },
         now,
     )
