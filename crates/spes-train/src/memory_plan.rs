@@ -310,6 +310,29 @@ mod tests {
     }
 
     #[test]
+    fn a_node_budget_gives_its_cap_or_says_what_one_expert_needs() {
+        let toml = "[model]\npreset = \"tiny\"\n[data]\npath = \"d\"\n[train]\nmax_steps = 10\n\
+                    batch_size = 4\nseq_len = 256\n[sync]\nmode = \"spes\"\nsync_steps = 5\n";
+        let run = |gib: f64| {
+            let sets = [format!("train.memory_gib={gib}")];
+            let cfg = RunConfig::parse(toml, &sets).unwrap();
+            node_cap(&cfg, Device::Cpu, 1)
+        };
+        let need = |own: usize| {
+            let cfg = RunConfig::parse(toml, &[]).unwrap();
+            plan(&MemoryInput::of_node(&cfg, Device::Cpu, 1, own)).total() as f64 / GIB
+        };
+        assert_eq!(run(0.0).unwrap(), None, "no budget, no cap");
+        assert_eq!(run((need(2) + need(3)) / 2.0).unwrap(), Some(2));
+        assert_eq!(run(64.0).unwrap(), Some(16));
+        let e = run(need(1) * 0.9).unwrap_err().to_string();
+        assert!(
+            e.contains("holds no expert") && e.contains(&format!("{:.2} GiB", need(1))),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn weights_add_up_and_ranks_split_only_the_moments() {
         let i = input("1b", 4);
         let p = plan(&i);
