@@ -237,7 +237,8 @@ impl Ownership {
     /// `sync.ownership` too) until members change.
     pub fn strays_from(&self, claims: &Claims) -> bool {
         let members = self.members();
-        if members.is_empty() || members.len() > self.owner.len() {
+        let roomless = members.iter().any(|&p| claims.cap(p) == 0);
+        if members.is_empty() || members.len() > self.owner.len() || roomless {
             return false;
         }
         let quota = quotas(self.owner.len(), &members, claims);
