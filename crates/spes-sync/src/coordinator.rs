@@ -11,8 +11,9 @@
 //! A node may declare a cap at join: the most experts its memory holds. The ownership never
 //! gives a member more than its cap and, with `sync.own_by = "throughput"`, splits the experts
 //! by the members' measured throughput ([`Claims`]). A member whose cap is below what it owns
-//! in the open round sits that round out (it cannot train it) and owns within its cap from the
-//! next; experts no member has room for stay as they are ([`crate::UNOWNED`]).
+//! in the open round sits that round out (it cannot train it; a round every live member sits out
+//! closes with nothing trained) and owns within its cap from the next; experts no member has
+//! room for stay as they are ([`crate::UNOWNED`]).
 
 use crate::budget::{self, Work};
 use crate::config::{RoundBy, SyncConfig};
@@ -407,8 +408,7 @@ impl Coordinator {
     /// `join`, is admitted from the next round (at once if no member is live and the open round
     /// has no upload, so a run whose nodes all died can restart with new ones). `cap`, when
     /// given, is the most experts the node can own: 0 is refused; a member owning more in the
-    /// open round sits it out (admitted from the next, within its cap), unless nobody else
-    /// trains it, when the open round is rebalanced at once.
+    /// open round sits it out (admitted from the next, within its cap).
     pub fn join(
         &mut self,
         peer: usize,
@@ -426,7 +426,7 @@ impl Coordinator {
             self.caps.insert(peer, c);
         }
         if self.scope().members().contains(&peer) {
-            return Ok(self.stand_within_cap(peer, now));
+            return Ok(self.stand_within_cap(peer));
         }
         if !(join || self.joining.contains(&peer) || self.gone.contains(&peer)) {
             self.leases.remove(&peer);
@@ -449,9 +449,9 @@ impl Coordinator {
     }
 
     /// A member's standing in the open round given its cap: it trains the round if what it
-    /// owns fits, else it sits the round out, unless no other live member trains it and
-    /// nothing was uploaded, when the open round is rebalanced under the caps now.
-    fn stand_within_cap(&mut self, peer: usize, now: f64) -> Standing {
+    /// owns fits, else it sits the round out. The open round's ownership never changes here,
+    /// so every server shard decides alike whatever order joins reach it in.
+    fn stand_within_cap(&mut self, peer: usize) -> Standing {
         let owns = match self.scope() {
             Scope::Spes(o) => o.experts_of(peer).len(),
             Scope::Diloco { .. } => 0,
@@ -463,20 +463,6 @@ impl Coordinator {
             };
         }
         if owns <= cap {
-            return Standing::Member;
-        }
-        // A member whose lease a restart gave (session 0) has not said it trains yet.
-        let others_train = self
-            .live_members(now)
-            .iter()
-            .any(|p| *p != peer && !self.sitting_out.contains(p) && self.leases[p].session != 0);
-        if !others_train && self.uploaded().is_empty() {
-            let members = self.scope().members();
-            let scope = self
-                .scope()
-                .with_members(&members, &self.claims(&members))
-                .expect("members and caps were checked at join");
-            self.agg = aggregator(&self.cfg, scope);
             return Standing::Member;
         }
         self.sitting_out.insert(peer);
@@ -615,12 +601,16 @@ impl Coordinator {
     }
 
     /// Whether the round can close: someone uploaded, and every live member did or the
-    /// timeout passed.
+    /// timeout passed; or every live member sits it out (their caps are below what they own
+    /// in it), when it closes with nothing trained so the next round splits under the caps.
     pub fn ready(&self, now: f64) -> bool {
         let uploaded = self.uploaded();
         let mut waited = self.live_members(now);
         waited.retain(|p| !self.sitting_out.contains(p));
-        !uploaded.is_empty() && (waited.is_subset(uploaded) || now >= self.deadline())
+        if uploaded.is_empty() {
+            return waited.is_empty() && !self.sitting_out.is_empty();
+        }
+        waited.is_subset(uploaded) || now >= self.deadline()
     }
 
     /// Aggregates (keeping the previous model if the result is not finite), merges on merge
@@ -636,7 +626,8 @@ impl Coordinator {
             .copied()
             .collect();
         let step = self.round * self.cfg.sync_steps;
-        let mut merge_alpha = self.cfg.merge_alpha_at(step);
+        // A round every member sat out trained nothing: nothing to merge either.
+        let mut merge_alpha = self.cfg.merge_alpha_at(step).filter(|_| !peers.is_empty());
         let Closing {
             global,
             mut merges,

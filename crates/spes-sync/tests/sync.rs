@@ -994,7 +994,7 @@ fn a_node_of_half_the_capacity_owns_half_the_experts_through_eviction_and_rejoin
 }
 
 #[test]
-fn experts_past_the_live_nodes_capacity_are_frozen_and_a_lone_capped_node_rebalances_at_once() {
+fn experts_past_the_live_nodes_capacity_are_frozen_and_a_round_all_sit_out_closes_empty() {
     let m = model(1, 8);
     let layout = Layout::of(&m);
     let mut c = coordinator(
@@ -1006,25 +1006,34 @@ fn experts_past_the_live_nodes_capacity_are_frozen_and_a_lone_capped_node_rebala
         },
         0.0,
     );
-    // The first node to join trains alone so far: round 1 is split under its cap at once.
-    assert_eq!(c.join(0, 100, false, Some(3), 0.0), Ok(Standing::Member));
-    assert_eq!(owned_counts(&c, &[0, 1]), vec![3, 5]);
-    // Node 1 comes: it may hold 2 of the 4 it is given, others train: it sits out.
+    // Both nodes' memory holds fewer than the 4 experts round 1 gives each: both sit it out,
+    // and it closes with nothing trained as soon as neither is waited for.
+    assert_eq!(
+        c.join(0, 100, false, Some(3), 0.0),
+        Ok(Standing::Joining { from: 2 })
+    );
+    assert!(!c.ready(0.0), "node 1 may still come and train");
     assert_eq!(
         c.join(1, 101, false, Some(2), 0.0),
         Ok(Standing::Joining { from: 2 })
     );
-    up(&mut c, &layout, 0, 1.0, 1.0).unwrap();
-    let r = c.close(1.0);
-    assert_eq!(r.owners.iter().filter(|&&o| o == 0).count(), 3);
+    assert!(c.ready(0.0));
+    let before = copy(c.global().0);
+    let r = c.close(0.5);
+    assert!(r.peers.is_empty() && r.evicted.is_empty());
+    assert_eq!(r.missing, vec![0, 1]);
+    assert!(
+        c.global().0.iter().all(|(n, t)| t.equal(get(&before, n))),
+        "nothing changed"
+    );
     let Scope::Spes(o) = c.scope().clone() else {
         panic!()
     };
     assert_eq!(owned_counts(&c, &[0, 1]), vec![3, 2]);
     assert_eq!(o.unowned().len(), 3, "5 of 8 experts fit the live nodes");
     assert!(o.owners().iter().all(|&p| p == 0 || p == 1 || p == UNOWNED));
+    assert_eq!(c.join(0, 100, false, None, 1.0), Ok(Standing::Member));
     // The unowned experts take no upload and keep their values.
-    let before = copy(c.global().0);
     for p in 0..2 {
         up(&mut c, &layout, p, 2.0, 2.0).unwrap();
     }

@@ -119,7 +119,9 @@ pub fn follow(dp: DataParallel, device: Device) -> Result<()> {
     let cfg: RunConfig = serde_json::from_slice(&dp.broadcast_bytes(Vec::new())?)
         .with_context(|| format!("rank {rank}: the config rank 0 sent"))?;
     let head = dp.broadcast_ints(Vec::new())?;
-    let model = MoeModel::new(&cfg.model, device)?;
+    // Its values are overwritten; seeded only so it draws from libtorch's generator under
+    // the lock another role's (or test's) seeded model takes.
+    let model = MoeModel::seeded(&cfg.model, device, cfg.train.seed)?;
     let params = model.params();
     if head.len() != 3 + params.len() {
         bail!(

@@ -385,7 +385,9 @@ impl Trainer {
         trainable: impl Fn(Role) -> bool,
     ) -> Result<Self> {
         let ck = checkpoint::load(dir)?;
-        let model = MoeModel::new(&cfg.model, device)?;
+        // Its values are overwritten; seeded only so it draws from libtorch's generator under
+        // the lock another role's (or test's) seeded model takes.
+        let model = MoeModel::seeded(&cfg.model, device, cfg.train.seed)?;
         Self::from_checkpoint(cfg, device, dir, ck, model, trainable)
     }
 
@@ -398,7 +400,9 @@ impl Trainer {
             .iter()
             .filter_map(|(n, _)| n.strip_prefix("exp_avg.").map(str::to_owned))
             .collect();
-        let model = MoeModel::new(&cfg.model, device)?;
+        // Its values are overwritten; seeded only so it draws from libtorch's generator under
+        // the lock another role's (or test's) seeded model takes.
+        let model = MoeModel::seeded(&cfg.model, device, cfg.train.seed)?;
         let roles: Vec<Role> = model
             .params()
             .into_iter()
