@@ -33,16 +33,7 @@ pub fn split(total: u64, floor: u64, members: &[usize], work: &BTreeMap<usize, W
     if n == 0 {
         return Vec::new();
     }
-    let mut measured: Vec<f64> = members
-        .iter()
-        .filter_map(|p| work.get(p).and_then(Work::rows_per_s))
-        .collect();
-    measured.sort_by(f64::total_cmp);
-    let median = measured.get(measured.len() / 2).copied().unwrap_or(1.0);
-    let speed: Vec<f64> = members
-        .iter()
-        .map(|p| work.get(p).and_then(Work::rows_per_s).unwrap_or(median))
-        .collect();
+    let speed = speeds(members, work).unwrap_or_else(|| vec![1.0; n]);
     if total < floor * n as u64 {
         return equal(total, n);
     }
@@ -79,6 +70,23 @@ pub fn split(total: u64, floor: u64, members: &[usize], work: &BTreeMap<usize, W
         shares[i] += 1;
     }
     shares
+}
+
+/// Each member's rows per second in `work`, a member with no measurement (a joiner, a node
+/// that missed the round) at the median of the measured ones; `None` when none is measured.
+pub fn speeds(members: &[usize], work: &BTreeMap<usize, Work>) -> Option<Vec<f64>> {
+    let mut measured: Vec<f64> = members
+        .iter()
+        .filter_map(|p| work.get(p).and_then(Work::rows_per_s))
+        .collect();
+    measured.sort_by(f64::total_cmp);
+    let median = *measured.get(measured.len() / 2)?;
+    Some(
+        members
+            .iter()
+            .map(|p| work.get(p).and_then(Work::rows_per_s).unwrap_or(median))
+            .collect(),
+    )
 }
 
 fn equal(total: u64, n: usize) -> Vec<u64> {

@@ -134,8 +134,8 @@ pub enum OwnBy {
     Equal,
     /// In proportion to the rows each member trained per second in its last round, so a slow
     /// node, which trains fewer rows of a round by tokens, owns fewer experts and each expert
-    /// gets about the same data. Moves experts only when a member is two or more from its
-    /// share.
+    /// gets about the same data. Moves experts only when a member is a whole expert or more
+    /// from its exact share.
     Throughput,
 }
 

@@ -303,29 +303,20 @@ impl Coordinator {
     }
 
     /// What `members` claim of the experts: their caps and, with `sync.own_by =
-    /// "throughput"`, the rows per second each trained in the last closed round (a member
-    /// that did not report any counts as the mean of those that did).
+    /// "throughput"`, the rows per second each trained in the last closed round, as the
+    /// round's budget counts them ([`budget::speeds`]).
     fn claims(&self, members: &BTreeSet<usize>) -> Claims {
         let cap = members
             .iter()
             .filter_map(|p| self.caps.get(p).map(|&c| (*p, c)))
             .collect();
-        let mut weight = BTreeMap::new();
-        if self.cfg.owns_by_throughput() {
-            let rate =
-                |w: &Work| (w.rows > 0 && w.compute_s > 0.0).then(|| w.rows as f64 / w.compute_s);
-            let known: BTreeMap<usize, f64> = members
-                .iter()
-                .filter_map(|p| self.last_work.get(p).and_then(rate).map(|r| (*p, r)))
-                .collect();
-            if !known.is_empty() {
-                let mean = known.values().sum::<f64>() / known.len() as f64;
-                weight = members
-                    .iter()
-                    .map(|p| (*p, known.get(p).copied().unwrap_or(mean)))
-                    .collect();
-            }
-        }
+        let members: Vec<usize> = members.iter().copied().collect();
+        let speed = self
+            .cfg
+            .owns_by_throughput()
+            .then(|| budget::speeds(&members, &self.last_work))
+            .flatten();
+        let weight = speed.map_or_else(BTreeMap::new, |s| members.into_iter().zip(s).collect());
         Claims { weight, cap }
     }
 
@@ -457,17 +448,15 @@ impl Coordinator {
             Scope::Diloco { .. } => 0,
         };
         let cap = self.caps.get(&peer).copied().unwrap_or(usize::MAX);
+        if owns > cap {
+            self.sitting_out.insert(peer);
+        }
         if self.sitting_out.contains(&peer) {
-            return Standing::Joining {
+            Standing::Joining {
                 from: self.round + 1,
-            };
-        }
-        if owns <= cap {
-            return Standing::Member;
-        }
-        self.sitting_out.insert(peer);
-        Standing::Joining {
-            from: self.round + 1,
+            }
+        } else {
+            Standing::Member
         }
     }
 

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use spes_model::{expert_tensor_name, Role};
+use spes_model::{expert_tensor_name, MoeModel, Role};
 use spes_sync::{
     delta, merge_experts, validate, AggregateRule, Aggregator, Combined, Coordinator, Delta,
     Deltas, Layout, Mode, Named, Ownership, Published, Replica, RoundError, Scope, Standing, Start,
@@ -369,15 +369,7 @@ fn coordinator_closes_on_all_live_peers_or_timeout_and_rejects_stale_rounds() {
 fn dead_nodes_are_evicted_and_their_experts_adopted_and_joiners_admitted() {
     let m = model(1, 4);
     let layout = Layout::of(&m);
-    let mut c = coordinator(
-        &m,
-        2,
-        SyncConfig {
-            merge_every: 0,
-            ..cfg()
-        },
-        0.0,
-    );
+    let mut c = unmerged(&m, 2);
     c.join(0, 100, false, None, 0.0).unwrap();
     c.join(1, 101, false, None, 0.0).unwrap();
     // Node 1 dies at t=0. Node 0 keeps uploading; at t=13 node 1's lease has been expired for
@@ -457,15 +449,7 @@ fn a_run_whose_nodes_all_died_admits_a_joiner_at_once_and_evicts_the_dead_later(
 fn a_non_finite_aggregate_is_never_published() {
     let m = model(1, 4);
     let layout = Layout::of(&m);
-    let mut c = coordinator(
-        &m,
-        2,
-        SyncConfig {
-            merge_every: 0,
-            ..cfg()
-        },
-        0.0,
-    );
+    let mut c = unmerged(&m, 2);
     // Each upload is finite, but the fp32 sum of the two overflows.
     up(&mut c, &layout, 0, 3e38, 1.0).unwrap();
     up(&mut c, &layout, 1, 3e38, 1.0).unwrap();
@@ -905,6 +889,15 @@ fn ownership_rotates_after_every_r_rounds_and_uploads_follow_it() {
     ));
 }
 
+/// A coordinator of `peers` contiguous owners at t = 0 that never merges experts.
+fn unmerged(m: &MoeModel, peers: usize) -> Coordinator {
+    let cfg = SyncConfig {
+        merge_every: 0,
+        ..cfg()
+    };
+    coordinator(m, peers, cfg, 0.0)
+}
+
 /// Experts per member of the open round.
 fn owned_counts(c: &Coordinator, peers: &[usize]) -> Vec<usize> {
     let Scope::Spes(o) = c.scope() else { panic!() };
@@ -915,15 +908,7 @@ fn owned_counts(c: &Coordinator, peers: &[usize]) -> Vec<usize> {
 fn a_node_of_half_the_capacity_owns_half_the_experts_through_eviction_and_rejoin() {
     let m = model(1, 8);
     let layout = Layout::of(&m);
-    let mut c = coordinator(
-        &m,
-        4,
-        SyncConfig {
-            merge_every: 0,
-            ..cfg()
-        },
-        0.0,
-    );
+    let mut c = unmerged(&m, 4);
     assert_eq!(
         c.join(3, 103, false, Some(0), 0.0),
         Err(RoundError::NoRoom { peer: 3 })
@@ -997,15 +982,7 @@ fn a_node_of_half_the_capacity_owns_half_the_experts_through_eviction_and_rejoin
 fn experts_past_the_live_nodes_capacity_are_frozen_and_a_round_all_sit_out_closes_empty() {
     let m = model(1, 8);
     let layout = Layout::of(&m);
-    let mut c = coordinator(
-        &m,
-        2,
-        SyncConfig {
-            merge_every: 0,
-            ..cfg()
-        },
-        0.0,
-    );
+    let mut c = unmerged(&m, 2);
     // Both nodes' memory holds fewer than the 4 experts round 1 gives each: both sit it out,
     // and it closes with nothing trained as soon as neither is waited for.
     assert_eq!(

@@ -190,9 +190,8 @@ impl State {
     }
 
     /// Joins or renews `peer`'s lease. If that changed who trains the open round (a node
-    /// admitted at once because none was live, or the open round split under a cap because no
-    /// other node trains it), the newest round's record of who trains next is updated and
-    /// persisted, so fetches and a restarted server see it.
+    /// admitted at once because none was live), the newest round's record of who trains next
+    /// is updated and persisted, so fetches and a restarted server see it.
     /// With `data.partition = "disjoint"`, a join first claims the data parts the node
     /// declares (`parts`, `None` for a heartbeat), refused while another live node reads one.
     /// A cap the node declares (`max_experts`) is kept with the restart point.
@@ -231,14 +230,11 @@ impl State {
                 }
             }
         }
-        if max_experts.is_some() {
+        if let Some(k) = max_experts {
             let mut st = self.progress.lock().unwrap();
             if &st.caps != coord.caps() {
                 st.caps = coord.caps().clone();
-                tracing::info!(
-                    "node {peer} has room for {} experts per layer",
-                    max_experts.unwrap_or_default()
-                );
+                tracing::info!("node {peer} has room for {k} experts per layer");
                 if let Err(e) = st.save(&self.store.out) {
                     tracing::error!("cannot record the cap of node {peer}: {e:#}");
                 }
