@@ -1,20 +1,25 @@
 //! `spes bench-link`: sync measured over shaped loopback links next to the planner's
-//! prediction. For each wire option it runs the demo's server and 4 node processes on `tiny`
-//! (merging off, so every round can skip own experts), each node behind its own link, and
-//! averages the nodes' sync records over the rounds between the first and the last (the first
-//! includes start-up; the last is never overlapped).
+//! prediction. For each wire option it runs the demo's server and 4 node processes on a preset
+//! (`tiny` by default; merging off, so every round can skip own experts), each node behind its
+//! own link, and averages the nodes' sync records over the rounds between the first and the
+//! last (the first includes start-up; the last is never overlapped). Each node's utilization is
+//! its training time over its wall time in those rounds (compute / (compute + idle)).
 
 use crate::{demo, report};
 use anyhow::{bail, Context, Result};
 use spes_net::link::LinkSpec;
 use spes_net::plan::{self, human_bytes, PlanInput, WireOption};
-use std::path::PathBuf;
+use spes_train::metrics::{self, NodeLine};
+use std::path::{Path, PathBuf};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Every node's link.
     #[arg(long, default_value = "100mbit,40ms")]
     link: LinkSpec,
+    /// The model preset every run trains (`spes presets`).
+    #[arg(long, default_value = "tiny")]
+    preset: String,
     #[arg(long, default_value = "runs/bench-link")]
     out: PathBuf,
     /// Rounds per run (≥ 3: the first and last are not measured).
@@ -32,6 +37,9 @@ pub struct Args {
     /// The same for sparse uploads.
     #[arg(long, default_value_t = crate::plan_sync::SPARSE_GVPS)]
     sparse_gvps: f64,
+    /// The same for low-rank uploads (dense-equivalent values).
+    #[arg(long, default_value_t = crate::plan_sync::LOWRANK_GVPS)]
+    lowrank_gvps: f64,
     #[arg(long, default_value_t = 1.0)]
     disk_gbps: f64,
     /// `sync.stride` of the strided option.
@@ -49,6 +57,8 @@ struct Measured {
     compute_s: f64,
     sync_s: f64,
     idle_s: f64,
+    /// Each node's compute / (compute + idle) over the measured rounds, in peer order.
+    utilization: Vec<f64>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -77,6 +87,7 @@ pub fn run(a: Args) -> Result<()> {
         let mut overrides: Vec<String> = vec![
             format!("sync.sync_steps={}", a.sync_steps),
             format!("train.max_steps={}", a.rounds * a.sync_steps),
+            format!("model.preset={}", a.preset),
             "sync.merge_every=0".into(),
             "train.eval_batches=2".into(),
         ];
@@ -113,6 +124,7 @@ pub fn run(a: Args) -> Result<()> {
             compute_s: mean(|c| c.compute_s),
             sync_s: mean(|c| c.sync_s),
             idle_s: mean(|c| c.idle_s),
+            utilization: node_utilization(&out, &peers, 2..a.rounds),
         };
         let input = PlanInput {
             model: cfg.model.clone(),
@@ -129,24 +141,34 @@ pub fn run(a: Args) -> Result<()> {
             aggregate_bytes_per_s: a.aggregate_gbps * 1e9,
             lossy_values_per_s: a.lossy_gvps * 1e9,
             sparse_values_per_s: a.sparse_gvps * 1e9,
+            lowrank_values_per_s: a.lowrank_gvps * 1e9,
+            rank: cfg.sync.rank,
             disk_bytes_per_s: a.disk_gbps * 1e9,
         };
         rows.push((option, m, plan::plan(&input, option)));
     }
     println!(
-        "\ntiny, 4 nodes, each behind a {:.0} Mbit/s link with {:.0} ms RTT; {} steps per round; means per node and round over rounds 2–{}:\n",
+        "\n{}, 4 nodes, each behind a link of {:.0} Mbit/s up, {:.0} Mbit/s down, {:.0} ms RTT; {} steps per round; means per node and round over rounds 2–{}:\n",
+        a.preset,
+        a.link.up_bps / 1e6,
         a.link.down_bps / 1e6,
         a.link.rtt.as_secs_f64() * 1e3,
         a.sync_steps,
         a.rounds - 1
     );
-    println!("| wire | up / round | down / round | compute s | sync s measured / planned | idle s measured / planned | round s measured / planned | round error |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| wire | up / round | down / round | compute s | sync s measured / planned | idle s measured / planned | round s measured / planned | round error | utilization per node (lowest) / planned |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for (option, m, p) in rows {
         // A round as the node lives it: its steps, then the time it stood still for the sync.
         let round = m.compute_s + m.idle_s;
+        let nodes: Vec<String> = m
+            .utilization
+            .iter()
+            .map(|u| format!("{:.1}", 100.0 * u))
+            .collect();
+        let lowest = m.utilization.iter().copied().fold(1.0, f64::min);
         println!(
-            "| {} | {} | {} | {:.1} | {:.2} / {:.2} | {:.2} / {:.2} | {:.1} / {:.1} | {:+.0} % |",
+            "| {} | {} | {} | {:.1} | {:.2} / {:.2} | {:.2} / {:.2} | {:.1} / {:.1} | {:+.0} % | {} % ({:.1} %) / {:.1} % |",
             option.label(),
             human_bytes(m.up),
             human_bytes(m.down),
@@ -158,8 +180,31 @@ pub fn run(a: Args) -> Result<()> {
             round,
             p.round_s,
             100.0 * (p.round_s - round) / round,
+            nodes.join(" / "),
+            100.0 * lowest,
+            100.0 * p.compute_s / p.round_s,
         );
     }
-    println!("\nsync: upload start to loaded model; idle: training stood still (sync without overlap, plus the node's checkpoint, which the planner leaves out); planned: `spes plan-sync` with the measured step time.");
+    println!("\nsync: upload start to loaded model; idle: training stood still (sync without overlap, plus the node's checkpoint, which the planner leaves out); utilization: compute / (compute + idle) of each node; planned: `spes plan-sync` with the measured step time.");
     Ok(())
+}
+
+/// Each node's utilization (compute / (compute + idle), [`metrics::utilization`]) over the
+/// sync records of `rounds`, in peer order.
+fn node_utilization(out: &Path, peers: &[u64], rounds: std::ops::Range<u64>) -> Vec<f64> {
+    peers
+        .iter()
+        .map(|p| {
+            let (mut compute, mut idle) = (0.0, 0.0);
+            for line in metrics::read::<NodeLine>(&out.join(format!("node-{p}/metrics.jsonl"))) {
+                if let NodeLine::Sync(r) = line {
+                    if rounds.contains(&r.round) {
+                        compute += r.compute_s;
+                        idle += r.idle_s;
+                    }
+                }
+            }
+            metrics::utilization(compute, idle)
+        })
+        .collect()
 }

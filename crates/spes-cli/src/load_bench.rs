@@ -216,6 +216,8 @@ fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
             aggregate_bytes_per_s: 1e9,
             lossy_values_per_s: 1.5e8,
             sparse_values_per_s: crate::plan_sync::SPARSE_GVPS * 1e9,
+            lowrank_values_per_s: crate::plan_sync::LOWRANK_GVPS * 1e9,
+            rank: cfg.sync.rank,
             disk_bytes_per_s: 1e9,
         },
         WireOption::Bf16DeltaSkipOwn,

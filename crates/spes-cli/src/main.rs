@@ -19,6 +19,7 @@ mod report;
 mod score;
 mod secrets;
 mod serve;
+mod simulate;
 mod soak;
 mod status;
 mod step_bench;
@@ -97,6 +98,9 @@ enum Command {
     /// and tokens for several seeds, one after another on loopback, and write a table and a
     /// plot of their validation loss (experiments/tiny-ablation.toml). Resumes.
     Experiment(experiment::Args),
+    /// A whole decentralized run in this process (the server's coordinator and every node,
+    /// stepped in turn, no network): try a recipe, a wire or an overlap delay on one machine.
+    Simulate(simulate::Args),
     /// What a round costs on given links, for every wire option: a discrete-event model of
     /// compute, uploads and downloads over per-node links and the server's shared link.
     PlanSync(plan_sync::Args),
@@ -147,6 +151,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Presets => presets(),
         Command::Demo(a) => demo::run(a).context("demo failed"),
         Command::Experiment(a) => experiment::command(a),
+        Command::Simulate(a) => simulate::run(a),
         Command::PlanSync(a) => plan_sync::run(a),
         Command::PlanMemory(a) => plan_memory::run(a),
         Command::BenchLink(a) => link_bench::run(a),

@@ -44,6 +44,12 @@ pub struct Args {
     /// The same for sparse uploads (`spes bench-sync` measures it).
     #[arg(long, default_value_t = SPARSE_GVPS)]
     sparse_gvps: f64,
+    /// The same for low-rank uploads (`spes bench-sync` measures it).
+    #[arg(long, default_value_t = LOWRANK_GVPS)]
+    lowrank_gvps: f64,
+    /// Low-rank wire: the rank of each matrix's factors (`sync.rank`).
+    #[arg(long, default_value_t = 16)]
+    rank: i64,
     /// GB per second the server writes a published round at.
     #[arg(long, default_value_t = 1.0)]
     disk_gbps: f64,
@@ -54,6 +60,10 @@ pub struct Args {
 
 /// Billions of values per second one 2-core server folds of sparse uploads (`spes bench-sync`).
 pub const SPARSE_GVPS: f64 = 0.9;
+
+/// Billions of dense-equivalent values per second one 2-core server folds of low-rank uploads
+/// (`spes bench-sync`).
+pub const LOWRANK_GVPS: f64 = 1.0;
 
 /// The planner's input for `preset` with `nodes` nodes.
 pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
@@ -79,6 +89,8 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
         aggregate_bytes_per_s: a.aggregate_gbps * 1e9,
         lossy_values_per_s: a.lossy_gvps * 1e9,
         sparse_values_per_s: a.sparse_gvps * 1e9,
+        lowrank_values_per_s: a.lowrank_gvps * 1e9,
+        rank: a.rank,
         disk_bytes_per_s: a.disk_gbps * 1e9,
     })
 }

@@ -158,6 +158,7 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
         ("int2_delta", Wire::Int2Delta, 1),
         ("int2_delta, stride 8", Wire::Int2Delta, 8),
         ("sparse_delta (64 of 4096)", Wire::SparseDelta, 1),
+        ("lowrank_delta (rank 16)", Wire::LowrankDelta, 1),
         ("fp32", Wire::Fp32, 1),
     ];
     for (label, wire, stride) in forms {
@@ -247,6 +248,6 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
             values as f64 / (read + fold) / 1e9
         );
     }
-    println!("\n(median round of {rounds}; throughput = upload bytes / (read + validate + fold + close); values: of the tensors uploaded (dense-equivalent: sent or not, strided or not), per second of the whole path; folded values: the same per second of read + validate + fold, the rate `spes plan-sync --lossy-gvps / --sparse-gvps` take)");
+    println!("\n(median round of {rounds}; throughput = upload bytes / (read + validate + fold + close); values: of the tensors uploaded (dense-equivalent: sent or not, strided or not), per second of the whole path; folded values: the same per second of read + validate + fold, the rate `spes plan-sync --lossy-gvps / --sparse-gvps / --lowrank-gvps` take)");
     Ok(())
 }

@@ -179,6 +179,39 @@ impl ModelConfig {
         }
     }
 
+    /// The shape of every parameter tensor, without building the model: the shared ones
+    /// (`expert` false) in [`crate::MoeModel::params`]' order, then one expert's tensors of every layer
+    /// (`expert` true), which every expert repeats. The planners count bytes from it.
+    pub fn shapes(&self) -> Vec<(Vec<i64>, bool)> {
+        let (d, v) = (self.d_model as i64, self.vocab_size as i64);
+        let q = (self.n_heads * self.head_dim) as i64;
+        let kv = (self.n_kv_heads * self.head_dim) as i64;
+        let h = self.expert_hidden as i64;
+        let mut out = vec![(vec![v, d], false)];
+        for _ in 0..self.n_layers {
+            out.extend(
+                [vec![d], vec![q, d], vec![kv, d], vec![kv, d], vec![d, q]].map(|s| (s, false)),
+            );
+            if self.qkv_bias {
+                out.extend([vec![q], vec![kv], vec![kv]].map(|s| (s, false)));
+            }
+            match self.qk_norm {
+                QkNorm::None => {}
+                QkNorm::Full => out.extend([vec![q], vec![kv]].map(|s| (s, false))),
+                QkNorm::PerHead => {
+                    let hd = self.head_dim as i64;
+                    out.extend([vec![hd], vec![hd]].map(|s| (s, false)))
+                }
+            }
+            out.extend([vec![d], vec![self.n_experts as i64, d]].map(|s| (s, false)));
+        }
+        out.extend([vec![d], vec![v, d]].map(|s| (s, false)));
+        for _ in 0..self.n_layers {
+            out.extend([vec![h, d], vec![h, d], vec![d, h]].map(|s| (s, true)));
+        }
+        out
+    }
+
     /// Model FLOPs of training on one token of a `seq_len` window, by PaLM's MFU convention:
     /// 6 per weight of every matmul the token goes through (attention, router, its top-k
     /// experts, LM head; not the embedding lookup or norms) plus 12·layers·(heads·head_dim)·T

@@ -61,6 +61,19 @@ fn actual_tensors_match_analytic_counts() {
             .map(|p| p.tensor.numel() as i64)
             .sum();
         assert_eq!(e0 as u64, n.per_expert);
+        // The shapes the planners count: the shared tensors in order, then expert 0's.
+        let mut actual: Vec<(Vec<i64>, bool)> = params
+            .iter()
+            .filter(|p| p.role == Role::Shared)
+            .map(|p| (p.tensor.size(), false))
+            .collect();
+        actual.extend(
+            params
+                .iter()
+                .filter(|p| matches!(p.role, Role::Expert { index: 0, .. }))
+                .map(|p| (p.tensor.size(), true)),
+        );
+        assert_eq!(cfg.shapes(), actual);
     }
 }
 

@@ -34,10 +34,12 @@ pub enum WireOption {
     /// Sparse deltas (`PlanInput::sparse_k` of every `sparse_chunk` values, 2.25 bytes per
     /// sent value and 4 per chunk), skip-own, overlapped.
     SparseOverlap,
+    /// Low-rank deltas (factors of rank `PlanInput::rank`, 4-bit codes), skip-own, overlapped.
+    LowrankOverlap,
 }
 
 impl WireOption {
-    pub const ALL: [WireOption; 8] = [
+    pub const ALL: [WireOption; 9] = [
         WireOption::Fp32,
         WireOption::Bf16Delta,
         WireOption::Bf16DeltaSkipOwn,
@@ -46,6 +48,7 @@ impl WireOption {
         WireOption::Int2Overlap,
         WireOption::Int2StridedOverlap,
         WireOption::SparseOverlap,
+        WireOption::LowrankOverlap,
     ];
 
     /// The option labelled `label` (see [`WireOption::label`]).
@@ -63,6 +66,7 @@ impl WireOption {
             WireOption::Int2Overlap => "int2+overlap",
             WireOption::Int2StridedOverlap => "int2-strided+overlap",
             WireOption::SparseOverlap => "sparse+overlap",
+            WireOption::LowrankOverlap => "lowrank+overlap",
         }
     }
 
@@ -76,6 +80,7 @@ impl WireOption {
             WireOption::Int4Overlap => "int4_delta",
             WireOption::Int2Overlap | WireOption::Int2StridedOverlap => "int2_delta",
             WireOption::SparseOverlap => "sparse_delta",
+            WireOption::LowrankOverlap => "lowrank_delta",
         }
     }
 
@@ -84,7 +89,8 @@ impl WireOption {
         !matches!(self, WireOption::Fp32 | WireOption::Bf16Delta)
     }
 
-    /// The `--set` overrides that select this option in a run (`stride`: of the strided one).
+    /// The `--set` overrides that select this option in a run (`stride`: of the strided one;
+    /// the low-rank one keeps the run's `sync.rank`).
     pub fn overrides(self, stride: u64) -> Vec<String> {
         let mut out = vec![format!("sync.wire={}", self.wire())];
         if self != WireOption::Fp32 {
@@ -95,6 +101,33 @@ impl WireOption {
             out.push(format!("sync.stride={stride}"));
         }
         out
+    }
+
+    /// Bytes on this wire of the shared tensors and of one expert (every layer of it).
+    fn payload_bytes(self, input: &PlanInput) -> (f64, f64) {
+        let shapes = input.model.shapes();
+        let sum = |expert: bool, bytes: &dyn Fn(&[i64]) -> f64| {
+            shapes
+                .iter()
+                .filter(|(_, e)| *e == expert)
+                .map(|(s, _)| bytes(s))
+                .sum::<f64>()
+        };
+        if self == WireOption::LowrankOverlap {
+            let cfg = spes_sync::SyncConfig {
+                wire: spes_sync::Wire::LowrankDelta,
+                rank: input.rank,
+                ..Default::default()
+            };
+            let bytes = |s: &[i64]| match spes_sync::delta::Factors::of(s, &cfg) {
+                Some(f) => f.bytes() as f64,
+                None => 2.0 * s.iter().product::<i64>() as f64,
+            };
+            return (sum(false, &bytes), sum(true, &bytes));
+        }
+        let b = self.bytes_per_value(input);
+        let bytes = |s: &[i64]| b * s.iter().product::<i64>() as f64;
+        (sum(false, &bytes), sum(true, &bytes))
     }
 
     fn bytes_per_value(self, input: &PlanInput) -> f64 {
@@ -124,6 +157,7 @@ impl WireOption {
                 | WireOption::Int2Overlap
                 | WireOption::Int2StridedOverlap
                 | WireOption::SparseOverlap
+                | WireOption::LowrankOverlap
         )
     }
 
@@ -161,6 +195,9 @@ pub struct PlanInput {
     pub lossy_values_per_s: f64,
     /// The same for sparse uploads (each value of the tensors covered, sent or not).
     pub sparse_values_per_s: f64,
+    /// The same for low-rank uploads, and their rank (`sync.rank`).
+    pub lowrank_values_per_s: f64,
+    pub rank: i64,
     /// Bytes per second the server writes a published round at (fsynced).
     pub disk_bytes_per_s: f64,
 }
@@ -187,21 +224,17 @@ pub struct PlanRow {
     pub server_s: f64,
 }
 
-/// Per-node values each node uploads (shared + own experts) and owns as experts.
-fn node_values(input: &PlanInput) -> Vec<(f64, f64)> {
-    let m = &input.model;
-    let n = m.param_counts();
-    let (shared, per_expert, layers) = (n.shared as f64, n.per_expert as f64, m.n_layers as f64);
+/// How many experts each node owns (the contiguous split: node p owns experts p·E/N ..
+/// (p+1)·E/N; every expert, as a trainer, in DiLoCo).
+fn own_experts(input: &PlanInput) -> Vec<f64> {
+    let e = input.model.n_experts;
     (0..input.nodes)
         .map(|p| {
             if input.diloco {
-                return (n.total as f64, 0.0);
+                e as f64
+            } else {
+                ((p + 1) * e / input.nodes - p * e / input.nodes) as f64
             }
-            // Contiguous split: node p owns experts p·E/N .. (p+1)·E/N.
-            let e = m.n_experts;
-            let own = ((p + 1) * e / input.nodes - p * e / input.nodes) as f64;
-            let own_values = own * per_expert * layers;
-            (shared + own_values, own_values)
         })
         .collect()
 }
@@ -264,13 +297,28 @@ pub fn transfers(flows: &[(f64, f64, f64)], shared: f64) -> Vec<f64> {
 pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     let counts = input.model.param_counts();
     let total = counts.total as f64;
-    let b = option.bytes_per_value(input);
-    let values = node_values(input);
-    let up: Vec<f64> = values.iter().map(|(v, _)| v * b).collect();
-    let skip_own = option.skips_own();
-    let down: Vec<f64> = values
+    let e = input.model.n_experts as f64;
+    let expert_values = counts.per_expert as f64 * input.model.n_layers as f64;
+    let (shared_bytes, expert_bytes) = option.payload_bytes(input);
+    let own = own_experts(input);
+    // DiLoCo nodes train every expert and download every one back.
+    let skip_own = option.skips_own() && !input.diloco;
+    let down_experts = |o: f64| if skip_own { e - o } else { e };
+    let up: Vec<f64> = own
         .iter()
-        .map(|(_, own)| (total - if skip_own { *own } else { 0.0 }) * b)
+        .map(|o| shared_bytes + o * expert_bytes)
+        .collect();
+    let down: Vec<f64> = own
+        .iter()
+        .map(|&o| shared_bytes + down_experts(o) * expert_bytes)
+        .collect();
+    let up_values: Vec<f64> = own
+        .iter()
+        .map(|o| counts.shared as f64 + o * expert_values)
+        .collect();
+    let down_values: Vec<f64> = own
+        .iter()
+        .map(|&o| counts.shared as f64 + down_experts(o) * expert_values)
         .collect();
     let compute_s = input.step_s * input.sync_steps as f64;
     let one_way = input.node_link.rtt.as_secs_f64() / 2.0;
@@ -287,31 +335,27 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
         .map(|e| e + one_way)
         .collect();
     let last_in = landed.iter().copied().fold(0.0, f64::max);
-    // Seconds to fold (server) or apply (node) a payload of `bytes` on this wire.
-    let fold_s = |bytes: f64| {
-        if option == WireOption::SparseOverlap {
-            bytes / b / input.sparse_values_per_s
-        } else if option == WireOption::Int2StridedOverlap {
-            // A strided upload updates one value in `stride`.
-            bytes / b / input.stride as f64 / input.lossy_values_per_s
-        } else if option.lossy() {
-            bytes / b / input.lossy_values_per_s
-        } else {
-            bytes / input.aggregate_bytes_per_s
-        }
+    // Seconds to fold (server) or apply (node) a payload of `bytes` covering `values` values.
+    let fold_s = |bytes: f64, values: f64| match option {
+        WireOption::SparseOverlap => values / input.sparse_values_per_s,
+        WireOption::LowrankOverlap => values / input.lowrank_values_per_s,
+        // A strided upload updates one value in `stride`.
+        WireOption::Int2StridedOverlap => values / input.stride as f64 / input.lossy_values_per_s,
+        o if o.lossy() => values / input.lossy_values_per_s,
+        _ => bytes / input.aggregate_bytes_per_s,
     };
     // The server folds uploads one at a time as they land, each shard its slice.
     let mut order: Vec<usize> = (0..up.len()).collect();
     order.sort_by(|&i, &j| landed[i].total_cmp(&landed[j]));
     let folded = order.iter().fold(0.0f64, |done, &i| {
-        done.max(landed[i]) + fold_s(up[i]) / shards
+        done.max(landed[i]) + fold_s(up[i], up_values[i]) / shards
     });
     // Then close (the model in fp32) and write the round (fp32 + its delta).
     let model_fp32 = 4.0 * total;
     let delta = if option == WireOption::Fp32 {
         0.0
     } else {
-        b * total
+        shared_bytes + e * expert_bytes
     };
     let published = folded
         + model_fp32 / input.aggregate_bytes_per_s / shards
@@ -322,8 +366,8 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     let flows: Vec<(f64, f64, f64)> = down.iter().map(|&d| (published, d, node_down)).collect();
     let loaded: Vec<f64> = transfers(&flows, server_out)
         .into_iter()
-        .zip(&down)
-        .map(|(e, d)| e + one_way + fold_s(*d))
+        .enumerate()
+        .map(|(i, end)| end + one_way + fold_s(down[i], down_values[i]))
         .collect();
     let sync: Vec<f64> = loaded.iter().map(|l| l - compute_s).collect();
     let n = input.nodes as f64;
@@ -406,6 +450,7 @@ pub fn unlimited_server(input: &PlanInput) -> PlanInput {
     free.aggregate_bytes_per_s = f64::INFINITY;
     free.lossy_values_per_s = f64::INFINITY;
     free.sparse_values_per_s = f64::INFINITY;
+    free.lowrank_values_per_s = f64::INFINITY;
     free.disk_bytes_per_s = f64::INFINITY;
     free
 }
@@ -430,6 +475,8 @@ mod tests {
             aggregate_bytes_per_s: 1e9,
             lossy_values_per_s: 0.15e9,
             sparse_values_per_s: 1e9,
+            lowrank_values_per_s: 1e9,
+            rank: 8,
             disk_bytes_per_s: 1e9,
         }
     }

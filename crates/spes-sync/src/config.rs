@@ -45,6 +45,11 @@ pub enum Wire {
     /// As `int8_delta` with 2 bits per value, sending −1, 0 or +1 times a group's mean
     /// magnitude (0.14× the bytes of `bf16_delta`).
     Int2Delta,
+    /// Each matrix's change as two factors of rank `sync.rank` (4-bit codes, a bf16 scale per
+    /// 64 values), the rest carried over (error feedback): a round's change is close to low
+    /// rank, so this carries most of it in 1/60 of its fp32 bytes and less; tensors that are
+    /// not matrices, or too small to gain, travel whole in bf16. Bit-identical everywhere.
+    LowrankDelta,
 }
 
 impl Wire {
@@ -60,7 +65,7 @@ impl Wire {
 
     /// Whether a round sends only part of each delta and carries the rest over.
     pub fn is_lossy(self) -> bool {
-        self == Wire::SparseDelta || self.quantized_bits().is_some()
+        matches!(self, Wire::SparseDelta | Wire::LowrankDelta) || self.quantized_bits().is_some()
     }
 
     /// Whether uploads and published rounds are deltas from the last global model.
@@ -160,14 +165,16 @@ pub struct SyncConfig {
     /// Explicit expert ownership: `ownership[p]` lists node p's expert indices (the same in every
     /// layer). Empty: contiguous blocks, node p owns `p·E/N .. (p+1)·E/N`.
     pub ownership: Vec<Vec<usize>>,
-    /// "bf16_delta" (default), "int8_delta", "int4_delta", "int2_delta", "sparse_delta" or
-    /// "fp32" (docs/design/wire-formats.md).
+    /// "bf16_delta" (default), "int8_delta", "int4_delta", "int2_delta", "sparse_delta",
+    /// "lowrank_delta" or "fp32" (docs/design/wire-formats.md).
     pub wire: Wire,
     /// Sparse wire: values per chunk (at most 32768, so an index fits int16). Tensors of at
     /// most one chunk travel whole in bf16.
     pub sparse_chunk: i64,
     /// Sparse wire: entries each chunk sends per round.
     pub sparse_k: i64,
+    /// Low-rank wire: the rank of each matrix's factors (at most its smaller side).
+    pub rank: i64,
     /// Quantized wires: each round sends every `stride`-th value of each change, round r those
     /// at `r mod stride`, the rest carried over ([`crate::delta::Stride`]). 1: every value.
     pub stride: u64,
@@ -260,6 +267,7 @@ impl Default for SyncConfig {
             wire: Wire::Bf16Delta,
             sparse_chunk: 4096,
             sparse_k: 64,
+            rank: 16,
             stride: 1,
             feedback: Feedback::Weights,
             feedback_decay: 0.95,

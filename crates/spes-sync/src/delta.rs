@@ -39,6 +39,8 @@ pub enum Delta {
     Sparse(Sparse),
     /// `wire = "int8_delta" | "int4_delta" | "int2_delta"`: the change quantized.
     Quantized(Quantized),
+    /// `wire = "lowrank_delta"`: a matrix's change as two quantized factors of low rank.
+    LowRank(LowRank),
 }
 
 impl Delta {
@@ -50,6 +52,10 @@ impl Delta {
             Wire::Bf16Delta => Delta::whole(change),
             Wire::SparseDelta => match Chunking::of(change.numel() as i64, cfg) {
                 Some(c) => Delta::Sparse(top_k(change, c)),
+                None => Delta::whole(change),
+            },
+            Wire::LowrankDelta => match Factors::of(&change.size(), cfg) {
+                Some(f) => Delta::LowRank(low_rank(change, f)),
                 None => Delta::whole(change),
             },
             wire => {
@@ -90,6 +96,12 @@ impl Delta {
                     let _ = q.stride.pick(&flat, n).g_add_(&d);
                 }
             }
+            Delta::LowRank(l) => {
+                let (u, v) = l.decoded(base.device());
+                if !crate::fold::add_low_rank(base, &u, &v) {
+                    let _ = base.g_add_(&l.product(base.device()).view_as(base));
+                }
+            }
         })
     }
 
@@ -105,6 +117,11 @@ impl Delta {
             Delta::Quantized(q) => {
                 let out = Tensor::zeros(like.size().as_slice(), (Kind::Float, like.device()));
                 Delta::Quantized(q.map(Tensor::shallow_clone)).apply_(&mut out.shallow_clone());
+                out
+            }
+            Delta::LowRank(l) => {
+                let out = Tensor::zeros(like.size().as_slice(), (Kind::Float, like.device()));
+                Delta::LowRank(l.map(Tensor::shallow_clone)).apply_(&mut out.shallow_clone());
                 out
             }
         })
@@ -128,6 +145,7 @@ impl Delta {
             Delta::Value(t) | Delta::Dense(t) => t.norm(),
             Delta::Sparse(s) => s.entries_on(s.idx.device()).1.norm(),
             Delta::Quantized(q) => q.norm(),
+            Delta::LowRank(l) => l.norm(),
         }
     }
 
@@ -137,6 +155,7 @@ impl Delta {
             Delta::Dense(t) => Delta::Dense(f(t)),
             Delta::Sparse(s) => Delta::Sparse(s.map(f)),
             Delta::Quantized(q) => Delta::Quantized(q.map(f)),
+            Delta::LowRank(l) => Delta::LowRank(l.map(f)),
         }
     }
 
@@ -156,6 +175,7 @@ impl Delta {
             Delta::Value(t) | Delta::Dense(t) => t.device(),
             Delta::Sparse(s) => s.idx.device(),
             Delta::Quantized(q) => q.codes.device(),
+            Delta::LowRank(l) => l.u.codes.device(),
         }
     }
 
@@ -171,6 +191,12 @@ impl Delta {
             Delta::Quantized(q) => vec![
                 (WirePart::Codes.name(name), q.codes),
                 (WirePart::Scale.name(name), q.scale),
+            ],
+            Delta::LowRank(l) => vec![
+                (WirePart::U.name(name), l.u.codes),
+                (WirePart::UScale.name(name), l.u.scale),
+                (WirePart::V.name(name), l.v.codes),
+                (WirePart::VScale.name(name), l.v.scale),
             ],
         }
     }
@@ -230,6 +256,19 @@ pub fn wire_entries(
                 ),
             ],
         },
+        Wire::LowrankDelta => match Factors::of(shape, cfg) {
+            None => vec![(name.to_owned(), shape.to_vec(), Kind::BFloat16)],
+            Some(f) => {
+                let (ug, ub) = quantized_sizes(f.rank * f.rows, FACTOR_BITS);
+                let (vg, vb) = quantized_sizes(f.rank * f.cols, FACTOR_BITS);
+                vec![
+                    (WirePart::U.name(name), vec![ub], Kind::Uint8),
+                    (WirePart::UScale.name(name), vec![ug], Kind::BFloat16),
+                    (WirePart::V.name(name), vec![vb], Kind::Uint8),
+                    (WirePart::VScale.name(name), vec![vg], Kind::BFloat16),
+                ]
+            }
+        },
         wire => {
             let bits = wire.quantized_bits().expect("a quantized wire");
             let (groups, bytes) = quantized_sizes(Stride::of(cfg, round).len(numel), bits);
@@ -255,7 +294,7 @@ pub fn decode<'a>(
     let parts = parts_of(cfg.wire);
     let mut order: Vec<String> = Vec::new();
     let mut whole: HashMap<String, Delta> = HashMap::new();
-    let mut split: HashMap<String, [Option<Tensor>; 3]> = HashMap::new();
+    let mut split: HashMap<String, [Option<Tensor>; 4]> = HashMap::new();
     for (wire, t) in named {
         let part = split_wire_name(&wire).filter(|(_, p)| parts.contains(p));
         let name = part.map_or(wire.as_str(), |(n, _)| n).to_owned();
@@ -296,9 +335,14 @@ pub fn decode<'a>(
                 "holds `{wire}`, but `{name}` ({numel} values, at most a chunk) travels whole in bf16"
             ));
         }
+        if cfg.wire == Wire::LowrankDelta && Factors::of(shape, cfg).is_none() {
+            return Err(format!(
+                "holds `{wire}`, but `{name}` (shape {shape:?}) travels whole in bf16"
+            ));
+        }
         let slot = split.entry(name.clone()).or_insert_with(|| {
             order.push(name);
-            [None, None, None]
+            [None, None, None, None]
         });
         let at = parts
             .iter()
@@ -324,9 +368,9 @@ pub fn decode<'a>(
                     cfg.wire
                 ));
             };
-            let numel: i64 = shape_of(&name).expect("checked").iter().product();
+            let shape = shape_of(&name).expect("checked");
             let d =
-                from_parts(cfg, round, numel, got).map_err(|e| format!("tensor `{name}`: {e}"))?;
+                from_parts(cfg, round, shape, got).map_err(|e| format!("tensor `{name}`: {e}"))?;
             Ok((name, d))
         })
         .collect()
@@ -336,20 +380,51 @@ pub fn decode<'a>(
 fn parts_of(wire: Wire) -> &'static [WirePart] {
     match wire {
         Wire::SparseDelta => &[WirePart::Idx, WirePart::Codes, WirePart::Scale],
+        Wire::LowrankDelta => &[WirePart::U, WirePart::UScale, WirePart::V, WirePart::VScale],
         w if w.quantized_bits().is_some() => &[WirePart::Codes, WirePart::Scale],
         _ => &[],
     }
 }
 
-/// The delta of a tensor of `numel` values from its wire parts ([`parts_of`] order), checked.
+/// The delta of a tensor of `shape` from its wire parts ([`parts_of`] order), checked.
 fn from_parts(
     cfg: &SyncConfig,
     round: u64,
-    numel: i64,
+    shape: &[i64],
     parts: Vec<Tensor>,
 ) -> Result<Delta, String> {
+    let numel: i64 = shape.iter().product();
     let mut parts = parts.into_iter();
     let mut next = || parts.next().expect("as many parts as parts_of says");
+    if cfg.wire == Wire::LowrankDelta {
+        let f = Factors::of(shape, cfg).expect("split tensors have factors");
+        let mut factor = |values: i64, which: &str| {
+            let (codes, scale) = (next(), next());
+            let (groups, bytes) = quantized_sizes(values, FACTOR_BITS);
+            if codes.kind() != Kind::Uint8
+                || codes.size() != [bytes]
+                || scale.kind() != Kind::BFloat16
+                || scale.size() != [groups]
+            {
+                return Err(format!(
+                    "expected {bytes} uint8 codes and {groups} bf16 scales of factor {which} (rank {}), got {:?} {:?} and {:?} {:?}",
+                    f.rank, codes.kind(), codes.size(), scale.kind(), scale.size()
+                ));
+            }
+            if scale.min().double_value(&[]) < 0.0 {
+                return Err(format!("has a negative scale in factor {which}"));
+            }
+            Ok(Quantized {
+                codes,
+                scale,
+                bits: FACTOR_BITS,
+                stride: Stride::ALL,
+            })
+        };
+        let u = factor(f.rank * f.rows, "U")?;
+        let v = factor(f.rank * f.cols, "V")?;
+        return Ok(Delta::LowRank(LowRank { u, v, factors: f }));
+    }
     if let Some(bits) = cfg.wire.quantized_bits() {
         let (codes, scale) = (next(), next());
         let stride = Stride::of(cfg, round);
@@ -637,16 +712,36 @@ pub enum WirePart {
     Codes,
     /// Quantized: one bf16 scale per group; sparse: two levels per chunk.
     Scale,
+    /// Low rank: the codes of the left factor (its transpose, row after row; uint8).
+    U,
+    /// Low rank: the left factor's bf16 scales, one per group.
+    UScale,
+    /// Low rank: the codes of the right factor (its transpose; uint8).
+    V,
+    /// Low rank: the right factor's bf16 scales.
+    VScale,
 }
 
 impl WirePart {
-    const ALL: [WirePart; 3] = [WirePart::Idx, WirePart::Codes, WirePart::Scale];
+    const ALL: [WirePart; 7] = [
+        WirePart::Idx,
+        WirePart::Codes,
+        WirePart::Scale,
+        WirePart::U,
+        WirePart::UScale,
+        WirePart::V,
+        WirePart::VScale,
+    ];
 
     fn suffix(self) -> &'static str {
         match self {
             WirePart::Idx => "#idx",
             WirePart::Codes => "#q",
             WirePart::Scale => "#scale",
+            WirePart::U => "#u",
+            WirePart::UScale => "#u_scale",
+            WirePart::V => "#v",
+            WirePart::VScale => "#v_scale",
         }
     }
 
@@ -777,6 +872,161 @@ impl Stride {
             return flat.shallow_clone();
         }
         flat.slice(0, self.offset, numel, self.step)
+    }
+}
+
+/// Low-rank deltas (`sync.wire = "lowrank_delta"`): a matrix's change `M` (m × n) as `U·Vᵀ` of
+/// rank r (`sync.rank`, at most min(m, n)), each factor transposed, flattened and quantized to
+/// [`FACTOR_BITS`] in groups of [`GROUP`] values ([`quantize`]). A round's change of a weight
+/// matrix is close to low rank (docs/results/sync-cost.md): rank 16 in 4-bit codes carries
+/// about 80 % of it in 1/60 of its fp32 bytes for a 256 × 256 matrix and 1/120 for an
+/// 8192 × 256 one; what it leaves out is carried over (error feedback) as on the other lossy
+/// wires.
+///
+/// Decoding is exact (a code times a bf16 scale) and the product is formed the same way on
+/// every device, one rank at a time: `Σ_j u_j ⊗ v_j` as r outer products added in order, each
+/// a correctly rounded fp32 multiplication or addition, never a matrix multiply (whose order of
+/// additions and fused multiply-adds differ by library and device). So the server and every
+/// node still hold bit-identical models.
+#[derive(Debug)]
+pub struct LowRank {
+    /// Uᵀ (`[r, m]`, flattened), quantized.
+    pub u: Quantized,
+    /// Vᵀ (`[r, n]`, flattened), quantized.
+    pub v: Quantized,
+    pub factors: Factors,
+}
+
+/// The shape of a matrix's low-rank form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Factors {
+    pub rows: i64,
+    pub cols: i64,
+    pub rank: i64,
+}
+
+/// Bits per code of a low-rank factor.
+pub const FACTOR_BITS: u8 = 4;
+
+/// Extra directions the range finder tracks beyond the rank, and its power iterations: with
+/// both, its factors are as good as a truncated SVD's for a change whose spectrum decays.
+const OVERSAMPLE: i64 = 4;
+const POWER_ITERATIONS: usize = 2;
+
+impl Factors {
+    /// How the low-rank wire sends a tensor of `shape` under `cfg`: `None` for one that
+    /// travels whole in bf16 (not a matrix, or its factors would not take under half its bf16
+    /// bytes: norms, biases, small routers).
+    pub fn of(shape: &[i64], cfg: &SyncConfig) -> Option<Factors> {
+        let &[rows, cols] = shape else {
+            return None;
+        };
+        let f = Factors {
+            rows,
+            cols,
+            rank: cfg.rank.min(rows).min(cols),
+        };
+        (f.rank >= 1 && f.bytes() <= rows * cols).then_some(f)
+    }
+
+    /// Bytes on the wire: both factors' codes and scales.
+    pub fn bytes(&self) -> i64 {
+        let (ug, ub) = quantized_sizes(self.rank * self.rows, FACTOR_BITS);
+        let (vg, vb) = quantized_sizes(self.rank * self.cols, FACTOR_BITS);
+        ub + vb + 2 * (ug + vg)
+    }
+}
+
+/// A fixed pseudo-random `[n, k]` matrix of values in [−½, ½) from an integer hash of each
+/// position: the range finder's start, the same every time and without touching libtorch's
+/// global generator (which seeded model initialisation shares).
+fn sketch(n: i64, k: i64, device: tch::Device) -> Tensor {
+    let mask = 0xFFFF_FFFFi64;
+    let mix = |h: Tensor| {
+        let h = h.bitwise_xor_tensor(&h.bitwise_right_shift_tensor_scalar(16));
+        (h * 0x045d_9f3bi64).bitwise_and(mask)
+    };
+    let i = Tensor::arange(n * k, (Kind::Int64, device));
+    let h = (i * 2_654_435_761i64).bitwise_and(mask);
+    let h = mix(mix(h));
+    let h = h.bitwise_xor_tensor(&h.bitwise_right_shift_tensor_scalar(16));
+    (h.to_kind(Kind::Float) / 4_294_967_296.0 - 0.5).view([n, k])
+}
+
+/// The rank-`f.rank` form of `change` (fp32, `f.rows × f.cols` values): a randomized range
+/// finder with power iterations, then an SVD of the small projected matrix; the singular
+/// values are split evenly between the factors before they are quantized.
+fn low_rank(change: &Tensor, f: Factors) -> LowRank {
+    tch::no_grad(|| {
+        let m = change.reshape([f.rows, f.cols]).to_kind(Kind::Float);
+        let k = (f.rank + OVERSAMPLE).min(f.rows).min(f.cols);
+        let orth = |y: &Tensor| Tensor::linalg_qr(y, "reduced").0;
+        let mut y = m.matmul(&sketch(f.cols, k, m.device()));
+        for _ in 0..POWER_ITERATIONS {
+            let z = orth(&m.tr().matmul(&orth(&y)));
+            y = m.matmul(&z);
+        }
+        let q = orth(&y);
+        let (ub, s, vb) = q.tr().matmul(&m).svd(true, true);
+        let root = s.narrow(0, 0, f.rank).sqrt();
+        let u = q.matmul(&ub.narrow(1, 0, f.rank)) * &root;
+        let v = vb.narrow(1, 0, f.rank) * &root;
+        LowRank {
+            u: quantize(&u.tr().contiguous(), FACTOR_BITS),
+            v: quantize(&v.tr().contiguous(), FACTOR_BITS),
+            factors: f,
+        }
+    })
+}
+
+impl LowRank {
+    /// Uᵀ and Vᵀ decoded on `dev` (exact), `[r, m]` and `[r, n]`.
+    fn decoded(&self, dev: tch::Device) -> (Tensor, Tensor) {
+        let f = self.factors;
+        let u = self
+            .u
+            .on(dev)
+            .dequantize(f.rank * f.rows)
+            .view([f.rank, f.rows]);
+        let v = self
+            .v
+            .on(dev)
+            .dequantize(f.rank * f.cols)
+            .view([f.rank, f.cols]);
+        (u, v)
+    }
+
+    /// `U·Vᵀ` (fp32, `[m, n]`) on `dev`, formed the same way on every device (see [`LowRank`];
+    /// on CPU, [`Delta::apply_`] computes the same in one pass).
+    fn product(&self, dev: tch::Device) -> Tensor {
+        tch::no_grad(|| {
+            let (u, v) = self.decoded(dev);
+            let term = |j: i64| u.get(j).unsqueeze(1) * v.get(j).unsqueeze(0);
+            let mut out = term(0);
+            for j in 1..self.factors.rank {
+                out += term(j);
+            }
+            out
+        })
+    }
+
+    /// `‖U·Vᵀ‖` (fp32 scalar) from the factors alone: √Σ (UᵀU ⊙ VᵀV).
+    pub fn norm(&self) -> Tensor {
+        tch::no_grad(|| {
+            let (u, v) = self.decoded(self.u.codes.device());
+            (u.matmul(&u.tr()) * v.matmul(&v.tr()))
+                .sum(Kind::Float)
+                .clamp_min(0.0)
+                .sqrt()
+        })
+    }
+
+    fn map(&self, f: impl Fn(&Tensor) -> Tensor) -> LowRank {
+        LowRank {
+            u: self.u.map(&f),
+            v: self.v.map(&f),
+            factors: self.factors,
+        }
     }
 }
 
@@ -966,6 +1216,7 @@ mod tests {
             Wire::Int4Delta,
             Wire::Int2Delta,
             Wire::SparseDelta,
+            Wire::LowrankDelta,
             Wire::Bf16Delta,
         ] {
             let cfg = SyncConfig {
@@ -973,6 +1224,7 @@ mod tests {
                 ..small_chunks()
             };
             let c = Delta::of_change(&v, &cfg, 1);
+            assert_eq!(matches!(c, Delta::LowRank(_)), wire == Wire::LowrankDelta);
             let mut applied = base.copy();
             c.apply_(&mut applied);
             assert!(applied.equal(&(&base + c.to_f32(&base))), "{wire:?}");
@@ -991,12 +1243,26 @@ mod tests {
         let v = sample();
         let shape = [10i64, 100];
         let shape_of = |n: &str| (n == "w").then_some(&shape[..]);
-        for wire in [Wire::Int8Delta, Wire::SparseDelta, Wire::Bf16Delta] {
+        for wire in [
+            Wire::Int8Delta,
+            Wire::SparseDelta,
+            Wire::LowrankDelta,
+            Wire::Bf16Delta,
+        ] {
             let cfg = SyncConfig {
                 wire,
                 ..small_chunks()
             };
             let named = Delta::of_change(&v, &cfg, 1).into_wire("w");
+            let shapes: Vec<(String, Vec<i64>, Kind)> = named
+                .iter()
+                .map(|(n, t)| (n.clone(), t.size(), t.kind()))
+                .collect();
+            assert_eq!(
+                shapes,
+                wire_entries(&cfg, "w", &shape, 1, false),
+                "{wire:?}"
+            );
             let back = decode(named, &cfg, 1, shape_of).unwrap();
             assert_eq!(back.len(), 1);
             let want = Delta::of_change(&v, &cfg, 1).to_f32(&v);
@@ -1142,5 +1408,89 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("travels whole in bf16"), "{e}");
+    }
+    #[test]
+    fn a_low_rank_delta_carries_a_low_rank_change_and_applies_as_its_product() {
+        tch::manual_seed(11);
+        let dev = tch::Device::Cpu;
+        // Rank 3 plus a little noise, in a 96 × 80 matrix.
+        let a = Tensor::randn([96, 3], (Kind::Float, dev));
+        let b = Tensor::randn([3, 80], (Kind::Float, dev));
+        let change = (a.matmul(&b) + Tensor::randn([96, 80], (Kind::Float, dev)) * 0.01) * 1e-3;
+        let cfg = SyncConfig {
+            wire: Wire::LowrankDelta,
+            rank: 4,
+            ..SyncConfig::default()
+        };
+        let Delta::LowRank(l) = Delta::of_change(&change, &cfg, 1) else {
+            panic!("a 96 × 80 matrix travels in factors");
+        };
+        assert_eq!(
+            l.factors,
+            Factors {
+                rows: 96,
+                cols: 80,
+                rank: 4
+            }
+        );
+        let d = Delta::LowRank(l);
+        let approx = d.to_f32(&change);
+        // 4-bit factors: each entry within half a step of its group's largest / 7.
+        let rel = (&approx - &change).norm().double_value(&[]) / change.norm().double_value(&[]);
+        assert!(rel < 0.2, "relative error {rel}");
+        // The product is r outer products added in order, and apply_ adds exactly it.
+        let Delta::LowRank(l) = &d else {
+            unreachable!()
+        };
+        let (u, v) = l.decoded(dev);
+        let mut want = u.get(0).outer(&v.get(0));
+        for j in 1..4 {
+            want += u.get(j).outer(&v.get(j));
+        }
+        assert!(approx.equal(&want));
+        let base = Tensor::randn([96, 80], (Kind::Float, dev));
+        let mut applied = base.copy();
+        d.apply_(&mut applied);
+        assert!(applied.equal(&(&base + &want)));
+        let (n, m) = (d.norm().double_value(&[]), want.norm().double_value(&[]));
+        assert!((n - m).abs() <= 1e-4 * m, "norm {n} vs {m}");
+        // Quantized factors: a code times a bf16 scale, exact in fp32.
+        assert_eq!(l.u.bits, FACTOR_BITS);
+    }
+
+    #[test]
+    fn the_low_rank_wire_sends_matrices_in_factors_and_the_rest_whole() {
+        let cfg = SyncConfig {
+            wire: Wire::LowrankDelta,
+            rank: 8,
+            ..SyncConfig::default()
+        };
+        // Norms and other vectors travel whole; so do matrices too small to gain.
+        assert_eq!(Factors::of(&[256], &cfg), None);
+        assert_eq!(Factors::of(&[8, 8], &cfg), None);
+        // The rank never exceeds a side.
+        assert_eq!(Factors::of(&[4, 4096], &cfg).map(|f| f.rank), Some(4));
+        let f = Factors::of(&[256, 256], &cfg).unwrap();
+        // 8 · (256 + 256) 4-bit codes and their scales: 1/128 of the fp32 bytes and a little.
+        assert_eq!(f.bytes(), 2 * 1024 + 2 * 2 * 32);
+        let entries = wire_entries(&cfg, "w", &[256, 256], 3, false);
+        let names: Vec<&str> = entries.iter().map(|(n, _, _)| n.as_str()).collect();
+        assert_eq!(names, ["w#u", "w#u_scale", "w#v", "w#v_scale"]);
+        assert_eq!(
+            wire_entries(&cfg, "w", &[256, 256], 3, true),
+            vec![("w".to_owned(), vec![256, 256], Kind::BFloat16)]
+        );
+        // A tensor that travels whole is refused in parts, and bad sizes are named.
+        let shape = [8i64, 8];
+        let big = [64i64, 64];
+        let v = Tensor::randn([64, 64], (Kind::Float, tch::Device::Cpu));
+        let cfg4 = SyncConfig { rank: 4, ..cfg };
+        let wire = Delta::of_change(&v, &cfg4, 1).into_wire("w");
+        let e = decode(wire, &cfg4, 1, |_| Some(&shape[..])).unwrap_err();
+        assert!(e.contains("travels whole in bf16"), "{e}");
+        let mut wire = Delta::of_change(&v, &cfg4, 1).into_wire("w");
+        wire[2].1 = wire[2].1.narrow(0, 0, 10);
+        let e = decode(wire, &cfg4, 1, |_| Some(&big[..])).unwrap_err();
+        assert!(e.contains("factor V (rank 4)"), "{e}");
     }
 }

@@ -1,8 +1,9 @@
-//! Decode-and-add of a quantized delta in one pass over CPU memory: `target += code · scale`
-//! byte by byte, where libtorch's path writes the decoded values, scales them and adds them in
-//! three passes. Each value is the same exact product and the same single fp32 addition, so the
-//! result is bit-identical to [`crate::delta::Delta::apply_`]'s tensor path, which other
-//! devices keep.
+//! Decode-and-add of a compressed delta in one pass over CPU memory, where libtorch's path
+//! writes intermediate tensors and adds them in several passes: a quantized delta's
+//! `target += code · scale` byte by byte, and a low-rank delta's `target += Σ_j u_j ⊗ v_j` row by
+//! row. Each value goes through the same fp32 operations in the same order as the tensor path
+//! of [`crate::delta::Delta::apply_`] (which other devices keep), so the results are
+//! bit-identical.
 
 use crate::delta::{Quantized, GROUP};
 use tch::{Device, Kind, Tensor};
@@ -76,6 +77,51 @@ pub(crate) fn add_quantized(flat: &Tensor, q: &Quantized, numel: i64) -> bool {
     true
 }
 
+/// `target += Σ_j uᵀ[j] ⊗ vᵀ[j]` for a contiguous CPU fp32 `target` of `[rows, cols]` values,
+/// with the decoded factors `u` (`[rank, rows]`) and `v` (`[rank, cols]`), fp32: per value the
+/// first product, then each next product added in order, then the sum added to the target,
+/// each a single fp32 operation (Rust never fuses a multiply and an add). `false` (and nothing
+/// done) when the tensors are not laid out for it.
+pub(crate) fn add_low_rank(target: &Tensor, u: &Tensor, v: &Tensor) -> bool {
+    let cpu =
+        |t: &Tensor| t.device() == Device::Cpu && t.kind() == Kind::Float && t.is_contiguous();
+    let (Ok((rank, rows)), Ok((r2, cols))) = (u.size2(), v.size2()) else {
+        return false;
+    };
+    if !(cpu(target) && cpu(u) && cpu(v)) || rank != r2 || rank < 1 {
+        return false;
+    }
+    let (rank, rows, cols) = (rank as usize, rows as usize, cols as usize);
+    if target.numel() != rows * cols {
+        return false;
+    }
+    // Safety: contiguous CPU fp32 tensors of the sizes checked above, alive for the call.
+    let (target, u, v) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(target.data_ptr() as *mut f32, rows * cols),
+            std::slice::from_raw_parts(u.data_ptr() as *const f32, rank * rows),
+            std::slice::from_raw_parts(v.data_ptr() as *const f32, rank * cols),
+        )
+    };
+    let mut acc = vec![0f32; cols];
+    for (i, row) in target.chunks_exact_mut(cols).enumerate() {
+        let a = u[i];
+        for (s, &b) in acc.iter_mut().zip(&v[..cols]) {
+            *s = a * b;
+        }
+        for j in 1..rank {
+            let a = u[j * rows + i];
+            for (s, &b) in acc.iter_mut().zip(&v[j * cols..(j + 1) * cols]) {
+                *s += a * b;
+            }
+        }
+        for (t, &s) in row.iter_mut().zip(&acc) {
+            *t += s;
+        }
+    }
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,5 +157,26 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn one_pass_gives_the_low_rank_tensor_paths_bits() {
+        tch::manual_seed(23);
+        let (rank, rows, cols) = (5, 37, 29);
+        let u = Tensor::randn([rank, rows], (Kind::Float, Device::Cpu)) * 1e-2;
+        let v = Tensor::randn([rank, cols], (Kind::Float, Device::Cpu)) * 1e-2;
+        let base = Tensor::randn([rows, cols], (Kind::Float, Device::Cpu));
+        let fused = base.copy();
+        assert!(add_low_rank(&fused, &u, &v));
+        // The tensor path: one outer product after another, then the sum into the target.
+        let mut sum = u.get(0).outer(&v.get(0));
+        for j in 1..rank {
+            sum += u.get(j).outer(&v.get(j));
+        }
+        assert!(fused.equal(&(&base + &sum)));
+        assert!(
+            !add_low_rank(&fused, &u, &v.narrow(0, 0, 4)),
+            "ranks differ"
+        );
     }
 }

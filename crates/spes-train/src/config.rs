@@ -513,6 +513,9 @@ impl RunConfig {
                     s.sparse_k
                 );
             }
+            if !(1..=1024).contains(&s.rank) {
+                bail!("sync.rank must be in 1..=1024, got {}", s.rank);
+            }
         }
         Ok(())
     }

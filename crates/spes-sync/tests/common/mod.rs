@@ -10,16 +10,22 @@ use std::collections::BTreeSet;
 use tch::{Device, Kind, Tensor};
 
 pub fn model(n_layers: usize, n_experts: usize) -> MoeModel {
+    sized(n_layers, n_experts, 4)
+}
+
+/// [`model`] of width `d`: with `d` = 32 its matrices are large enough to travel in low-rank
+/// factors.
+pub fn sized(n_layers: usize, n_experts: usize, d: usize) -> MoeModel {
     let cfg = ModelConfig {
-        vocab_size: 11,
-        d_model: 4,
+        vocab_size: if d > 4 { 2 * d } else { 11 },
+        d_model: d,
         n_layers,
         n_heads: 1,
         n_kv_heads: 1,
-        head_dim: 4,
+        head_dim: d,
         n_experts,
         top_k: 1,
-        expert_hidden: 2,
+        expert_hidden: if d > 4 { d } else { 2 },
         context_length: 8,
         rope_theta: 10_000.0,
         qk_norm: QkNorm::Full,

@@ -1,0 +1,72 @@
+//! `spes simulate`: a whole decentralized run in this process (the server's coordinator and
+//! every node, stepped in turn, no network), to try a recipe, a wire or an overlap delay on one
+//! machine. Without `--config` it simulates the demo (configs/spes-tiny.toml on the embedded
+//! corpus).
+
+use crate::args::RuntimeArgs;
+use crate::demo;
+use anyhow::Result;
+use spes_train::simulate::{simulate, SimOptions};
+use spes_train::RunConfig;
+use std::path::PathBuf;
+
+/// Simulate a decentralized run in one process.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Run configuration with a [sync] section (default: the demo's configs/spes-tiny.toml
+    /// on the embedded corpus, tokenized into <out>/data).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override a config key, e.g. --set sync.wire=int2_delta (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Where the demo's corpus is tokenized, and `simulate.json` written.
+    #[arg(long, default_value = "runs/simulate")]
+    out: PathBuf,
+    /// With sync.overlap: the steps every node trains between its upload and applying the
+    /// round's result.
+    #[arg(long, default_value_t = 0)]
+    delay_steps: u64,
+    /// Score the global model every this many steps (0: train.eval_every).
+    #[arg(long, default_value_t = 0)]
+    eval_every: u64,
+    #[command(flatten)]
+    runtime: RuntimeArgs,
+}
+
+/// Runs the simulation, prints the result and writes `<out>/simulate.json`.
+pub fn run(a: Args) -> Result<()> {
+    let device = a.runtime.device()?;
+    std::fs::create_dir_all(&a.out)?;
+    let cfg = match &a.config {
+        Some(path) => RunConfig::load(path, &a.overrides)?,
+        None => demo::config(&demo::prepare_data(&a.out)?, &a.overrides)?,
+    };
+    let opts = SimOptions {
+        delay_steps: a.delay_steps,
+        eval_every: a.eval_every,
+    };
+    let r = simulate(&cfg, device, &opts)?;
+    for (step, loss) in &r.curve {
+        println!("step {step:>6}  val loss {loss:.4}");
+    }
+    println!(
+        "final val loss {:.4}; {:.3} MiB per node and round (up + down); {:.0} s",
+        r.final_val_loss,
+        r.bytes_per_round / (1 << 20) as f64,
+        r.wall_s
+    );
+    let json = serde_json::json!({
+        "final_val_loss": r.final_val_loss,
+        "curve": r.curve,
+        "bytes_per_round": r.bytes_per_round,
+        "wall_s": r.wall_s,
+        "delay_steps": a.delay_steps,
+        "config": cfg,
+    });
+    spes_data::shard::write_atomic(
+        &a.out.join("simulate.json"),
+        serde_json::to_string_pretty(&json)?.as_bytes(),
+    )?;
+    Ok(())
+}
