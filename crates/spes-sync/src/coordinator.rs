@@ -17,7 +17,7 @@
 
 use crate::budget::{self, Work};
 use crate::config::{RoundBy, SyncConfig};
-use crate::delta::{self, Delta, RoundDelta};
+use crate::delta::{self, Delta, RoundDelta, WirePart};
 use crate::named::{Layout, Named};
 use crate::outer::{norm_preserving_scale, OuterState, Source};
 use crate::ownership::Claims;
@@ -168,6 +168,9 @@ pub struct Coordinator {
     caps: BTreeMap<usize, usize>,
     /// Members sitting the open round out: their cap is below what they own in it.
     sitting_out: BTreeSet<usize>,
+    /// `owners[e]` of the round before the open one (empty: not known): an expert that changed
+    /// owner since may be handed over by its previous owner ([`Coordinator::check_handover`]).
+    previous_owners: Vec<usize>,
 }
 
 /// A tensor's fate in a round's close.
@@ -244,6 +247,7 @@ impl Coordinator {
             round_rows: None,
             caps,
             sitting_out: BTreeSet::new(),
+            previous_owners: Vec::new(),
             layout,
             cfg,
             max_update_rms,
@@ -549,6 +553,10 @@ impl Coordinator {
     ) -> Result<(), RoundError> {
         self.check_upload(peer, session, round, now)?;
         let invalid = |reason| RoundError::Invalid { peer, reason };
+        let (handover, tensors): (Named, Named) = tensors
+            .into_iter()
+            .partition(|(n, _)| matches!(delta::split_wire_name(n), Some((_, WirePart::Handover))));
+        let handover = self.check_handed(peer, handover)?;
         let layout = &self.layout;
         let deltas =
             delta::decode(tensors, &self.cfg, round, |n| layout.shape_of(n)).map_err(invalid)?;
@@ -565,8 +573,52 @@ impl Coordinator {
         self.agg
             .add(&self.layout, peer, deltas, weight)
             .map_err(|e| invalid(e.to_string()))?;
+        for (name, h) in handover {
+            self.agg.add_handover(name, h);
+        }
         self.work.insert(peer, work);
         Ok(())
+    }
+
+    /// The handed-over tensors of an upload (`<name>#handover`), checked: expert tensors of
+    /// experts `peer` may hand over ([`Coordinator::check_handover`]), bf16 of their shape,
+    /// finite and within the upload bound; as fp32 copies by tensor name.
+    fn check_handed(&self, peer: usize, handed: Named) -> Result<Named, RoundError> {
+        let invalid = |reason: String| RoundError::Invalid { peer, reason };
+        let mut out = Vec::with_capacity(handed.len());
+        for (wire, t) in handed {
+            let name = delta::tensor_of(&wire).to_owned();
+            let expert = self
+                .layout
+                .position(&name)
+                .and_then(|i| match self.layout.entries[i].1 {
+                    spes_model::Role::Expert { index, .. } => Some(index),
+                    spes_model::Role::Shared => None,
+                });
+            let Some(e) = expert else {
+                return Err(invalid(format!(
+                    "hands over `{name}`, which is not an expert tensor"
+                )));
+            };
+            self.check_handover(peer, &[e])?;
+            let shape = self.layout.shape_of(&name).expect("a known tensor");
+            if t.kind() != Kind::BFloat16 || t.size() != shape {
+                return Err(invalid(format!(
+                    "hands over `{name}` as {:?} {:?}, expected bf16 {shape:?}",
+                    t.kind(),
+                    t.size()
+                )));
+            }
+            let h = t.to_kind(Kind::Float);
+            let rms = h.norm().double_value(&[]) / (h.numel().max(1) as f64).sqrt();
+            if !rms.is_finite() || self.max_update_rms.is_some_and(|b| rms > b) {
+                return Err(invalid(format!(
+                    "hands over `{name}` moved by RMS {rms:.3e}, more than sync.max_update_factor allows or not finite"
+                )));
+            }
+            out.push((name, h));
+        }
+        Ok(out)
     }
 
     /// The weight of an upload that reports `work` in the average of the shared tensors, by
@@ -668,6 +720,7 @@ impl Coordinator {
         }
         self.last_work = std::mem::take(&mut self.work);
         self.sitting_out.clear();
+        self.previous_owners = scope.owners();
         let claims = self.claims(&next);
         let mut next_scope = if next != members || scope.strays_from(&claims) {
             scope
@@ -744,6 +797,53 @@ impl Coordinator {
         }
     }
 
+    /// The round before the open one had these owners (`owners[e]`, as its published record
+    /// says): a restarted server checks handovers against them.
+    pub fn after_owners(mut self, owners: Vec<usize>) -> Self {
+        self.previous_owners = owners;
+        self
+    }
+
+    /// Whether `peer` may hand over what it trained and had not sent of `experts` in its
+    /// upload of the open round: each one an expert it does not own now and, when the owners
+    /// of the round before are known, owned then. Delta wires only.
+    pub fn check_handover(&self, peer: usize, experts: &[usize]) -> Result<(), RoundError> {
+        if experts.is_empty() {
+            return Ok(());
+        }
+        let invalid = |reason: String| RoundError::Invalid { peer, reason };
+        if !matches!(self.scope(), Scope::Spes(_)) {
+            return Err(invalid(format!(
+                "hands over experts {experts:?}, but in DiLoCo every member trains every expert"
+            )));
+        }
+        if !self.cfg.wire.is_delta() {
+            return Err(invalid(format!(
+                "hands over experts {experts:?}, but sync.wire = {:?} sends values",
+                self.cfg.wire
+            )));
+        }
+        let owners = self.scope().owners();
+        for &e in experts {
+            if e >= self.layout.n_experts {
+                return Err(invalid(format!(
+                    "hands over expert {e}; the model has {}",
+                    self.layout.n_experts
+                )));
+            }
+            if owners.get(e) == Some(&peer) {
+                return Err(invalid(format!("hands over expert {e}, which it owns")));
+            }
+            if self.previous_owners.get(e).is_some_and(|&o| o != peer) {
+                return Err(invalid(format!(
+                    "hands over expert {e}, which it did not own in round {}",
+                    self.round - 1
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// A node trains `rows` rows in a round at the run's batch (`sync_steps × batch_size ×
     /// grad_accum`): the unit of a round by tokens and the weight of an upload that reports
     /// none.
@@ -765,6 +865,7 @@ impl Coordinator {
             spread,
             uploads,
             mut owned,
+            mut handover,
         } = combined;
         let delta_wire = self.cfg.wire.is_delta();
         // Σ scale·numel and Σ numel over the averaged changes, for the report.
@@ -776,8 +877,10 @@ impl Coordinator {
         let mut next: Vec<Next> = Vec::with_capacity(self.global.len());
         for (name, base) in &self.global {
             let mut combined = averaged.remove(name).map(|t| (Source::Averaged, t));
+            // An expert's previous owner's unsent change joins its new owner's.
+            let handed = handover.remove(name);
             if let Some((peer, d)) = owned.remove(name) {
-                if verbatim {
+                if verbatim && handed.is_none() {
                     let mut value = base.copy();
                     d.apply_(&mut value);
                     let wire = d.into_wire(name);
@@ -791,7 +894,9 @@ impl Coordinator {
                     Delta::Value(t) => t.to_kind(Kind::Float),
                     d => d.to_f32(base),
                 };
-                combined = Some((Source::Owned, t));
+                combined = Some((Source::Owned, handed.map_or(t.shallow_clone(), |h| t + h)));
+            } else if let Some(h) = handed {
+                combined = Some((Source::Owned, h));
             }
             let Some((source, t)) = combined else {
                 next.push(Next::Unchanged);

@@ -720,10 +720,13 @@ pub enum WirePart {
     V,
     /// Low rank: the right factor's bf16 scales.
     VScale,
+    /// An expert's change its previous owner had not sent when the expert passed to another
+    /// node, handed over whole in bf16 in that node's next upload (not a part of a delta).
+    Handover,
 }
 
 impl WirePart {
-    const ALL: [WirePart; 7] = [
+    const ALL: [WirePart; 8] = [
         WirePart::Idx,
         WirePart::Codes,
         WirePart::Scale,
@@ -731,6 +734,7 @@ impl WirePart {
         WirePart::UScale,
         WirePart::V,
         WirePart::VScale,
+        WirePart::Handover,
     ];
 
     fn suffix(self) -> &'static str {
@@ -742,6 +746,7 @@ impl WirePart {
             WirePart::UScale => "#u_scale",
             WirePart::V => "#v",
             WirePart::VScale => "#v_scale",
+            WirePart::Handover => "#handover",
         }
     }
 

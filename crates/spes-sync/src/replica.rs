@@ -12,7 +12,8 @@
 //!   hold beyond the upload (steps trained since, with overlap; what a lossy wire did not
 //!   send) on top of the new global model;
 //! - following ownership ([`Replica::follow`]): which experts to train, and the base's
-//!   bookkeeping when that changes;
+//!   bookkeeping when that changes: what it trained of an expert it loses and has not sent is
+//!   handed over in its next upload ([`Replica::handing_over`]), not dropped;
 //! - the decayed load-balancing scale of the node's own experts ([`Replica::lb_scale`]);
 //! - with `sync.round_by = "tokens"`, the rows the server gave it for the next round
 //!   ([`Replica::follow_budget`], [`Replica::step_rows`]);
@@ -24,7 +25,7 @@
 
 use crate::budget;
 use crate::config::{Mode, RoundBy, SyncConfig};
-use crate::delta::{self, Delta};
+use crate::delta::{self, Delta, WirePart};
 use crate::named::{Layout, Named};
 use spes_model::Role;
 use std::collections::HashMap;
@@ -110,6 +111,9 @@ pub struct ReplicaState {
     /// `sync.feedback = "buffer"`: what this node has not sent yet, per trained tensor (fp32),
     /// by name.
     pub feedback: Named,
+    /// What it trained of experts it no longer owns and has not sent, to hand over in the
+    /// upload of round `base_round + 1` (fp32), by name.
+    pub handover: Named,
 }
 
 /// The last global round a node holds exactly: the fp32 values of the tensors it trains.
@@ -147,6 +151,19 @@ pub struct Replica {
     /// The rows the newest published round gave it, taken up when a round starts, so every
     /// round trains one budget whole (with overlap a round arrives mid-round).
     next_rows: Option<u64>,
+    /// What it trained of experts it lost at the last ownership change and has not sent
+    /// (fp32), by tensor name: handed over in the upload of round `handover_round` alone.
+    handover: HashMap<String, Tensor>,
+    handover_round: Option<u64>,
+    /// The weights hold the base round by applying its delta to the round before (progress
+    /// kept), rather than by loading a whole model: only then is a handover owed.
+    consecutive: bool,
+    /// Overlap: per averaged tensor, how much of this node's own change the next average is
+    /// expected to keep, measured on the last round ([`Replica::apply`]).
+    keeps: HashMap<String, f64>,
+    /// Overlap: per averaged tensor, how far the last upload moved the weights towards the
+    /// average it expects ([`Replica::upload`]).
+    shift: HashMap<String, Tensor>,
 }
 
 impl Replica {
@@ -166,6 +183,11 @@ impl Replica {
             flushed: false,
             rows: None,
             next_rows: None,
+            handover: HashMap::new(),
+            handover_round: None,
+            consecutive: false,
+            keeps: HashMap::new(),
+            shift: HashMap::new(),
         }
     }
 
@@ -198,6 +220,9 @@ impl Replica {
     /// saved right after loading it): the trained ones become the base.
     pub fn hold(&mut self, round: u64, weights: &Named) {
         self.sent.clear();
+        self.shift.clear();
+        self.handover.clear();
+        self.consecutive = false;
         self.held = Some(round);
         self.base = self.cfg.wire.is_delta().then(|| Base {
             round,
@@ -221,6 +246,9 @@ impl Replica {
             values.insert(name.clone(), t.to_device(w.device()).to_kind(Kind::Float));
         }
         self.sent.clear();
+        self.shift.clear();
+        self.handover.clear();
+        self.consecutive = false;
         self.held = Some(round);
         self.base = Some(Base { round, values });
         Ok(())
@@ -241,6 +269,11 @@ impl Replica {
             .is_some_and(|i| matches!(self.layout.entries[i].1, Role::Expert { .. }))
     }
 
+    /// Whether the server averages tensor `name` over the nodes (else takes its owner's).
+    fn averaged(&self, name: &str) -> bool {
+        self.cfg.mode == Mode::Diloco || !self.is_expert(name)
+    }
+
     /// The upload of the round that ends now: the trained tensors of `weights` in the wire
     /// form of `sync.wire` for round `round` — whole fp32 tensors, or each one's change from the
     /// base — as wire
@@ -258,6 +291,7 @@ impl Replica {
         let buffer = self.cfg.feeds_back_in_buffer();
         let mut wire = Vec::new();
         let mut sent = HashMap::new();
+        let mut shift = HashMap::new();
         let mut feedback = HashMap::new();
         let mut changes = HashMap::new();
         for (name, t) in self.trained(weights) {
@@ -283,18 +317,62 @@ impl Replica {
             if buffer && keep_all {
                 changes.insert(name.clone(), change);
             }
+            // Overlap: the steps trained before the round lands are taken from where the
+            // average is expected, not from this node's own change, whose noise the average
+            // mostly cancels (eager updates with the own change shrunk as the last round did).
+            let keeps = self.keeps.get(name).copied().unwrap_or(1.0);
+            if self.cfg.overlaps() && !buffer && !last && keeps < 1.0 && self.averaged(name) {
+                let s = tch::no_grad(|| d.to_f32(t) * (keeps - 1.0));
+                let _ = t.shallow_clone().g_add_(&s);
+                shift.insert(name.clone(), s);
+            }
             wire.extend(d.share().into_wire(name));
             if keep_all || self.is_expert(name) {
                 sent.insert(name.clone(), d);
             }
         }
+        if self.handover_round == Some(round) {
+            let mut names: Vec<&String> = self.handover.keys().collect();
+            names.sort();
+            for name in names {
+                let d = Delta::whole(&self.handover[name]);
+                wire.extend(d.into_wire(&WirePart::Handover.name(name)));
+            }
+        } else {
+            // Owed to another round's upload, which did not happen (the node resynced).
+            self.handover.clear();
+            self.handover_round = None;
+        }
         self.sent = sent;
+        self.shift = shift;
         self.flushed = last;
         if buffer {
             self.feedback = feedback;
             self.changes = changes;
         }
         Ok(wire)
+    }
+
+    /// The experts whose unsent change the upload of round `round` hands over (ascending): the
+    /// experts this node lost at the ownership change before that round, where it had trained
+    /// more than it sent. The upload carries their tensors whole in bf16 as `<name>#handover`,
+    /// and the server adds them to the expert's change, so its new owner gets them in the next
+    /// round's model.
+    pub fn handing_over(&self, round: u64) -> Vec<usize> {
+        if self.handover_round != Some(round) {
+            return Vec::new();
+        }
+        let mut experts: Vec<usize> = self
+            .handover
+            .keys()
+            .filter_map(|n| match self.layout.entries[self.layout.position(n)?].1 {
+                Role::Expert { index, .. } => Some(index),
+                Role::Shared => None,
+            })
+            .collect();
+        experts.sort_unstable();
+        experts.dedup();
+        experts
     }
 
     /// How to fetch round `round` (`None`: the newest): as a delta if this node holds the round
@@ -346,6 +424,16 @@ impl Replica {
             && (self.cfg.feeds_back_in_weights()
                 || self.cfg.overlaps() && published.trained_since_upload);
         let changes = std::mem::take(&mut self.changes);
+        let shift = std::mem::take(&mut self.shift);
+        let measure = published.after_upload && self.cfg.overlaps();
+        let diloco = self.cfg.mode == Mode::Diloco;
+        let averaged = |name: &str| {
+            diloco
+                || !layout
+                    .position(name)
+                    .is_some_and(|i| matches!(layout.entries[i].1, Role::Expert { .. }))
+        };
+        let mut keeps = HashMap::new();
         tch::no_grad(|| -> Result<()> {
             for (name, w) in weights {
                 let d = deltas.get(name);
@@ -362,9 +450,18 @@ impl Replica {
                             (true, Some(change)) => Some(&theta - &*b - change),
                             (true, None) => {
                                 let sent = self.sent.get(name).ok_or_else(not_sent)?;
-                                Some(sent.subtract_from(&(&theta - &*b)))
+                                let p = sent.subtract_from(&(&theta - &*b));
+                                Some(match shift.get(name) {
+                                    Some(s) => p - s,
+                                    None => p,
+                                })
                             }
                         };
+                        if let Some(sent) =
+                            self.sent.get(name).filter(|_| measure && averaged(name))
+                        {
+                            keeps.insert(name.clone(), share_kept(sent, d, b));
+                        }
                         if let Some(d) = d {
                             d.apply_(b);
                         }
@@ -385,6 +482,14 @@ impl Replica {
         base.round = round;
         self.held = Some(round);
         self.sent.clear();
+        if measure {
+            self.keeps = keeps;
+        }
+        self.consecutive = true;
+        if self.handover_round.is_some_and(|r| r <= round) {
+            self.handover.clear();
+            self.handover_round = None;
+        }
         Ok(Applied {
             kept_progress: keep_progress,
         })
@@ -410,6 +515,7 @@ impl Replica {
         if changed {
             let before = std::mem::replace(&mut self.owned, owned);
             let keeps_progress = self.cfg.keeps_progress();
+            let next_round = self.held.map(|r| r + 1);
             if let Some(base) = &mut self.base {
                 for (name, w) in weights {
                     let Some(i) = self.layout.position(name) else {
@@ -422,9 +528,23 @@ impl Replica {
                                 .insert(name.clone(), tch::no_grad(|| w.detach().copy()));
                         }
                         (true, false) => {
-                            // A buffer's unsent change of the expert is dropped with it.
-                            self.feedback.remove(name);
+                            let buffered = self.feedback.remove(name);
                             if let Some(b) = base.values.remove(name) {
+                                // What it trained and has not sent goes to the new owner.
+                                let owed = tch::no_grad(|| {
+                                    let trained = keeps_progress.then(|| w - &b);
+                                    match (trained, buffered) {
+                                        (Some(t), Some(e)) => Some(t + e),
+                                        (t, e) => t.or(e),
+                                    }
+                                });
+                                let owed = owed.filter(|o| {
+                                    self.consecutive && o.abs().max().double_value(&[]) > 0.0
+                                });
+                                if let (Some(o), Some(r)) = (owed, next_round) {
+                                    self.handover.insert(name.clone(), o);
+                                    self.handover_round = Some(r);
+                                }
                                 if keeps_progress {
                                     tch::no_grad(|| w.shallow_clone().copy_(&b));
                                     reset = true;
@@ -506,11 +626,16 @@ impl Replica {
             _ => Vec::new(),
         };
         let feedback = crate::named::sorted(&self.feedback);
+        let handover = match self.handover_round {
+            Some(r) if r == round + 1 => crate::named::sorted(&self.handover),
+            _ => Vec::new(),
+        };
         Some(ReplicaState {
             base_round: round,
             owned: self.owned.clone(),
             remainder,
             feedback,
+            handover,
         })
     }
 
@@ -580,8 +705,41 @@ impl Replica {
             feedback.insert(name, e.to_device(w.device()).to_kind(Kind::Float));
         }
         self.feedback = feedback;
+        for (name, h) in &state.handover {
+            let i = self.layout.position(name).ok_or_else(|| {
+                ReplicaError::State(format!("it hands over `{name}`, which the model lacks"))
+            })?;
+            let (_, role, shape) = &self.layout.entries[i];
+            if !matches!(role, Role::Expert { .. }) || h.size() != *shape {
+                return Err(ReplicaError::State(format!(
+                    "it hands over `{name}` of shape {:?}: not an expert tensor of shape {shape:?}",
+                    h.size()
+                )));
+            }
+        }
+        self.handover = state
+            .handover
+            .into_iter()
+            .map(|(n, h)| (n, h.to_kind(Kind::Float)))
+            .collect();
+        self.handover_round = (!self.handover.is_empty()).then_some(round + 1);
+        self.consecutive = true;
         Ok(())
     }
+}
+
+/// How much of a node's own change `sent` the published `average` kept: the least-squares
+/// factor ⟨sent, average⟩ / ‖sent‖², within [0, 1] (1 when nothing was sent).
+fn share_kept(sent: &Delta, average: Option<&Delta>, like: &Tensor) -> f64 {
+    let own = sent.to_f32(like);
+    let norm = own.square().sum(Kind::Double).double_value(&[]);
+    if norm <= 0.0 || norm.is_nan() {
+        return 1.0;
+    }
+    let dot = average.map_or(0.0, |a| {
+        (&own * a.to_f32(like)).sum(Kind::Double).double_value(&[])
+    });
+    (dot / norm).clamp(0.0, 1.0)
 }
 
 /// Whether a node owning the experts marked in `owned` trains a parameter of this role.

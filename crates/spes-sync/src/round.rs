@@ -117,6 +117,8 @@ pub struct Aggregator {
     kept: HashMap<String, Vec<Tensor>>,
     /// Tensors taken from their owner, as uploaded, with the owner.
     owned: HashMap<String, (usize, Delta)>,
+    /// Expert tensors' changes handed over by their previous owner (fp32).
+    handover: HashMap<String, Tensor>,
     uploaded: BTreeSet<usize>,
     /// Weighing by tokens ([`SyncConfig::weighs_by_tokens`]): the sum of the weights the averaged tensors' sums hold
     /// (`None`: every upload counts once, the sums are plain).
@@ -157,6 +159,9 @@ pub struct Combined {
     pub uploads: usize,
     /// Tensors taken from their owner: the owner and its delta, as sent.
     pub owned: HashMap<String, (usize, Delta)>,
+    /// Expert tensors' changes handed over by their previous owner (fp32), added to their
+    /// new owner's.
+    pub handover: HashMap<String, Tensor>,
 }
 
 /// Checks a decoded upload ([`crate::delta::decode`]) against the round's scope and the bound
@@ -252,6 +257,7 @@ impl Aggregator {
             sums: HashMap::new(),
             kept: HashMap::new(),
             owned: HashMap::new(),
+            handover: HashMap::new(),
             uploaded: BTreeSet::new(),
             weights: cfg.weighs_by_tokens().then_some(0.0),
             scratch: Scratch::default(),
@@ -361,6 +367,18 @@ impl Aggregator {
         Ok(())
     }
 
+    /// Adds an expert tensor's change its previous owner handed over (fp32, its own storage).
+    pub fn add_handover(&mut self, name: String, change: Tensor) {
+        match self.handover.get_mut(&name) {
+            Some(sum) => {
+                let _ = sum.g_add_(&change);
+            }
+            None => {
+                self.handover.insert(name, change);
+            }
+        }
+    }
+
     /// The round's combined uploads: each averaged tensor that was uploaded, combined, and the
     /// owners' tensors as sent.
     pub fn finish(self) -> Combined {
@@ -391,6 +409,7 @@ impl Aggregator {
             spread,
             uploads: n,
             owned: self.owned,
+            handover: self.handover,
         }
     }
 }

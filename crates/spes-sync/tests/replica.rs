@@ -219,10 +219,10 @@ fn the_low_rank_wire_keeps_every_node_bit_identical_and_carries_what_it_left_out
         );
     }
     // The two nodes' rank-one changes need rank 2 to average: the global follows their mean
-    // change (RMS ≈ 1.4e-3 a round) up to the small noise rank 2 leaves out, which error
-    // feedback keeps from growing.
+    // change (RMS ≈ 1.4e-3 a round) up to the full-rank noise they add (RMS 1e-4 a round),
+    // which waits in the error feedback, and the 4-bit rounding of the factors.
     assert!(
-        behind.iter().all(|b| *b < 3e-4) && behind[3] < 2.0 * behind[0] + 1e-4,
+        behind.iter().all(|b| *b < 4e-4) && behind[3] < 2.0 * behind[0] + 1e-4,
         "the global lags the nodes by {behind:?}"
     );
 }
@@ -347,6 +347,7 @@ fn buffer_feedback_trains_from_the_global_model_and_sends_what_it_held_back_late
         owned: state.owned.clone(),
         remainder,
         feedback: copy(&state.feedback),
+        handover: Vec::new(),
     };
     again.restore(saved, copy(c.global().0), &weights).unwrap();
     let back = again.state(&weights).unwrap();
@@ -456,6 +457,142 @@ fn overlap_keeps_the_progress_made_since_the_upload() {
     assert_identical(&c, &nodes[1], "no progress since");
     for ((name, w), (_, g)) in nodes[1].weights.iter().zip(c.global().0) {
         assert!(w.equal(g), "`{name}`");
+    }
+
+    // Round 2: each node's upload now moves its averaged weights from its own change towards
+    // the average, by the share of its change the last average kept; experts stay as trained.
+    let mut kept = Vec::new();
+    for n in &mut nodes {
+        train(&c, n, 1e-3);
+        let before = copy(&n.weights);
+        upload(&mut c, n, 2.0);
+        kept.push(before);
+    }
+    let n = &nodes[0];
+    let (mut shifted, mut fixed) = (0, 0);
+    for ((name, w), (_, b)) in n.weights.iter().zip(&kept[0]) {
+        let Some(base) = n.replica.base_of(name) else {
+            continue;
+        };
+        let own = b - base;
+        let now = w - base;
+        if matches!(role_of(&c, name), Role::Expert { .. }) {
+            assert!(w.equal(b), "expert `{name}` moved at the upload");
+            fixed += 1;
+        } else if own.abs().max().double_value(&[]) > 0.0 {
+            // now = k·own for one k in [0, 1) (up to the bf16 rounding of the sent change).
+            let k = (&now * &own).sum(Kind::Double).double_value(&[])
+                / own.square().sum(Kind::Double).double_value(&[]);
+            assert!((0.0..1.0).contains(&k), "`{name}`: k = {k}");
+            let off = (&now - &own * k).abs().max().double_value(&[]);
+            assert!(
+                off <= own.abs().max().double_value(&[]) / 64.0,
+                "`{name}`: {off}"
+            );
+            shifted += 1;
+        }
+    }
+    assert!(shifted > 0 && fixed > 0, "{shifted} shifted, {fixed} fixed");
+    // Whatever the shift, the steps trained after the upload land on the new global (up to
+    // the bf16 rounding of what was sent, which is carried too).
+    let uploaded = copy(&nodes[0].weights);
+    train(&c, &mut nodes[0], 1e-3);
+    let extra: Named = nodes[0]
+        .weights
+        .iter()
+        .zip(&uploaded)
+        .map(|((n, a), (_, b))| (n.clone(), a - b))
+        .collect();
+    c.close(2.5);
+    deliver(&c, &mut nodes[0], true, true);
+    assert_identical(&c, &nodes[0], "overlap, round 2");
+    for ((name, w), (_, b)) in nodes[0].weights.iter().zip(&kept[0]) {
+        if nodes[0].replica.base_of(name).is_some() {
+            let want = get(c.global().0, name) + get(&extra, name);
+            let off = (w - want).abs().max().double_value(&[]);
+            let slack = (b - get(&snapshot(&m), name)).abs().max().double_value(&[]) / 64.0;
+            assert!(off <= slack + 1e-9, "`{name}` is off by {off}");
+        }
+    }
+}
+
+#[test]
+fn an_expert_that_changes_owner_keeps_what_its_old_owner_had_not_sent() {
+    let m = model(2, 4);
+    // 2-bit deltas leave much of each change in the owner's weights; ownership rotates after
+    // every round, so each expert changes owner at every close.
+    let cfg = SyncConfig {
+        rotate_every_rounds: 1,
+        merge_every: 0,
+        ..wire_cfg(Wire::Int2Delta)
+    };
+    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
+    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let name = spes_model::expert_tensor_name(0, 0, spes_model::EXPERT_PARTS[0]);
+    let mut ideal = get(c.global().0, &name).copy();
+    tch::manual_seed(9);
+    // What the server has not published yet of a tensor, and what nodes hold back of it.
+    let residual = |c: &Coordinator| {
+        c.carried()
+            .into_iter()
+            .find(|(n, _)| *n == format!("residual/{name}"))
+            .map(|(_, t)| t)
+    };
+    let held_back = |n: &Node| {
+        let state = n.replica.state(&n.weights).unwrap();
+        let handed = state.handover.into_iter().find(|(x, _)| *x == name);
+        let kept = state.remainder.into_iter().find(|(x, _)| *x == name);
+        handed.or(kept).map(|(_, t)| t)
+    };
+    for round in 1..=3u64 {
+        let now = round as f64;
+        for n in &mut nodes {
+            let before = get(&n.weights, &name).copy();
+            train(&c, n, 1e-3);
+            ideal += get(&n.weights, &name) - before;
+            upload(&mut c, n, now);
+        }
+        c.close(now + 0.5);
+        if round > 1 {
+            // The expert's previous owner handed over what it had not sent: not verbatim.
+            let verbatim = &c.delta().unwrap().verbatim;
+            assert!(verbatim.values().flatten().all(|n| !n.starts_with(&name)));
+        }
+        for n in &mut nodes {
+            deliver(&c, n, true, false);
+            assert_identical(&c, n, &format!("round {round}"));
+        }
+        // Every expert changed owner: each node hands over the two it trained.
+        let owned_before = |p: usize| {
+            if (round + p as u64) % 2 == 1 {
+                [0, 1]
+            } else {
+                [2, 3]
+            }
+        };
+        for (p, n) in nodes.iter().enumerate() {
+            assert_eq!(
+                n.replica.handing_over(round + 1),
+                owned_before(p),
+                "round {round}"
+            );
+            assert!(n.replica.handing_over(round).is_empty());
+        }
+        // Nothing is lost: the global model, the server's residual and what the nodes hold
+        // back add up to θ⁰ plus everything trained (up to the bf16 rounding of a handover).
+        let mut total = get(c.global().0, &name).copy();
+        for t in residual(&c)
+            .into_iter()
+            .chain(nodes.iter().filter_map(held_back))
+        {
+            total += t;
+        }
+        let err = (&total - &ideal).abs().max().double_value(&[]);
+        let scale = (&ideal - get(&snapshot(&m), &name))
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(err < 1e-2 * scale, "round {round}: {err} lost of {scale}");
     }
 }
 

@@ -889,6 +889,88 @@ fn ownership_rotates_after_every_r_rounds_and_uploads_follow_it() {
     ));
 }
 
+#[test]
+fn only_an_experts_previous_owner_may_hand_it_over() {
+    let m = model(1, 6);
+    let layout = Layout::of(&m);
+    let cfg = SyncConfig {
+        merge_every: 0,
+        rotate_every_rounds: 1,
+        wire: Wire::Bf16Delta,
+        ..cfg()
+    };
+    let mut c = coordinator(&m, 3, cfg.clone(), 0.0);
+    // Round 1: nothing changed owner yet.
+    assert!(matches!(
+        c.check_handover(0, &[0]),
+        Err(RoundError::Invalid { .. })
+    ));
+    let change = |scope: &Scope, peer| -> spes_sync::Named {
+        upload(&layout, scope, peer, 1e-3)
+            .into_iter()
+            .map(|(n, t)| (n, t.to_kind(Kind::BFloat16)))
+            .collect()
+    };
+    for peer in 0..3 {
+        let u = change(c.scope(), peer);
+        c.upload(peer, 100 + peer as u64, 1, u, Work::default(), 1.0)
+            .unwrap();
+    }
+    c.close(1.5);
+    assert_eq!(c.scope().owners(), vec![1, 1, 2, 2, 0, 0]);
+    // Peer 0 owned experts 0 and 1 in round 1 and owns 4 and 5 now.
+    c.check_handover(0, &[0, 1]).unwrap();
+    for (experts, why) in [
+        (vec![4], "which it owns"),
+        (vec![0, 2], "did not own in round 1"),
+        (vec![6], "the model has 6"),
+    ] {
+        let e = c.check_handover(0, &experts).unwrap_err().to_string();
+        assert!(e.contains(why), "{experts:?}: {e}");
+    }
+    // A handed-over tensor joins its new owner's change, and the expert is no longer published
+    // as its owner sent it.
+    let name = spes_model::expert_tensor_name(0, 0, spes_model::EXPERT_PARTS[0]);
+    let before = get(c.global().0, &name).copy();
+    let mut u0 = change(c.scope(), 0);
+    u0.push((
+        format!("{name}#handover"),
+        Tensor::full(
+            before.size().as_slice(),
+            2e-3,
+            (Kind::BFloat16, tch::Device::Cpu),
+        ),
+    ));
+    c.upload(0, 100, 2, u0, Work::default(), 2.0).unwrap();
+    for peer in 1..3 {
+        let u = change(c.scope(), peer);
+        c.upload(peer, 100 + peer as u64, 2, u, Work::default(), 2.0)
+            .unwrap();
+    }
+    c.close(2.5);
+    let moved = (get(c.global().0, &name) - &before)
+        .mean(Kind::Float)
+        .double_value(&[]);
+    assert!((moved - 3e-3).abs() < 3e-5, "moved by {moved}");
+    assert!(c
+        .delta()
+        .unwrap()
+        .verbatim
+        .values()
+        .flatten()
+        .all(|n| *n != name));
+    // Not from a peer that did not own the expert before (peer 1 owned 0 and 1, peer 2 owns
+    // them now).
+    assert_eq!(c.scope().owners(), vec![2, 2, 0, 0, 1, 1]);
+    let mut bad = change(c.scope(), 0);
+    bad.push((
+        format!("{name}#handover"),
+        Tensor::zeros(before.size().as_slice(), (Kind::BFloat16, tch::Device::Cpu)),
+    ));
+    let e = c.upload(0, 100, 3, bad, Work::default(), 3.0).unwrap_err();
+    assert!(matches!(e, RoundError::Invalid { .. }), "{e:?}");
+}
+
 /// A coordinator of `peers` contiguous owners at t = 0 that never merges experts.
 fn unmerged(m: &MoeModel, peers: usize) -> Coordinator {
     let cfg = SyncConfig {

@@ -22,14 +22,24 @@ impl Node {
         let round = self.trainer.step / self.trainer.cfg.sync.sync_steps;
         let last = self.trainer.step >= self.trainer.cfg.train.max_steps;
         let wire = self.replica.upload(upload, round, last)?;
+        let handover = self.replica.handing_over(round);
+        if !handover.is_empty() {
+            tracing::info!(
+                "node {}: hands over what it trained of experts {handover:?} and had not sent",
+                self.peer()
+            );
+        }
         let kind = delta::payload_kind(self.trainer.cfg.sync.wire);
-        Ok((round, self.link.encode_upload(wire, kind), work))
+        Ok((round, self.link.encode_upload(wire, kind, &handover), work))
     }
 
     /// Overlap: uploads and fetches the round that ends now on another thread while this one
     /// trains on; the result is applied when it is in ([`Node::train_round`]).
     pub(super) fn start_sync(&mut self, upload: &Named) -> Result<()> {
         let (round, files, work) = self.prepare_upload(upload)?;
+        // The upload moved the averaged weights towards the expected average: every rank trains
+        // on from there.
+        self.trainer.publish_weights()?;
         let plan = self.replica.fetch_plan(Some(round), true);
         let link = self.link.clone();
         let thread = std::thread::Builder::new()

@@ -23,6 +23,8 @@ const REPLICA_FILE: &str = "replica.json";
 const REMAINDER_FILE: &str = "remainder.safetensors";
 /// The replica's unsent change (`sync.feedback = "buffer"`), when there is one.
 const FEEDBACK_FILE: &str = "feedback.safetensors";
+/// What the replica hands over of experts it lost (its next upload's), when there is some.
+const HANDOVER_FILE: &str = "handover.safetensors";
 
 #[derive(Serialize, Deserialize)]
 struct ReplicaFile {
@@ -55,11 +57,14 @@ pub(super) fn read(dir: &Path) -> Result<Saved> {
                 checkpoint::read_tensors(dir, &state, REMAINDER_FILE)?.unwrap_or_default();
             let feedback =
                 checkpoint::read_tensors(dir, &state, FEEDBACK_FILE)?.unwrap_or_default();
+            let handover =
+                checkpoint::read_tensors(dir, &state, HANDOVER_FILE)?.unwrap_or_default();
             Some(ReplicaState {
                 base_round: r.base_round,
                 owned: r.owned,
                 remainder,
                 feedback,
+                handover,
             })
         }
         _ => None,
@@ -116,6 +121,9 @@ impl Node {
             }
             if !state.feedback.is_empty() {
                 snapshot = snapshot.with_tensors(FEEDBACK_FILE, &state.feedback);
+            }
+            if !state.handover.is_empty() {
+                snapshot = snapshot.with_tensors(HANDOVER_FILE, &state.handover);
             }
         }
         self.checkpointing = Some(std::thread::spawn(move || snapshot.write()));

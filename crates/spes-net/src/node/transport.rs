@@ -70,6 +70,8 @@ pub(super) fn join_run(
 pub(super) struct Upload {
     pub bytes: Arc<Vec<u8>>,
     pub xxh3: u64,
+    /// The experts whose unsent change it hands over (`PayloadHeader::handover`).
+    pub handover: Vec<u32>,
 }
 
 /// Where a shard's fetched payload landed: a round's delta in memory (applied at once), a
@@ -213,6 +215,7 @@ impl Link {
             let header = PayloadHeader {
                 rows: work.rows,
                 compute_s: work.compute_s,
+                handover: u.handover.clone(),
                 ..payload::upload_header(self.peer, self.session, round, size, u.xxh3)
             };
             retry(&self.handle, self.patience, "upload", || {
@@ -406,7 +409,7 @@ impl Link {
 
     /// Splits wire tensors by the shard that owns them and encodes each shard's upload in
     /// memory (floats stored as `kind`).
-    pub fn encode_upload(&self, wire: Named, kind: tch::Kind) -> Vec<Upload> {
+    pub fn encode_upload(&self, wire: Named, kind: tch::Kind, handover: &[usize]) -> Vec<Upload> {
         let mut per_shard: Vec<Named> = (0..self.shards.len()).map(|_| Vec::new()).collect();
         for (name, t) in wire {
             per_shard[self.shard_of(&name)].push((name, t));
@@ -418,6 +421,7 @@ impl Link {
                 Upload {
                     bytes: Arc::new(bytes),
                     xxh3,
+                    handover: handover.iter().map(|&e| e as u32).collect(),
                 }
             })
             .collect()

@@ -20,6 +20,8 @@ use closer::{run_closer, run_scorer, shallow, Evaluator, RoundIo, ScoreJob};
 use serde::Serialize;
 use service::Service;
 use spes_data::ValWindows;
+use spes_model::Role;
+use spes_sync::delta::WirePart;
 use spes_sync::{Coordinator, Layout, Scope, Standing, Start};
 use spes_train::config::Partition;
 use spes_train::metrics::{MetricsLog, RoundRecord};
@@ -281,16 +283,32 @@ impl State {
         Ok(())
     }
 
-    /// The exact payload size an upload of `peer` must announce for `round`, the open one.
-    fn expected_upload_bytes(&self, scope: &Scope, peer: usize, round: u64) -> u64 {
+    /// The exact payload size an upload of `peer` must announce for `round`, the open one,
+    /// when it hands over what it trained of `handover` (experts, checked by the coordinator).
+    fn expected_upload_bytes(
+        &self,
+        scope: &Scope,
+        peer: usize,
+        round: u64,
+        handover: &[usize],
+    ) -> u64 {
         let last = round >= self.final_round;
-        let entries: Vec<(String, Vec<i64>, tch::Kind)> = self
+        let handed =
+            |role: &Role| matches!(role, Role::Expert { index, .. } if handover.contains(index));
+        let mut entries: Vec<(String, Vec<i64>, tch::Kind)> = self
             .layout
             .entries
             .iter()
             .filter(|(_, role, _)| scope.uploads(peer, *role))
             .flat_map(|(n, _, s)| spes_sync::delta::wire_entries(&self.cfg.sync, n, s, round, last))
             .collect();
+        entries.extend(
+            self.layout
+                .entries
+                .iter()
+                .filter(|(_, role, _)| handed(role))
+                .map(|(n, _, s)| (WirePart::Handover.name(n), s.clone(), tch::Kind::BFloat16)),
+        );
         payload::expected_size(
             entries
                 .iter()
@@ -309,6 +327,16 @@ pub async fn serve(
     let cfg = opts.cfg.clone();
     let opened = store::open(&opts)?;
     let layout = opened.layout.clone();
+    // Who owned what in the round before the open one, from the round published before the
+    // newest (each published round names the next one's owners): handovers are checked on it.
+    let previous_owners = opened
+        .progress
+        .rounds
+        .iter()
+        .rev()
+        .nth(1)
+        .map(|r| r.owners.clone())
+        .unwrap_or_default();
     let (scope, published_round, gone) = match opened.progress.rounds.last() {
         Some(newest) => (
             Scope::from_lists(&newest.owners, &newest.members)?,
@@ -374,7 +402,8 @@ pub async fn serve(
         0.0,
     )
     .ending_at(cfg.train.max_steps / cfg.sync.sync_steps)
-    .with_round_rows(cfg.rows_per_round());
+    .with_round_rows(cfg.rows_per_round())
+    .after_owners(previous_owners);
     coord
         .restore_carried(opened.carried)
         .map_err(|e| anyhow::anyhow!("round {published_round}'s carried state: {e}"))?;

@@ -218,7 +218,11 @@ impl Spes for Service {
                 coord
                     .check_upload(peer, header.session, header.round, s.now())
                     .map_err(|e| refusal::of_round_error(&e))?;
-                s.expected_upload_bytes(coord.scope(), peer, header.round)
+                let handover: Vec<usize> = header.handover.iter().map(|&e| e as usize).collect();
+                coord
+                    .check_handover(peer, &handover)
+                    .map_err(|e| refusal::of_round_error(&e))?;
+                s.expected_upload_bytes(coord.scope(), peer, header.round, &handover)
             };
             if header.total_bytes != expected {
                 return Err(refusal::status(
