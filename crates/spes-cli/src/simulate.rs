@@ -30,6 +30,13 @@ pub struct Args {
     /// Score the global model every this many steps (0: train.eval_every).
     #[arg(long, default_value_t = 0)]
     eval_every: u64,
+    /// Write every node's change of the rounds `--dump-rounds` names to this directory
+    /// (`round-<r>-node-<p>.safetensors`), for scripts/wire_study.py.
+    #[arg(long, requires = "dump_rounds")]
+    dump_changes: Option<PathBuf>,
+    /// The rounds `--dump-changes` writes, e.g. 10,40,70.
+    #[arg(long, value_delimiter = ',')]
+    dump_rounds: Vec<u64>,
     #[command(flatten)]
     runtime: RuntimeArgs,
 }
@@ -42,9 +49,13 @@ pub fn run(a: Args) -> Result<()> {
         Some(path) => RunConfig::load(path, &a.overrides)?,
         None => demo::config(&demo::prepare_data(&a.out)?, &a.overrides)?,
     };
+    if let Some(dir) = &a.dump_changes {
+        std::fs::create_dir_all(dir)?;
+    }
     let opts = SimOptions {
         delay_steps: a.delay_steps,
         eval_every: a.eval_every,
+        dump_changes: a.dump_changes.clone().map(|d| (d, a.dump_rounds.clone())),
     };
     let r = simulate(&cfg, device, &opts)?;
     for (step, loss) in &r.curve {

@@ -17,6 +17,7 @@ use spes_data::ValWindows;
 use spes_model::MoeModel;
 use spes_sync::{Coordinator, Follow, Layout, Named, Published, Replica, Start, Work};
 use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tch::Device;
 
@@ -29,6 +30,10 @@ pub struct SimOptions {
     /// Score the global model every this many steps (0: `train.eval_every`, else only at the
     /// end).
     pub eval_every: u64,
+    /// Write every node's change of these rounds (fp32, what it uploads before the wire
+    /// compresses it) to `<dir>/round-<r>-node-<p>.safetensors`, to study what a wire keeps
+    /// (scripts/wire_study.py).
+    pub dump_changes: Option<(PathBuf, Vec<u64>)>,
 }
 
 /// One simulated node: its replica, its trainer, and what it sent and received.
@@ -175,6 +180,14 @@ pub fn simulate(cfg: &RunConfig, device: Device, opts: &SimOptions) -> Result<Si
                 work.compute_s += s.seconds;
             }
             let w = weights(&node.trainer.model);
+            let dump = opts.dump_changes.as_ref();
+            if let Some((dir, _)) = dump.filter(|(_, at)| at.contains(&round)) {
+                let peer = node.replica.peer();
+                node.dump_change(
+                    &w,
+                    &dir.join(format!("round-{round}-node-{peer}.safetensors")),
+                )?;
+            }
             let wire = node.replica.upload(&w, round, last)?;
             node.bytes_up += bytes(&wire);
             now += 1e-3;
@@ -215,6 +228,16 @@ pub fn simulate(cfg: &RunConfig, device: Device, opts: &SimOptions) -> Result<Si
 }
 
 impl SimNode {
+    /// Writes the change of every tensor this node trains from its base.
+    fn dump_change(&self, weights: &Named, path: &Path) -> Result<()> {
+        let change: Named = weights
+            .iter()
+            .filter_map(|(n, t)| Some((n.clone(), t - self.replica.base_of(n)?)))
+            .collect();
+        tch::Tensor::write_safetensors(&change, path)
+            .with_context(|| format!("cannot write {}", path.display()))
+    }
+
     /// Fetches round `round` as a node would after its upload (without its own experts the
     /// server published as sent), applies it and follows its ownership.
     fn receive(&mut self, coord: &Coordinator, round: u64, trained_since: bool) -> Result<()> {

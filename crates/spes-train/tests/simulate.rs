@@ -57,11 +57,28 @@ fn a_simulated_run_is_reproducible_and_the_low_rank_wire_sends_less() {
             &SimOptions {
                 delay_steps: delay,
                 eval_every: 0,
+                dump_changes: None,
             },
         )
         .unwrap()
     };
     let dense = run(&["sync.wire=bf16_delta", "sync.overlap=false"], 0);
+    // What a node trained in a round, as it would upload it before the wire compresses it.
+    let dumped = dir.path().join("changes");
+    std::fs::create_dir_all(&dumped).unwrap();
+    let opts = SimOptions {
+        delay_steps: 0,
+        eval_every: 0,
+        dump_changes: Some((dumped.clone(), vec![2])),
+    };
+    simulate(&config(&data, &["sync.overlap=false"]), Device::Cpu, &opts).unwrap();
+    let change = tch::Tensor::read_safetensors(dumped.join("round-2-node-1.safetensors")).unwrap();
+    let names: Vec<&str> = change.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(names.contains(&"lm_head.weight"), "{names:?}");
+    // Node 1 owns experts 2 and 3 of 4, and no other.
+    assert!(names.iter().any(|n| n.contains("experts.2.")));
+    assert!(!names.iter().any(|n| n.contains("experts.0.")));
+    assert!(!dumped.join("round-1-node-0.safetensors").exists());
     assert_eq!(dense.curve.iter().map(|c| c.0).collect::<Vec<_>>(), [4, 8]);
     assert!(dense.curve[1].1 < dense.curve[0].1, "{:?}", dense.curve);
     let low = run(&["sync.wire=lowrank_delta", "sync.rank=2"], 1);
@@ -80,6 +97,7 @@ fn a_simulated_run_is_reproducible_and_the_low_rank_wire_sends_less() {
     let opts = SimOptions {
         delay_steps: 1,
         eval_every: 0,
+        dump_changes: None,
     };
     let e = simulate(&cfg, Device::Cpu, &opts).unwrap_err().to_string();
     assert!(e.contains("sync.overlap = true"), "{e}");
@@ -87,6 +105,7 @@ fn a_simulated_run_is_reproducible_and_the_low_rank_wire_sends_less() {
     let opts = SimOptions {
         delay_steps: 2,
         eval_every: 0,
+        dump_changes: None,
     };
     let e = simulate(&cfg, Device::Cpu, &opts).unwrap_err().to_string();
     assert!(e.contains("shorter than a round"), "{e}");
