@@ -40,6 +40,11 @@ pub struct Args {
     /// The same for low-rank uploads (dense-equivalent values).
     #[arg(long, default_value_t = crate::plan_sync::LOWRANK_GVPS)]
     lowrank_gvps: f64,
+    /// Billions of values per second the server encodes a lossy wire's download at (every
+    /// value of the model; `spes bench-sync`'s close column: about 0.04 on `tiny`, whose small
+    /// matrices cost more per value, and 0.09 on `1b`).
+    #[arg(long, default_value_t = crate::plan_sync::ENCODE_GVPS)]
+    encode_gvps: f64,
     #[arg(long, default_value_t = 1.0)]
     disk_gbps: f64,
     /// `sync.stride` of the strided option.
@@ -135,6 +140,7 @@ pub fn run(a: Args) -> Result<()> {
             shards: 1,
             step_s: m.compute_s / a.sync_steps as f64,
             sync_steps: a.sync_steps,
+            overlap_cap: cfg.sync.overlap_cap(),
             stride: a.stride,
             sparse_chunk: cfg.sync.sparse_chunk,
             sparse_k: cfg.sync.sparse_k,
@@ -143,6 +149,7 @@ pub fn run(a: Args) -> Result<()> {
             sparse_values_per_s: a.sparse_gvps * 1e9,
             lowrank_values_per_s: a.lowrank_gvps * 1e9,
             rank: cfg.sync.rank,
+            encode_values_per_s: a.encode_gvps * 1e9,
             disk_bytes_per_s: a.disk_gbps * 1e9,
         };
         rows.push((option, m, plan::plan(&input, option)));

@@ -25,6 +25,10 @@ pub struct Args {
     step_s: f64,
     #[arg(long, default_value_t = 100)]
     sync_steps: u64,
+    /// With overlap, the most steps a node trains past its upload before it waits
+    /// (`sync.overlap_steps`; 0: --sync-steps).
+    #[arg(long, default_value_t = 0)]
+    overlap_steps: u64,
     /// The strided option: one value in this many per round (`sync.stride`).
     #[arg(long, default_value_t = 8)]
     stride: u64,
@@ -50,6 +54,10 @@ pub struct Args {
     /// Low-rank wire: the rank of each matrix's factors (`sync.rank`).
     #[arg(long, default_value_t = 16)]
     rank: i64,
+    /// Billions of values per second the server encodes a lossy wire's download at (every
+    /// value of the model; `spes bench-sync`'s close column).
+    #[arg(long, default_value_t = ENCODE_GVPS)]
+    encode_gvps: f64,
     /// GB per second the server writes a published round at.
     #[arg(long, default_value_t = 1.0)]
     disk_gbps: f64,
@@ -61,9 +69,7 @@ pub struct Args {
 /// Billions of values per second one 2-core server folds of sparse uploads (`spes bench-sync`).
 pub const SPARSE_GVPS: f64 = 0.9;
 
-/// Billions of dense-equivalent values per second one 2-core server folds of low-rank uploads
-/// (`spes bench-sync`).
-pub const LOWRANK_GVPS: f64 = 1.0;
+pub use spes_net::plan::{ENCODE_GVPS, LOWRANK_GVPS};
 
 /// The planner's input for `preset` with `nodes` nodes.
 pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
@@ -83,6 +89,12 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
         shards: a.shards.max(1),
         step_s: a.step_s,
         sync_steps: a.sync_steps,
+        overlap_cap: spes_sync::SyncConfig {
+            sync_steps: a.sync_steps,
+            overlap_steps: a.overlap_steps,
+            ..Default::default()
+        }
+        .overlap_cap(),
         stride: a.stride.max(1),
         sparse_chunk: a.sparse_chunk,
         sparse_k: a.sparse_k,
@@ -91,6 +103,7 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
         sparse_values_per_s: a.sparse_gvps * 1e9,
         lowrank_values_per_s: a.lowrank_gvps * 1e9,
         rank: a.rank,
+        encode_values_per_s: a.encode_gvps * 1e9,
         disk_bytes_per_s: a.disk_gbps * 1e9,
     })
 }

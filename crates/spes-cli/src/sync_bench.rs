@@ -27,12 +27,16 @@ pub struct Args {
     batch_size: usize,
     #[arg(long, default_value_t = 256)]
     seq_len: usize,
+    /// Only these wires in the aggregation table (`bf16_delta`, `lowrank_delta`, …); all when
+    /// empty. A large preset's table takes minutes per wire.
+    #[arg(long, value_delimiter = ',')]
+    wires: Vec<String>,
 }
 
 /// `spes bench-sync`: the three tables.
 pub fn run(a: Args) -> Result<()> {
     traffic_table(&a.presets, a.nodes, a.wire_bytes)?;
-    aggregation(&a.presets[0], a.nodes, a.rounds)?;
+    aggregation(&a.presets[0], a.nodes, a.rounds, &a.wires)?;
     measured_rss("tiny", a.nodes, a.batch_size, a.seq_len)
 }
 
@@ -129,7 +133,7 @@ fn measured_rss(preset: &str, nodes: usize, batch: usize, seq: usize) -> Result<
 /// Measures how fast a server takes uploads in: each node's payload is mapped from disk
 /// (not copied), validated and folded in, then the round closes (merge off) — the server's
 /// whole path for a round. Prints bytes of uploads per second for both wires.
-fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
+fn aggregation(preset: &str, nodes: usize, rounds: usize, only: &[String]) -> Result<()> {
     use spes_sync::{Coordinator, Delta, Layout, Ownership, Scope, Start, SyncConfig, Wire, Work};
     let cfg = ModelConfig::preset(preset)?;
     if nodes == 0 || nodes > cfg.n_experts {
@@ -146,11 +150,10 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
         .into_iter()
         .map(|p| (p.name, p.tensor.detach().copy()))
         .collect();
+    // A large preset's model twice would not fit beside the uploads.
+    drop(model);
     let scope = Scope::Spes(Ownership::resolve(&[], cfg.n_experts, nodes)?);
     let dir = tempfile::tempdir()?;
-    println!();
-    println!("| {preset}, {nodes} nodes | upload bytes / round | read | validate + fold | close | throughput | values / s | folded values / s |");
-    println!("|---|---|---|---|---|---|---|---|");
     let forms = [
         ("bf16_delta", Wire::Bf16Delta, 1),
         ("int8_delta", Wire::Int8Delta, 1),
@@ -161,7 +164,24 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
         ("lowrank_delta (rank 16)", Wire::LowrankDelta, 1),
         ("fp32", Wire::Fp32, 1),
     ];
+    let name_of = |label: &'static str| label.split([' ', ',']).next().unwrap_or(label);
+    if let Some(w) = only
+        .iter()
+        .find(|w| !forms.iter().any(|f| name_of(f.0) == *w))
+    {
+        bail!(
+            "--wires: unknown wire `{w}`; expected some of {:?}",
+            forms.map(|f| name_of(f.0))
+        );
+    }
+    println!();
+    println!("| {preset}, {nodes} nodes | upload bytes / round | encode / node | read | validate + fold | close | throughput | values / s | folded values / s |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for (label, wire, stride) in forms {
+        let name = name_of(label);
+        if !only.is_empty() && !only.iter().any(|w| w == name) {
+            continue;
+        }
         let sync = SyncConfig {
             mode: spes_sync::Mode::Spes,
             sync_steps: 100,
@@ -175,6 +195,7 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
         };
         let mut paths = Vec::new();
         let (mut bytes, mut values) = (0u64, 0u64);
+        let mut encode_s = 0.0;
         for peer in 0..nodes {
             let mut upload: spes_sync::Named = Vec::new();
             for ((name, role, _), (_, g)) in layout.entries.iter().zip(&global) {
@@ -184,10 +205,12 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
                 let change = g.randn_like() * 1e-4;
                 // Dense-equivalent: every value of the tensors covered, whatever is sent.
                 values += change.numel() as u64;
+                let t = std::time::Instant::now();
                 match wire {
                     Wire::Fp32 => upload.push((name.clone(), g + change)),
                     _ => upload.extend(Delta::of_change(&change, &sync, 1).into_wire(name)),
                 }
+                encode_s += t.elapsed().as_secs_f64();
             }
             let kind = spes_sync::delta::payload_kind(wire);
             let path = dir.path().join(format!("{peer}.safetensors"));
@@ -241,13 +264,14 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize) -> Result<()> {
         times.sort_by(|a, b| a.0.total_cmp(&b.0));
         let (total, read, fold, close) = times[times.len() / 2];
         println!(
-            "| {label} | {} | {read:.3} s | {fold:.3} s | {close:.3} s | {:.2} GB/s | {:.2} G | {:.2} G |",
+            "| {label} | {} | {:.3} s | {read:.3} s | {fold:.3} s | {close:.3} s | {:.2} GB/s | {:.2} G | {:.2} G |",
             mib(bytes),
+            encode_s / nodes as f64,
             bytes as f64 / total / 1e9,
             values as f64 / total / 1e9,
             values as f64 / (read + fold) / 1e9
         );
     }
-    println!("\n(median round of {rounds}; throughput = upload bytes / (read + validate + fold + close); values: of the tensors uploaded (dense-equivalent: sent or not, strided or not), per second of the whole path; folded values: the same per second of read + validate + fold, the rate `spes plan-sync --lossy-gvps / --sparse-gvps / --lowrank-gvps` take)");
+    println!("\n(encode: a node's whole upload into the wire form, once; median round of {rounds}; throughput = upload bytes / (read + validate + fold + close); values: of the tensors uploaded (dense-equivalent: sent or not, strided or not), per second of the whole path; folded values: the same per second of read + validate + fold, the rate `spes plan-sync --lossy-gvps / --sparse-gvps / --lowrank-gvps` take)");
     Ok(())
 }

@@ -190,6 +190,11 @@ pub struct SyncConfig {
     /// model while keeping the progress made since the upload. Applies to the delta wires;
     /// `wire = "fp32"` always waits ([`SyncConfig::overlaps`]).
     pub overlap: bool,
+    /// With overlap: the most steps a node trains after its upload before it waits for the
+    /// round ([`SyncConfig::overlap_cap`]); 0: the whole next round. Steps trained on the model
+    /// before the round lands cost loss: at 5 steps a round, one such step cost 0.46 % on the
+    /// demo's recipe and two 1.2 % (docs/results/sync-cost.md).
+    pub overlap_steps: u64,
     /// Close a round this long after it opened with whoever uploaded (never with nobody).
     pub round_timeout_s: f64,
     /// A node is live while its newest heartbeat is younger than this; rounds do not wait for
@@ -273,6 +278,7 @@ impl Default for SyncConfig {
             feedback_decay: 0.95,
             skip_own_experts: true,
             overlap: true,
+            overlap_steps: 0,
             round_timeout_s: 600.0,
             lease_s: 30.0,
             evict_after_s: 300.0,
@@ -327,6 +333,15 @@ impl SyncConfig {
     /// Whether nodes train on while a round is exchanged: `overlap` on a delta wire.
     pub fn overlaps(&self) -> bool {
         self.overlap && self.wire.is_delta()
+    }
+
+    /// With overlap, the most steps a node trains between its upload and applying the round
+    /// (`overlap_steps`, 0 resolved to `sync_steps`).
+    pub fn overlap_cap(&self) -> u64 {
+        match self.overlap_steps {
+            0 => self.sync_steps,
+            n => n,
+        }
     }
 
     /// Whether the shared tensors' mean weighs each upload by the rows it trained

@@ -158,12 +158,6 @@ pub struct Replica {
     /// The weights hold the base round by applying its delta to the round before (progress
     /// kept), rather than by loading a whole model: only then is a handover owed.
     consecutive: bool,
-    /// Overlap: per averaged tensor, how much of this node's own change the next average is
-    /// expected to keep, measured on the last round ([`Replica::apply`]).
-    keeps: HashMap<String, f64>,
-    /// Overlap: per averaged tensor, how far the last upload moved the weights towards the
-    /// average it expects ([`Replica::upload`]).
-    shift: HashMap<String, Tensor>,
 }
 
 impl Replica {
@@ -186,8 +180,6 @@ impl Replica {
             handover: HashMap::new(),
             handover_round: None,
             consecutive: false,
-            keeps: HashMap::new(),
-            shift: HashMap::new(),
         }
     }
 
@@ -220,7 +212,6 @@ impl Replica {
     /// saved right after loading it): the trained ones become the base.
     pub fn hold(&mut self, round: u64, weights: &Named) {
         self.sent.clear();
-        self.shift.clear();
         self.handover.clear();
         self.consecutive = false;
         self.held = Some(round);
@@ -246,7 +237,6 @@ impl Replica {
             values.insert(name.clone(), t.to_device(w.device()).to_kind(Kind::Float));
         }
         self.sent.clear();
-        self.shift.clear();
         self.handover.clear();
         self.consecutive = false;
         self.held = Some(round);
@@ -269,11 +259,6 @@ impl Replica {
             .is_some_and(|i| matches!(self.layout.entries[i].1, Role::Expert { .. }))
     }
 
-    /// Whether the server averages tensor `name` over the nodes (else takes its owner's).
-    fn averaged(&self, name: &str) -> bool {
-        self.cfg.mode == Mode::Diloco || !self.is_expert(name)
-    }
-
     /// The upload of the round that ends now: the trained tensors of `weights` in the wire
     /// form of `sync.wire` for round `round` — whole fp32 tensors, or each one's change from the
     /// base — as wire
@@ -291,7 +276,6 @@ impl Replica {
         let buffer = self.cfg.feeds_back_in_buffer();
         let mut wire = Vec::new();
         let mut sent = HashMap::new();
-        let mut shift = HashMap::new();
         let mut feedback = HashMap::new();
         let mut changes = HashMap::new();
         for (name, t) in self.trained(weights) {
@@ -317,15 +301,6 @@ impl Replica {
             if buffer && keep_all {
                 changes.insert(name.clone(), change);
             }
-            // Overlap: the steps trained before the round lands are taken from where the
-            // average is expected, not from this node's own change, whose noise the average
-            // mostly cancels (eager updates with the own change shrunk as the last round did).
-            let keeps = self.keeps.get(name).copied().unwrap_or(1.0);
-            if self.cfg.overlaps() && !buffer && !last && keeps < 1.0 && self.averaged(name) {
-                let s = tch::no_grad(|| d.to_f32(t) * (keeps - 1.0));
-                let _ = t.shallow_clone().g_add_(&s);
-                shift.insert(name.clone(), s);
-            }
             wire.extend(d.share().into_wire(name));
             if keep_all || self.is_expert(name) {
                 sent.insert(name.clone(), d);
@@ -344,7 +319,6 @@ impl Replica {
             self.handover_round = None;
         }
         self.sent = sent;
-        self.shift = shift;
         self.flushed = last;
         if buffer {
             self.feedback = feedback;
@@ -424,16 +398,6 @@ impl Replica {
             && (self.cfg.feeds_back_in_weights()
                 || self.cfg.overlaps() && published.trained_since_upload);
         let changes = std::mem::take(&mut self.changes);
-        let shift = std::mem::take(&mut self.shift);
-        let measure = published.after_upload && self.cfg.overlaps();
-        let diloco = self.cfg.mode == Mode::Diloco;
-        let averaged = |name: &str| {
-            diloco
-                || !layout
-                    .position(name)
-                    .is_some_and(|i| matches!(layout.entries[i].1, Role::Expert { .. }))
-        };
-        let mut keeps = HashMap::new();
         tch::no_grad(|| -> Result<()> {
             for (name, w) in weights {
                 let d = deltas.get(name);
@@ -450,18 +414,9 @@ impl Replica {
                             (true, Some(change)) => Some(&theta - &*b - change),
                             (true, None) => {
                                 let sent = self.sent.get(name).ok_or_else(not_sent)?;
-                                let p = sent.subtract_from(&(&theta - &*b));
-                                Some(match shift.get(name) {
-                                    Some(s) => p - s,
-                                    None => p,
-                                })
+                                Some(sent.subtract_from(&(&theta - &*b)))
                             }
                         };
-                        if let Some(sent) =
-                            self.sent.get(name).filter(|_| measure && averaged(name))
-                        {
-                            keeps.insert(name.clone(), share_kept(sent, d, b));
-                        }
                         if let Some(d) = d {
                             d.apply_(b);
                         }
@@ -482,9 +437,6 @@ impl Replica {
         base.round = round;
         self.held = Some(round);
         self.sent.clear();
-        if measure {
-            self.keeps = keeps;
-        }
         self.consecutive = true;
         if self.handover_round.is_some_and(|r| r <= round) {
             self.handover.clear();
@@ -726,20 +678,6 @@ impl Replica {
         self.consecutive = true;
         Ok(())
     }
-}
-
-/// How much of a node's own change `sent` the published `average` kept: the least-squares
-/// factor ⟨sent, average⟩ / ‖sent‖², within [0, 1] (1 when nothing was sent).
-fn share_kept(sent: &Delta, average: Option<&Delta>, like: &Tensor) -> f64 {
-    let own = sent.to_f32(like);
-    let norm = own.square().sum(Kind::Double).double_value(&[]);
-    if norm <= 0.0 || norm.is_nan() {
-        return 1.0;
-    }
-    let dot = average.map_or(0.0, |a| {
-        (&own * a.to_f32(like)).sum(Kind::Double).double_value(&[])
-    });
-    (dot / norm).clamp(0.0, 1.0)
 }
 
 /// Whether a node owning the experts marked in `owned` trains a parameter of this role.

@@ -309,7 +309,7 @@ impl Aggregator {
                 if let Some(spread) = &mut self.spread {
                     let norm = match &d {
                         Delta::Value(t) | Delta::Dense(t) => t.shallow_clone(),
-                        compressed => compressed.to_f32(&zeros()),
+                        compressed => compressed.folded_f32(&zeros()),
                     }
                     .norm_scalaropt_dtype(2, Kind::Float)
                     .double_value(&[]);
@@ -319,14 +319,14 @@ impl Aggregator {
                     let all = self.kept.entry(name).or_default();
                     all.push(match &d {
                         Delta::Value(t) | Delta::Dense(t) => own_f32(t),
-                        compressed => compressed.to_f32(&zeros()),
+                        compressed => compressed.folded_f32(&zeros()),
                     });
                     continue;
                 }
                 if self.weights.is_some() {
                     let scaled = match &d {
                         Delta::Value(t) | Delta::Dense(t) => t.to_kind(Kind::Float) * weight,
-                        compressed => compressed.to_f32(&zeros()) * weight,
+                        compressed => compressed.folded_f32(&zeros()) * weight,
                     };
                     match self.sums.get_mut(&name) {
                         Some(sum) => {
@@ -348,13 +348,13 @@ impl Aggregator {
                         let wide = self.scratch.widen(t);
                         let _ = sum.g_add_(&wide);
                     }
-                    (Some(sum), compressed) => compressed.apply_(sum),
+                    (Some(sum), compressed) => compressed.fold_into(sum),
                     (None, Delta::Value(t) | Delta::Dense(t)) => {
                         self.sums.insert(name, own_f32(t));
                     }
                     (None, compressed) => {
                         let mut sum = zeros();
-                        compressed.apply_(&mut sum);
+                        compressed.fold_into(&mut sum);
                         self.sums.insert(name, sum);
                     }
                 }

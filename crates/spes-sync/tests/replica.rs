@@ -202,7 +202,7 @@ fn the_low_rank_wire_keeps_every_node_bit_identical_and_carries_what_it_left_out
             .unwrap()
             .delta
             .iter()
-            .filter(|(n, _)| n.ends_with("#u"))
+            .filter(|(n, _)| n.ends_with("#q"))
             .count();
         assert!(factors > 0, "round {round}: no matrix travelled in factors");
         for (peer, n) in nodes.iter_mut().enumerate() {
@@ -457,62 +457,6 @@ fn overlap_keeps_the_progress_made_since_the_upload() {
     assert_identical(&c, &nodes[1], "no progress since");
     for ((name, w), (_, g)) in nodes[1].weights.iter().zip(c.global().0) {
         assert!(w.equal(g), "`{name}`");
-    }
-
-    // Round 2: each node's upload now moves its averaged weights from its own change towards
-    // the average, by the share of its change the last average kept; experts stay as trained.
-    let mut kept = Vec::new();
-    for n in &mut nodes {
-        train(&c, n, 1e-3);
-        let before = copy(&n.weights);
-        upload(&mut c, n, 2.0);
-        kept.push(before);
-    }
-    let n = &nodes[0];
-    let (mut shifted, mut fixed) = (0, 0);
-    for ((name, w), (_, b)) in n.weights.iter().zip(&kept[0]) {
-        let Some(base) = n.replica.base_of(name) else {
-            continue;
-        };
-        let own = b - base;
-        let now = w - base;
-        if matches!(role_of(&c, name), Role::Expert { .. }) {
-            assert!(w.equal(b), "expert `{name}` moved at the upload");
-            fixed += 1;
-        } else if own.abs().max().double_value(&[]) > 0.0 {
-            // now = k·own for one k in [0, 1) (up to the bf16 rounding of the sent change).
-            let k = (&now * &own).sum(Kind::Double).double_value(&[])
-                / own.square().sum(Kind::Double).double_value(&[]);
-            assert!((0.0..1.0).contains(&k), "`{name}`: k = {k}");
-            let off = (&now - &own * k).abs().max().double_value(&[]);
-            assert!(
-                off <= own.abs().max().double_value(&[]) / 64.0,
-                "`{name}`: {off}"
-            );
-            shifted += 1;
-        }
-    }
-    assert!(shifted > 0 && fixed > 0, "{shifted} shifted, {fixed} fixed");
-    // Whatever the shift, the steps trained after the upload land on the new global (up to
-    // the bf16 rounding of what was sent, which is carried too).
-    let uploaded = copy(&nodes[0].weights);
-    train(&c, &mut nodes[0], 1e-3);
-    let extra: Named = nodes[0]
-        .weights
-        .iter()
-        .zip(&uploaded)
-        .map(|((n, a), (_, b))| (n.clone(), a - b))
-        .collect();
-    c.close(2.5);
-    deliver(&c, &mut nodes[0], true, true);
-    assert_identical(&c, &nodes[0], "overlap, round 2");
-    for ((name, w), (_, b)) in nodes[0].weights.iter().zip(&kept[0]) {
-        if nodes[0].replica.base_of(name).is_some() {
-            let want = get(c.global().0, name) + get(&extra, name);
-            let off = (w - want).abs().max().double_value(&[]);
-            let slack = (b - get(&snapshot(&m), name)).abs().max().double_value(&[]) / 64.0;
-            assert!(off <= slack + 1e-9, "`{name}` is off by {off}");
-        }
     }
 }
 

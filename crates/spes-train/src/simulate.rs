@@ -7,7 +7,8 @@
 //!
 //! Overlap is simulated with a fixed delay: a round's result reaches every node
 //! `delay_steps` steps after its upload (a real node applies it at the first step boundary
-//! after it arrives), so runs are reproducible and the cost of the delay can be measured by
+//! after it arrives), or after `sync.overlap_steps` if that is sooner (a real node waits for
+//! the round there), so runs are reproducible and the cost of the delay can be measured by
 //! itself.
 
 use crate::config::RunConfig;
@@ -84,13 +85,19 @@ pub fn simulate(cfg: &RunConfig, device: Device, opts: &SimOptions) -> Result<Si
             cfg.train.max_steps
         );
     }
-    let delay = opts.delay_steps;
-    if delay > 0 && !sync.overlaps() {
-        bail!("a delay of {delay} steps needs sync.overlap = true on a delta wire");
+    if opts.delay_steps > 0 && !sync.overlaps() {
+        bail!(
+            "a delay of {} steps needs sync.overlap = true on a delta wire",
+            opts.delay_steps
+        );
     }
-    if delay >= h {
-        bail!("the delay ({delay} steps) must be shorter than a round (sync.sync_steps = {h})");
+    if opts.delay_steps >= h {
+        bail!(
+            "the delay ({} steps) must be shorter than a round (sync.sync_steps = {h})",
+            opts.delay_steps
+        );
     }
+    let delay = opts.delay_steps.min(sync.overlap_cap());
     let started = Instant::now();
     let model0 = MoeModel::seeded(&cfg.model, device, cfg.train.seed)?;
     let layout = Layout::of(&model0);

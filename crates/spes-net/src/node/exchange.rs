@@ -37,9 +37,6 @@ impl Node {
     /// trains on; the result is applied when it is in ([`Node::train_round`]).
     pub(super) fn start_sync(&mut self, upload: &Named) -> Result<()> {
         let (round, files, work) = self.prepare_upload(upload)?;
-        // The upload moved the averaged weights towards the expected average: every rank trains
-        // on from there.
-        self.trainer.publish_weights()?;
         let plan = self.replica.fetch_plan(Some(round), true);
         let link = self.link.clone();
         let thread = std::thread::Builder::new()

@@ -240,10 +240,13 @@ impl Node {
                 let tokens = self.trainer.tokens;
                 self.meter.log_step(&s, step, tokens, step.div_ceil(h))?;
             }
+            // The round in flight is applied once it is in, and waited for once this node has
+            // trained `sync.overlap_steps` steps past its upload.
+            let cap = self.trainer.cfg.sync.overlap_cap();
             if self
                 .pending
                 .as_ref()
-                .is_some_and(|p| p.thread.is_finished())
+                .is_some_and(|p| p.thread.is_finished() || self.trainer.step >= p.round * h + cap)
             {
                 self.settle_pending()?;
             }
