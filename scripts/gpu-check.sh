@@ -12,7 +12,7 @@
 # OUT_DIR/results.md gets one line per figure and OUT_DIR/results.jsonl one JSON object per
 # section (name, seconds, status). A wrong result stops the script at once with a non-zero
 # exit; a section over its time budget is recorded and the script goes on (and exits non-zero
-# at the end). The budgets (seconds, at each `section` line below) add up to 340 for the whole
+# at the end). The budgets (seconds, at each `section` line below) add up to 360 for the whole
 # check and 115 for --quick.
 set -euo pipefail
 mode=full
@@ -205,10 +205,11 @@ PY
 }
 
 demo_int4() {
-  # configs/spes-tiny.toml's own settings: 4-bit deltas every 5 steps (nodes quantize and
-  # decode on the device), experts at half the shared rate (two fused AdamW calls a step).
+  # 4-bit deltas every 5 steps (nodes quantize and decode on the device), experts at half the
+  # shared rate (two fused AdamW calls a step).
   "$bin" demo --out "$work/int4" --device "$dev" --set train.precision="$prec" \
-    --set train.max_steps="$int4_steps" --set train.batch_size="$demo_batch" 2>&1 | tail -n 1 | tee -a "$md"
+    --set train.max_steps="$int4_steps" --set train.batch_size="$demo_batch" \
+    --set sync.wire=int4_delta 2>&1 | tail -n 1 | tee -a "$md"
 }
 
 demo_bf16() {
@@ -216,7 +217,10 @@ demo_bf16() {
 }
 
 demo_lossy() {
-  # The 100x wires: chunked top-k (index_add_ on the device) and strided 2-bit codes.
+  # The 100x wires: low-rank factors (configs/spes-tiny.toml's: range finder and the ordered
+  # product on the device, the CPU twin in fold.rs), chunked top-k (index_add_ on the device)
+  # and strided 2-bit codes.
+  demo_identity lowrank --set sync.wire=lowrank_delta
   demo_identity sparse --set sync.wire=sparse_delta
   demo_identity int2-stride --set sync.wire=int2_delta --set sync.stride=4
 }
@@ -256,7 +260,7 @@ if [ "$mode" != quick ]; then
   section "MoE kernels" 25 moe_kernels
   section "frozen experts in bf16 vs fp32 and the planner" 25 frozen_memory
   section "int4 demo" 20 demo_int4
-  section "sparse and strided 2-bit demos: bit-identity" 40 demo_lossy
+  section "low-rank, sparse and strided 2-bit demos: bit-identity" 60 demo_lossy
 fi
 section "one NCCL rank" 10 nccl_rank
 say ""

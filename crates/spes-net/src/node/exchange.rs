@@ -88,8 +88,18 @@ impl Node {
             Exchange::Fetched { fetched, up } => {
                 self.meter.bytes_up += up;
                 let header = fetched.header.clone();
-                self.load(&header, fetched.read()?, true)?;
+                let t = Instant::now();
+                let named = fetched.read()?;
+                let read_s = t.elapsed().as_secs_f64();
+                self.load(&header, named, true)?;
+                let load_s = t.elapsed().as_secs_f64() - read_s;
                 self.follow(&header)?;
+                tracing::debug!(
+                    "node {peer}: round {} waited {:.3} s, read in {read_s:.3} s, applied in {load_s:.3} s, followed in {:.3} s",
+                    header.round,
+                    (t - idle_from).as_secs_f64(),
+                    t.elapsed().as_secs_f64() - read_s - load_s
+                );
                 return self.finish_sync(t0, idle_from, up, header.total_bytes);
             }
             Exchange::FetchFailed { status, up } => {
