@@ -170,13 +170,14 @@ impl WireOption {
 }
 
 /// Billions of dense-equivalent values per second one 2-core server folds of low-rank uploads
-/// at rank 16 (`spes bench-sync`; docs/results/sync-cost.md).
-pub const LOWRANK_GVPS: f64 = 2.3;
+/// at rank 16 (`spes bench-sync --presets 1b --nodes 16`, release build: 2.47;
+/// docs/results/sync-cost.md).
+pub const LOWRANK_GVPS: f64 = 2.4;
 
 /// Billions of values per second one 2-core server encodes a round's change at for a lossy
-/// wire's download (quantizing or factoring every value it publishes; `spes bench-sync`'s close
-/// on `1b`: 0.091 low-rank, 0.096 2-bit).
-pub const ENCODE_GVPS: f64 = 0.09;
+/// wire's download (quantizing or factoring every value it publishes; the same bench's close
+/// on `1b`: 0.153 low-rank, 0.127 2-bit).
+pub const ENCODE_GVPS: f64 = 0.12;
 
 /// What the planner is asked.
 #[derive(Clone, Debug)]
