@@ -42,7 +42,7 @@ pub struct Args {
     lowrank_gvps: f64,
     /// Billions of values per second the server encodes a lossy wire's download at (every
     /// value of the model; `spes bench-sync`'s close column: about 0.04 on `tiny`, whose small
-    /// matrices cost more per value, and 0.09 on `1b`).
+    /// matrices cost more per value, and 0.13–0.15 on `1b`).
     #[arg(long, default_value_t = crate::plan_sync::ENCODE_GVPS)]
     encode_gvps: f64,
     #[arg(long, default_value_t = 1.0)]

@@ -415,6 +415,32 @@ fn parts_of(wire: Wire) -> &'static [WirePart] {
     }
 }
 
+/// Checks a quantized form's packed codes (`bytes` uint8) and scales (`groups` bf16, none
+/// negative: a negative scale would let one code mean two values; a NaN shows in the norm);
+/// `what` names the form in the error.
+fn check_codes(
+    codes: &Tensor,
+    scale: &Tensor,
+    groups: i64,
+    bytes: i64,
+    what: &str,
+) -> Result<(), String> {
+    if codes.kind() != Kind::Uint8
+        || codes.size() != [bytes]
+        || scale.kind() != Kind::BFloat16
+        || scale.size() != [groups]
+    {
+        return Err(format!(
+            "expected {bytes} uint8 codes and {groups} bf16 scales {what}, got {:?} {:?} and {:?} {:?}",
+            codes.kind(), codes.size(), scale.kind(), scale.size()
+        ));
+    }
+    if groups > 0 && scale.min().double_value(&[]) < 0.0 {
+        return Err("has a negative scale".into());
+    }
+    Ok(())
+}
+
 /// The delta of a tensor of `shape` from its wire parts ([`parts_of`] order), checked.
 fn from_parts(
     cfg: &SyncConfig,
@@ -429,19 +455,13 @@ fn from_parts(
         let f = Factors::of(shape, cfg).expect("split tensors have factors");
         let (codes, scale) = (next(), next());
         let (groups, bytes) = f.sizes();
-        if codes.kind() != Kind::Uint8
-            || codes.size() != [bytes]
-            || scale.kind() != Kind::BFloat16
-            || scale.size() != [groups]
-        {
-            return Err(format!(
-                "expected {bytes} uint8 codes and {groups} bf16 scales of rank-{} factors, got {:?} {:?} and {:?} {:?}",
-                f.rank, codes.kind(), codes.size(), scale.kind(), scale.size()
-            ));
-        }
-        if groups > 0 && scale.min().double_value(&[]) < 0.0 {
-            return Err("has a negative scale".into());
-        }
+        check_codes(
+            &codes,
+            &scale,
+            groups,
+            bytes,
+            &format!("of rank-{} factors", f.rank),
+        )?;
         let (ug, ub) = quantized_sizes(f.rank * f.rows, FACTOR_BITS);
         let factor = |at: (i64, i64), len: (i64, i64)| Quantized {
             codes: codes.narrow(0, at.1, len.1),
@@ -457,20 +477,7 @@ fn from_parts(
         let (codes, scale) = (next(), next());
         let stride = Stride::of(cfg, round);
         let (groups, bytes) = quantized_sizes(stride.len(numel), bits);
-        if codes.kind() != Kind::Uint8
-            || codes.size() != [bytes]
-            || scale.kind() != Kind::BFloat16
-            || scale.size() != [groups]
-        {
-            return Err(format!(
-                "expected {bytes} uint8 codes and {groups} bf16 scales ({bits}-bit), got {:?} {:?} and {:?} {:?}",
-                codes.kind(), codes.size(), scale.kind(), scale.size()
-            ));
-        }
-        // Negative scales would let one code mean two values; a NaN shows in the norm.
-        if groups > 0 && scale.min().double_value(&[]) < 0.0 {
-            return Err("has a negative scale".into());
-        }
+        check_codes(&codes, &scale, groups, bytes, &format!("({bits}-bit)"))?;
         return Ok(Delta::Quantized(Quantized {
             codes,
             scale,

@@ -110,57 +110,57 @@ pub(crate) fn add_low_rank(target: &Tensor, u: &Tensor, v: &Tensor) -> bool {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     };
     let per = rows.div_ceil(threads);
+    let f = Factors {
+        rows,
+        cols,
+        rank,
+        u,
+        v,
+    };
     std::thread::scope(|scope| {
         for (block, chunk) in target.chunks_mut(per * cols).enumerate() {
-            scope.spawn(move || low_rank_rows(chunk, block * per, rows, cols, rank, u, v));
+            scope.spawn(move || low_rank_rows(chunk, block * per, f));
         }
     });
     true
 }
 
-/// Rows `first..` of [`add_low_rank`] into `chunk`: with AVX2 where the CPU has it (8 lanes
-/// instead of SSE2's 4; still one multiply and one add per step, so the same bits).
-fn low_rank_rows(
-    chunk: &mut [f32],
-    first: usize,
+/// The decoded factors of [`add_low_rank`]: Uᵀ (`[rank, rows]`) and Vᵀ (`[rank, cols]`).
+#[derive(Clone, Copy)]
+struct Factors<'a> {
     rows: usize,
     cols: usize,
     rank: usize,
-    u: &[f32],
-    v: &[f32],
-) {
+    u: &'a [f32],
+    v: &'a [f32],
+}
+
+/// Rows `first..` of [`add_low_rank`] into `chunk`: with AVX2 where the CPU has it (8 lanes
+/// instead of SSE2's 4; still one multiply and one add per step, so the same bits).
+fn low_rank_rows(chunk: &mut [f32], first: usize, f: Factors) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // Safety: the CPU has AVX2, checked just above.
-        return unsafe { low_rank_rows_avx2(chunk, first, rows, cols, rank, u, v) };
+        return unsafe { low_rank_rows_avx2(chunk, first, f) };
     }
-    low_rank_rows_any(chunk, first, rows, cols, rank, u, v)
+    low_rank_rows_any(chunk, first, f)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn low_rank_rows_avx2(
-    chunk: &mut [f32],
-    first: usize,
-    rows: usize,
-    cols: usize,
-    rank: usize,
-    u: &[f32],
-    v: &[f32],
-) {
-    low_rank_rows_any(chunk, first, rows, cols, rank, u, v)
+unsafe fn low_rank_rows_avx2(chunk: &mut [f32], first: usize, f: Factors) {
+    low_rank_rows_any(chunk, first, f)
 }
 
 #[inline(always)]
-fn low_rank_rows_any(
-    chunk: &mut [f32],
-    first: usize,
-    rows: usize,
-    cols: usize,
-    rank: usize,
-    u: &[f32],
-    v: &[f32],
-) {
+fn low_rank_rows_any(chunk: &mut [f32], first: usize, f: Factors) {
+    let Factors {
+        rows,
+        cols,
+        rank,
+        u,
+        v,
+    } = f;
     let mut acc = vec![0f32; cols];
     for (r, row) in chunk.chunks_exact_mut(cols).enumerate() {
         let i = first + r;
