@@ -95,8 +95,13 @@ pub struct ConfigArgs {
 }
 
 impl ConfigArgs {
+    /// Reads the config, logging each value a rule derived.
     pub fn load(&self) -> Result<RunConfig> {
-        RunConfig::load(&self.config, &self.overrides)
+        let cfg = RunConfig::load(&self.config, &self.overrides)?;
+        for d in &cfg.derived {
+            tracing::info!("config: {d}");
+        }
+        Ok(cfg)
     }
 }
 

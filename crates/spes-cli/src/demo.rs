@@ -327,7 +327,7 @@ pub fn launch(
 ) -> Result<String> {
     std::fs::create_dir_all(out.join("logs"))
         .with_context(|| format!("cannot create {}", out.display()))?;
-    let config_toml = toml::to_string(cfg)?;
+    let config_toml = cfg.to_toml()?;
     let config = out.join("config.toml");
     spes_data::shard::write_atomic(&config, config_toml.as_bytes())?;
     let nodes = cfg.sync.nodes;

@@ -3,8 +3,10 @@
 //! another on loopback, then writes `results.md` and `results.json` (final and best validation
 //! CE, their ratio to the baseline run, CE on held-out texts, tokens, wall time, optimizer
 //! memory and traffic per node) and `val_ce.png` (validation CE against tokens, mean over
-//! seeds). Finished runs are kept, so running it again resumes; the spec file alone
-//! reproduces the results.
+//! seeds). A spec may also list recipes (`[[recipe]]`: sequence length, steps, batch, nodes,
+//! corpus): every run then runs on every recipe against that recipe's baseline, and a grid
+//! table gives each run's ratio per recipe. Finished runs are kept, so running it again
+//! resumes; the spec file alone reproduces the results.
 
 use crate::device::DeviceChoice;
 use crate::{demo, report};
@@ -36,6 +38,32 @@ pub struct Spec {
     /// The run every other is compared with (default: the first).
     baseline: Option<String>,
     run: Vec<RunSpec>,
+    /// Recipes every run runs on (none: the base config alone).
+    #[serde(default)]
+    recipe: Vec<Recipe>,
+}
+
+/// One recipe of a grid: overrides of the base config (sequence length, steps, batch, nodes)
+/// and optionally a corpus and held-out texts of its own.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Recipe {
+    name: String,
+    /// What differs from the grid's centre, in words (the grid table's second column).
+    #[serde(default)]
+    about: String,
+    #[serde(default)]
+    set: Vec<String>,
+    /// Overrides for the baseline run on this recipe only, after the run's own (for example a
+    /// centralized baseline's batch: nodes × the nodes' batch).
+    #[serde(default)]
+    baseline_set: Vec<String>,
+    /// A corpus of its own (default: the spec's `[data]`).
+    data: Option<DataSpec>,
+    /// Held-out texts of its own (default: the spec's `eval_texts`).
+    eval_texts: Option<Vec<PathBuf>>,
+    /// Some of the spec's seeds only; default: all.
+    seeds: Option<Vec<u64>>,
 }
 
 /// What every run trains on.
@@ -48,6 +76,8 @@ struct DataSpec {
     /// A Hugging Face tokenizer.json; else a BPE of `vocab` trained on the inputs.
     tokenizer: Option<PathBuf>,
     vocab: Option<usize>,
+    /// Share of documents held out for validation (default 0.02, as `spes tokenize`).
+    val_fraction: Option<f64>,
 }
 
 /// One variant: a name and its overrides (e.g. `sync.mode=centralized`).
@@ -75,6 +105,11 @@ struct RunResult {
     /// CE (nats/token) of each of the spec's `eval_texts`, in order.
     held_out_ce: Vec<f64>,
     held_out_bpb: Vec<f64>,
+    /// CE of the final model on every window of the corpus's validation split, scored here,
+    /// so every run of a recipe is scored on the same windows whatever its batch (the
+    /// training-time evaluations read `eval_batches × batch_size` windows).
+    #[serde(default)]
+    val_ce: Option<f64>,
     /// Seconds of the invocation that finished the run.
     wall_s: f64,
     /// AdamW moments per node (the whole model's for a centralized run).
@@ -85,7 +120,7 @@ struct RunResult {
 
 impl Spec {
     /// Reads and checks a spec: known keys, files that exist, runs that parse, and one token
-    /// budget for every run.
+    /// budget for every run of a recipe.
     pub fn load(path: &Path) -> Result<Spec> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read experiment spec {}", path.display()))?;
@@ -93,14 +128,41 @@ impl Spec {
             toml::from_str(&text).with_context(|| format!("experiment spec {}", path.display()))?;
         let dir = path.parent().unwrap_or(Path::new("."));
         let at = |p: &Path| dir.join(p);
+        let data_at = |d: &mut DataSpec| {
+            d.inputs = d.inputs.iter().map(|p| at(p)).collect();
+            d.tokenizer = d.tokenizer.as_deref().map(at);
+        };
         spec.config = at(&spec.config);
-        spec.data.inputs = spec.data.inputs.iter().map(|p| at(p)).collect();
-        spec.data.tokenizer = spec.data.tokenizer.as_deref().map(at);
+        data_at(&mut spec.data);
         spec.eval_texts = spec.eval_texts.iter().map(|p| at(p)).collect();
-        let files = std::iter::once(("config", &spec.config))
-            .chain(spec.data.inputs.iter().map(|p| ("data.inputs", p)))
-            .chain(spec.data.tokenizer.iter().map(|p| ("data.tokenizer", p)))
-            .chain(spec.eval_texts.iter().map(|p| ("eval_texts", p)));
+        for r in &mut spec.recipe {
+            if let Some(d) = &mut r.data {
+                data_at(d);
+            }
+            if let Some(t) = &mut r.eval_texts {
+                *t = t.iter().map(|p| at(p)).collect();
+            }
+        }
+        let datas =
+            std::iter::once(&spec.data).chain(spec.recipe.iter().filter_map(|r| r.data.as_ref()));
+        let mut files = vec![("config", &spec.config)];
+        for d in datas {
+            files.extend(d.inputs.iter().map(|p| ("data.inputs", p)));
+            files.extend(d.tokenizer.iter().map(|p| ("data.tokenizer", p)));
+            if let Some(f) = d.val_fraction {
+                if !(f > 0.0 && f < 1.0) {
+                    bail!(
+                        "{}: `data.val_fraction` must be in (0, 1), got {f}",
+                        path.display()
+                    );
+                }
+            }
+        }
+        let texts = std::iter::once(&spec.eval_texts)
+            .chain(spec.recipe.iter().filter_map(|r| r.eval_texts.as_ref()));
+        for t in texts {
+            files.extend(t.iter().map(|p| ("eval_texts", p)));
+        }
         for (key, p) in files {
             if !p.is_file() {
                 bail!(
@@ -116,14 +178,36 @@ impl Spec {
                 path.display()
             );
         }
+        let named = |n: &str| {
+            !n.is_empty()
+                && n != "data"
+                && n.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        };
         for (i, r) in spec.run.iter().enumerate() {
-            let ok = !r.name.is_empty()
-                && r.name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
-            if !ok || spec.run[..i].iter().any(|o| o.name == r.name) {
+            if !named(&r.name) || spec.run[..i].iter().any(|o| o.name == r.name) {
                 bail!(
                     "{}: run name `{}` must be unique and made of letters, digits, -, _ and .",
+                    path.display(),
+                    r.name
+                );
+            }
+        }
+        for (i, r) in spec.recipe.iter().enumerate() {
+            let clash = spec.recipe[..i].iter().any(|o| o.name == r.name)
+                || spec.run.iter().any(|o| o.name == r.name);
+            if !named(&r.name) || clash {
+                bail!(
+                    "{}: recipe name `{}` must be unique, not a run's, and made of letters, \
+                     digits, -, _ and .",
+                    path.display(),
+                    r.name
+                );
+            }
+            let seeds = r.seeds.as_deref().unwrap_or_default();
+            if seeds.iter().any(|s| !spec.seeds.contains(s)) {
+                bail!(
+                    "{}: recipe `{}`: `seeds` must be some of the spec's seeds",
                     path.display(),
                     r.name
                 );
@@ -147,44 +231,98 @@ impl Spec {
             bail!("{}: baseline `{baseline}` is not a run", path.display());
         }
         spec.baseline = Some(baseline);
-        let configs = spec
-            .run
-            .iter()
-            .map(|r| {
-                spec.config_of(r, Path::new("data"), spec.seeds[0])
-                    .with_context(|| format!("{}: run `{}`", path.display(), r.name))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let budget = tokens_of(&configs[0]);
-        for (r, c) in spec.run.iter().zip(&configs) {
-            if tokens_of(c) != budget {
-                bail!(
-                    "{}: run `{}` trains on {} tokens, `{}` on {budget}: every run needs the same \
-                     token budget (train.max_steps × batch × seq_len, × sync.nodes if decentralized)",
-                    path.display(),
-                    r.name,
-                    tokens_of(c),
-                    spec.run[0].name
-                );
+        if spec.recipe.is_empty() {
+            spec.recipe.push(Recipe {
+                name: String::new(),
+                about: String::new(),
+                set: Vec::new(),
+                baseline_set: Vec::new(),
+                data: None,
+                eval_texts: None,
+                seeds: None,
+            });
+        }
+        for recipe in &spec.recipe {
+            let within = |r: &RunSpec| {
+                let c = spec.config_of(recipe, r, Path::new("data"), spec.seeds[0]);
+                c.with_context(|| format!("{}: {}", path.display(), spec.label(recipe, r)))
+            };
+            let configs = spec.run.iter().map(within).collect::<Result<Vec<_>>>()?;
+            let budget = tokens_of(&configs[0]);
+            for (r, c) in spec.run.iter().zip(&configs) {
+                if tokens_of(c) != budget {
+                    bail!(
+                        "{}: {} trains on {} tokens, `{}` on {budget}: every run of a recipe \
+                         needs the same token budget (train.max_steps × batch × seq_len, × \
+                         sync.nodes if decentralized)",
+                        path.display(),
+                        spec.label(recipe, r),
+                        tokens_of(c),
+                        spec.run[0].name
+                    );
+                }
             }
         }
         Ok(spec)
     }
 
-    fn config_of(&self, run: &RunSpec, data: &Path, seed: u64) -> Result<RunConfig> {
+    fn config_of(
+        &self,
+        recipe: &Recipe,
+        run: &RunSpec,
+        data: &Path,
+        seed: u64,
+    ) -> Result<RunConfig> {
         let mut all = self.set.clone();
+        all.extend(recipe.set.iter().cloned());
         all.extend(run.set.iter().cloned());
+        if run.name == self.baseline() {
+            all.extend(recipe.baseline_set.iter().cloned());
+        }
         all.push(format!("data.path={}", data.display()));
         all.push(format!("train.seed={seed}"));
         RunConfig::load(&self.config, &all)
     }
 
-    fn seeds_of<'a>(&'a self, r: &'a RunSpec) -> &'a [u64] {
-        r.seeds.as_deref().unwrap_or(&self.seeds)
+    /// The seeds `r` runs on `recipe`: those both list (each default: all the spec's).
+    fn seeds_of(&self, recipe: &Recipe, r: &RunSpec) -> Vec<u64> {
+        let listed = |s: &Option<Vec<u64>>, x: &u64| s.as_ref().is_none_or(|l| l.contains(x));
+        self.seeds
+            .iter()
+            .copied()
+            .filter(|x| listed(&recipe.seeds, x) && listed(&r.seeds, x))
+            .collect()
     }
 
     fn baseline(&self) -> &str {
         self.baseline.as_deref().expect("set by load")
+    }
+
+    /// Whether the spec is a grid (lists recipes).
+    fn is_grid(&self) -> bool {
+        !self.recipe[0].name.is_empty()
+    }
+
+    /// `run `x`` or `run `x` of recipe `y``, for messages.
+    fn label(&self, recipe: &Recipe, r: &RunSpec) -> String {
+        if recipe.name.is_empty() {
+            format!("run `{}`", r.name)
+        } else {
+            format!("run `{}` of recipe `{}`", r.name, recipe.name)
+        }
+    }
+
+    /// Where a run of a recipe keeps its seeds: `<out>/<run>`, or `<out>/<recipe>/<run>`.
+    fn dir_of(&self, out: &Path, recipe: &Recipe, r: &RunSpec) -> PathBuf {
+        out.join(&recipe.name).join(&r.name)
+    }
+
+    /// The corpus and held-out texts of a recipe.
+    fn data_of<'a>(&'a self, recipe: &'a Recipe) -> (&'a DataSpec, &'a [PathBuf]) {
+        (
+            recipe.data.as_ref().unwrap_or(&self.data),
+            recipe.eval_texts.as_deref().unwrap_or(&self.eval_texts),
+        )
     }
 }
 
@@ -234,26 +372,42 @@ fn run(spec_path: &Path, out: &Path, device: tch::Device, device_arg: &str) -> R
         &out.join("spec.toml"),
         &std::fs::read(spec_path).context("cannot copy the spec")?,
     )?;
-    let data = prepare_data(&spec.data, out)?;
-    let total: usize = spec.run.iter().map(|r| spec.seeds_of(r).len()).sum();
+    let cells: Vec<(&Recipe, &RunSpec)> = spec
+        .recipe
+        .iter()
+        .flat_map(|c| spec.run.iter().map(move |r| (c, r)))
+        .collect();
+    let total: usize = cells.iter().map(|(c, r)| spec.seeds_of(c, r).len()).sum();
     let mut done = 0;
     for &seed in &spec.seeds {
-        for r in spec.run.iter().filter(|r| spec.seeds_of(r).contains(&seed)) {
+        for &(recipe, r) in cells
+            .iter()
+            .filter(|(c, r)| spec.seeds_of(c, r).contains(&seed))
+        {
             done += 1;
-            let dir = out.join(&r.name).join(format!("seed-{seed}"));
+            let dir = spec.dir_of(out, recipe, r).join(format!("seed-{seed}"));
             let result = dir.join("result.json");
             if result.exists() {
                 continue;
             }
-            let cfg = spec.config_of(r, &data, seed)?;
-            println!("[{done}/{total}] {} seed {seed}: {}", r.name, dir.display());
+            let (data_spec, texts) = spec.data_of(recipe);
+            let data = match &recipe.data {
+                None => prepare_data(data_spec, &out.join("data"))?,
+                Some(own) => prepare_data(own, &out.join(format!("data-{}", recipe.name)))?,
+            };
+            let cfg = spec.config_of(recipe, r, &data, seed)?;
+            let label = spec.label(recipe, r);
+            println!("[{done}/{total}] {label} seed {seed}: {}", dir.display());
             let started = Instant::now();
             train(&cfg, &dir, device, device_arg)
-                .with_context(|| format!("run `{}` seed {seed} failed", r.name))?;
-            let res = measure(&spec, r, seed, &cfg, &dir, started, device)?;
+                .with_context(|| format!("{label} seed {seed} failed"))?;
+            let res = measure(texts, r, seed, &cfg, &dir, started, device)?;
             println!(
-                "    final validation CE {:.4} (best {:.4}) in {:.0} s",
-                res.final_ce, res.best_ce, res.wall_s
+                "    final validation CE {:.4} (best {:.4}; every validation window {:.4}) in {:.0} s",
+                res.final_ce,
+                res.best_ce,
+                res.val_ce.unwrap_or(f64::NAN),
+                res.wall_s
             );
             spes_data::shard::write_atomic(
                 &result,
@@ -264,25 +418,28 @@ fn run(spec_path: &Path, out: &Path, device: tch::Device, device_arg: &str) -> R
     summarize(&spec, out)
 }
 
-/// Tokenizes the spec's inputs (or the embedded corpus) into `<out>/data` unless already there.
-fn prepare_data(d: &DataSpec, out: &Path) -> Result<PathBuf> {
+/// Tokenizes a spec's inputs (or the embedded corpus) into `data` unless already there.
+fn prepare_data(d: &DataSpec, data: &Path) -> Result<PathBuf> {
     if d.inputs.is_empty() {
-        return demo::prepare_data(out);
+        return demo::prepare_data(data.parent().unwrap_or(Path::new(".")));
     }
-    let data = out.join("data");
     if !data.join(spes_data::shard::MANIFEST).exists() {
         let source = match (&d.tokenizer, d.vocab) {
             (Some(t), _) => TokenizerSource::File(t.clone()),
             (None, v) => TokenizerSource::Train(v.unwrap_or(8192)),
         };
         let inputs = d.inputs.iter().map(|p| p.display().to_string()).collect();
-        let m = spes_data::tokenize(&TokenizeOptions::new(inputs, data.clone(), source))?.manifest;
+        let mut opts = TokenizeOptions::new(inputs, data.to_owned(), source);
+        if let Some(f) = d.val_fraction {
+            opts.val_fraction = f;
+        }
+        let m = spes_data::tokenize(&opts)?.manifest;
         println!(
             "tokenized {} train / {} validation tokens, vocab {}",
             m.train_tokens, m.val_tokens, m.vocab_size
         );
     }
-    Ok(data)
+    Ok(data.to_owned())
 }
 
 /// Trains one run to its end: in this process if centralized, else as a server and node
@@ -307,7 +464,7 @@ fn train(cfg: &RunConfig, dir: &Path, device: tch::Device, device_arg: &str) -> 
 
 /// Reads a finished run's curve and costs and scores its final model on the held-out texts.
 fn measure(
-    spec: &Spec,
+    texts: &[PathBuf],
     r: &RunSpec,
     seed: u64,
     cfg: &RunConfig,
@@ -347,13 +504,15 @@ fn measure(
     model.load(&named, &weights.display().to_string())?;
     let sc = crate::score::scoring(cfg, None, 16, device)?;
     let (mut held_out_ce, mut held_out_bpb) = (Vec::new(), Vec::new());
-    for text in &spec.eval_texts {
+    for text in texts {
         let body = std::fs::read_to_string(text)
             .with_context(|| format!("cannot read {}", text.display()))?;
         let s = spes_eval::score_text(&model, &sc, &body)?;
         held_out_ce.push(s.nll / s.predicted_tokens as f64);
         held_out_bpb.push(s.bits_per_byte);
     }
+    let val = spes_data::loader::ValWindows::open_mixture(&cfg.data.sources(), cfg.train.seq_len)?;
+    let val_ce = spes_train::validation_stats(&model, &val, 16, usize::MAX / 32, device).0;
     let params: i64 = model.params().iter().map(|p| p.tensor.numel() as i64).sum();
     let (optimizer_bytes, bytes_per_round) = if centralized {
         (params as u64 * 8, 0.0)
@@ -382,6 +541,7 @@ fn measure(
         curve,
         held_out_ce,
         held_out_bpb,
+        val_ce: Some(val_ce),
         wall_s: started.elapsed().as_secs_f64(),
         optimizer_bytes,
         bytes_per_round,
@@ -413,24 +573,9 @@ fn mean_spread(v: &[f64]) -> (f64, f64) {
     (mean, (hi - lo) / 2.0)
 }
 
-/// Writes `results.json`, `results.md` and `val_ce.png` from every finished run under `out`.
+/// Writes `results.json`, `results.md` and the validation-CE plots from every finished run
+/// under `out`: a grid table of each run's ratio per recipe (grids only), then every run's row.
 fn summarize(spec: &Spec, out: &Path) -> Result<()> {
-    let mut results: Vec<Vec<RunResult>> = Vec::new();
-    for r in &spec.run {
-        let mut per_seed = Vec::new();
-        for seed in spec.seeds_of(r) {
-            let path = out.join(&r.name).join(format!("seed-{seed}/result.json"));
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("cannot read {}", path.display()))?;
-            per_seed.push(serde_json::from_str(&text)?);
-        }
-        results.push(per_seed);
-    }
-    let base = spec
-        .run
-        .iter()
-        .position(|r| r.name == spec.baseline())
-        .expect("checked by load");
     let pm = |(m, s): (f64, f64), n: usize| {
         if n > 1 {
             format!("{m:.4} ± {s:.4}")
@@ -438,89 +583,186 @@ fn summarize(spec: &Spec, out: &Path) -> Result<()> {
             format!("{m:.4}")
         }
     };
-    // Each seed's value over the baseline's of the same seed.
-    let ratios = |rs: &[RunResult], f: &dyn Fn(&RunResult) -> f64| -> Vec<f64> {
-        rs.iter()
-            .map(|a| {
-                let b = results[base].iter().find(|b| b.seed == a.seed);
-                f(a) / f(b.expect("the baseline runs every seed"))
-            })
-            .collect()
-    };
-    let texts: Vec<String> = spec
-        .eval_texts
-        .iter()
-        .map(|p| {
-            p.file_name()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned()
-        })
-        .collect();
+    let grid = spec.is_grid();
     let mut md = format!(
         "Validation cross-entropy (nats/token), mean ± half the spread over seeds {:?} (or \
-         those a run lists); ratios are to `{}` of the same seed, then averaged.\n\n",
+         those a run lists); ratios are to `{}` of the same seed{}, then averaged. *All \
+         windows*: the final model scored on every window of the validation split, the same \
+         windows for every run of a {}.\n\n",
         spec.seeds,
-        spec.baseline()
+        spec.baseline(),
+        if grid { " and recipe" } else { "" },
+        if grid { "recipe" } else { "spec" },
     );
-    md += "| run | seeds | final val CE | ratio | best val CE |";
-    for t in &texts {
-        md += &format!(" {t} CE | ratio |");
-    }
-    md += " tokens | wall s | optimizer MiB / node | MiB / node round |\n|---|---|---|---|---|";
-    md += &"---|---|".repeat(texts.len());
-    md += "---|---|---|---|\n";
-    let mut json_rows = Vec::new();
-    for (r, rs) in spec.run.iter().zip(&results) {
-        let col = |f: &dyn Fn(&RunResult) -> f64| rs.iter().map(f).collect::<Vec<f64>>();
-        let final_ce = mean_spread(&col(&|x| x.final_ce));
-        let ratio = mean_spread(&ratios(rs, &|x| x.final_ce));
-        let n = rs.len();
-        md += &format!(
-            "| {} | {n} | {} | {} | {} |",
-            r.name,
-            pm(final_ce, n),
-            pm(ratio, n),
-            pm(mean_spread(&col(&|x| x.best_ce)), n)
+    let mut grid_md = String::new();
+    if grid {
+        grid_md += &format!(
+            "| recipe | what differs | tokens | `{}` CE (all windows) |",
+            spec.baseline()
         );
-        let mut held = Vec::new();
-        for (i, text) in texts.iter().enumerate() {
-            let ce = mean_spread(&col(&|x| x.held_out_ce[i]));
-            let ratio = mean_spread(&ratios(rs, &|x| x.held_out_ce[i]));
-            md += &format!(" {} | {} |", pm(ce, n), pm(ratio, n));
-            held.push(serde_json::json!({"text": text, "ce": ce.0, "ratio": ratio.0}));
+        let others: Vec<&RunSpec> = spec
+            .run
+            .iter()
+            .filter(|r| r.name != spec.baseline())
+            .collect();
+        for r in &others {
+            grid_md += &format!(" `{}` ratio |", r.name);
         }
-        let wall = mean_spread(&col(&|x| x.wall_s)).0;
-        let opt = rs[0].optimizer_bytes as f64 / (1 << 20) as f64;
-        let traffic = rs[0].bytes_per_round / (1 << 20) as f64;
-        md += &format!(
-            " {} | {wall:.0} | {opt:.1} | {traffic:.1} |\n",
-            rs[0].tokens
-        );
-        json_rows.push(serde_json::json!({
-            "run": r.name, "seeds": spec.seeds_of(r), "final_ce": final_ce.0, "final_ce_spread": final_ce.1,
-            "ratio": ratio.0, "ratio_spread": ratio.1, "held_out": held,
-            "tokens": rs[0].tokens, "wall_s": wall, "optimizer_bytes": rs[0].optimizer_bytes,
-            "bytes_per_round": rs[0].bytes_per_round,
-        }));
+        grid_md += "\n|---|---|---|---|";
+        grid_md += &"---|".repeat(others.len());
+        grid_md += "\n";
     }
-    // From a tenth of the budget on: the first evaluations would flatten the differences.
-    let from = results[base][0].tokens as f64 / 10.0;
-    let series: Vec<(String, Vec<(f64, f64)>)> = spec
-        .run
-        .iter()
-        .zip(&results)
-        .map(|(r, rs)| {
-            let curve = mean_curve(rs).into_iter().filter(|p| p.0 >= from);
-            (r.name.clone(), curve.collect())
-        })
-        .collect();
-    report::loss_plot(
-        &out.join("val_ce.png"),
-        "validation CE (mean over seeds), from 10 % of the tokens",
-        &series,
-    )?;
-    md += "\n![validation CE against tokens](val_ce.png)\n";
+    let mut detail = String::from("| ");
+    if grid {
+        detail += "recipe | ";
+    }
+    detail += "run | seeds | final val CE | ratio | best val CE | all windows CE | ratio |";
+    let mut rows = String::new();
+    let mut json_rows = Vec::new();
+    let mut texts_header: Option<Vec<String>> = None;
+    for recipe in &spec.recipe {
+        let (_, texts) = spec.data_of(recipe);
+        let texts: Vec<String> = texts
+            .iter()
+            .map(|p| {
+                p.file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        if texts_header.is_none() {
+            for t in &texts {
+                detail += &format!(" {t} CE | ratio |");
+            }
+            texts_header = Some(texts.clone());
+        }
+        let mut results: Vec<Vec<RunResult>> = Vec::new();
+        for r in &spec.run {
+            let mut per_seed = Vec::new();
+            for seed in spec.seeds_of(recipe, r) {
+                let path = spec
+                    .dir_of(out, recipe, r)
+                    .join(format!("seed-{seed}/result.json"));
+                let text = std::fs::read_to_string(&path)
+                    .with_context(|| format!("cannot read {}", path.display()))?;
+                per_seed.push(serde_json::from_str(&text)?);
+            }
+            results.push(per_seed);
+        }
+        let base = spec
+            .run
+            .iter()
+            .position(|r| r.name == spec.baseline())
+            .expect("checked by load");
+        // Each seed's value over the baseline's of the same seed.
+        let ratios = |rs: &[RunResult], f: &dyn Fn(&RunResult) -> f64| -> Vec<f64> {
+            rs.iter()
+                .map(|a| {
+                    let b = results[base].iter().find(|b| b.seed == a.seed);
+                    f(a) / f(b.expect("the baseline runs every seed"))
+                })
+                .collect()
+        };
+        let all_windows = |x: &RunResult| x.val_ce.unwrap_or(f64::NAN);
+        if grid {
+            let b = &results[base];
+            let ce = mean_spread(&b.iter().map(all_windows).collect::<Vec<_>>());
+            grid_md += &format!(
+                "| {} | {} | {} | {} |",
+                recipe.name,
+                recipe.about,
+                b[0].tokens,
+                pm(ce, b.len())
+            );
+        }
+        for (r, rs) in spec.run.iter().zip(&results) {
+            let col = |f: &dyn Fn(&RunResult) -> f64| rs.iter().map(f).collect::<Vec<f64>>();
+            let n = rs.len();
+            let final_ce = mean_spread(&col(&|x| x.final_ce));
+            let ratio = mean_spread(&ratios(rs, &|x| x.final_ce));
+            let all = mean_spread(&col(&all_windows));
+            let all_ratio = mean_spread(&ratios(rs, &all_windows));
+            if grid && r.name != spec.baseline() {
+                grid_md += &format!(" {} ({n}) |", pm(all_ratio, n));
+            }
+            rows += "| ";
+            if grid {
+                rows += &format!("{} | ", recipe.name);
+            }
+            rows += &format!(
+                "{} | {n} | {} | {} | {} | {} | {} |",
+                r.name,
+                pm(final_ce, n),
+                pm(ratio, n),
+                pm(mean_spread(&col(&|x| x.best_ce)), n),
+                pm(all, n),
+                pm(all_ratio, n),
+            );
+            let mut held = Vec::new();
+            for (i, text) in texts.iter().enumerate() {
+                let ce = mean_spread(&col(&|x| x.held_out_ce[i]));
+                let ratio = mean_spread(&ratios(rs, &|x| x.held_out_ce[i]));
+                rows += &format!(" {} | {} |", pm(ce, n), pm(ratio, n));
+                held.push(serde_json::json!({"text": text, "ce": ce.0, "ratio": ratio.0}));
+            }
+            let wall = mean_spread(&col(&|x| x.wall_s)).0;
+            let opt = rs[0].optimizer_bytes as f64 / (1 << 20) as f64;
+            let traffic = rs[0].bytes_per_round / (1 << 20) as f64;
+            rows += &format!(
+                " {} | {wall:.0} | {opt:.1} | {traffic:.1} |\n",
+                rs[0].tokens
+            );
+            json_rows.push(serde_json::json!({
+                "recipe": recipe.name, "run": r.name, "seeds": spec.seeds_of(recipe, r),
+                "final_ce": final_ce.0, "final_ce_spread": final_ce.1,
+                "ratio": ratio.0, "ratio_spread": ratio.1,
+                "all_windows_ce": all.0, "all_windows_ratio": all_ratio.0,
+                "all_windows_ratio_spread": all_ratio.1, "held_out": held,
+                "tokens": rs[0].tokens, "wall_s": wall, "optimizer_bytes": rs[0].optimizer_bytes,
+                "bytes_per_round": rs[0].bytes_per_round,
+            }));
+        }
+        if grid {
+            grid_md += "\n";
+        }
+        // From a tenth of the budget on: the first evaluations would flatten the differences.
+        let from = results[base][0].tokens as f64 / 10.0;
+        let series: Vec<(String, Vec<(f64, f64)>)> = spec
+            .run
+            .iter()
+            .zip(&results)
+            .map(|(r, rs)| {
+                let curve = mean_curve(rs).into_iter().filter(|p| p.0 >= from);
+                (r.name.clone(), curve.collect())
+            })
+            .collect();
+        let plot = if grid {
+            format!("val_ce-{}.png", recipe.name)
+        } else {
+            "val_ce.png".to_owned()
+        };
+        report::loss_plot(
+            &out.join(&plot),
+            "validation CE (mean over seeds), from 10 % of the tokens",
+            &series,
+        )?;
+    }
+    detail += " tokens | wall s | optimizer MiB / node | MiB / node round |\n|---|---|---|---|---|---|---|";
+    if grid {
+        detail += "---|";
+    }
+    detail += &"---|---|".repeat(texts_header.map_or(0, |t| t.len()));
+    detail += "---|---|---|---|\n";
+    md += &grid_md;
+    if grid {
+        md += "\n";
+    }
+    md += &detail;
+    md += &rows;
+    if !grid {
+        md += "\n![validation CE against tokens](val_ce.png)\n";
+    }
     spes_data::shard::write_atomic(&out.join("results.md"), md.as_bytes())?;
     spes_data::shard::write_atomic(
         &out.join("results.json"),
@@ -559,11 +801,15 @@ mod tests {
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
             let spec = Spec::load(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
-            for r in &spec.run {
-                let cfg = spec.config_of(r, Path::new("data"), spec.seeds[0]).unwrap();
-                if cfg.sync.mode == Mode::Centralized {
-                    assert_eq!(cfg.train.lr, 3e-3, "{}: {}", path.display(), r.name);
-                    assert_eq!(cfg.train.expert_lr_scale, 1.0, "{}", path.display());
+            for recipe in &spec.recipe {
+                for r in &spec.run {
+                    let cfg = spec
+                        .config_of(recipe, r, Path::new("data"), spec.seeds[0])
+                        .unwrap();
+                    if cfg.sync.mode == Mode::Centralized {
+                        assert_eq!(cfg.train.node_lr(), 3e-3, "{}: {}", path.display(), r.name);
+                        assert_eq!(cfg.train.expert_lr_scale, 1.0, "{}", path.display());
+                    }
                 }
             }
             checked += 1;

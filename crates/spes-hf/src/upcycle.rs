@@ -199,6 +199,7 @@ pub fn upcycle(o: &UpcycleOptions) -> Result<PathBuf> {
             ..TrainConfig::default()
         },
         sync: SyncConfig::default(),
+        derived: Vec::new(),
     };
     let state = TrainState::fresh(run);
     let tensors: Vec<(String, Tensor)> = model

@@ -16,6 +16,9 @@ pub struct RunConfig {
     pub train: TrainConfig,
     #[serde(default)]
     pub sync: SyncConfig,
+    /// The values rules derived when this config was parsed ([`crate::rules`]).
+    #[serde(skip)]
+    pub derived: Vec<crate::rules::Derived>,
 }
 
 /// `[data]`: where training windows come from. Node-local: every node names its own copy.
@@ -108,12 +111,17 @@ pub struct TrainConfig {
     pub grad_accum: usize,
     /// Tokens per training sequence; at most `model.context_length`.
     pub seq_len: usize,
-    /// Peak learning rate.
+    /// Peak learning rate of a centralized run: one AdamW step on every node's rows together.
     pub lr: f64,
-    /// Expert matrices step at `lr · expert_lr_scale`: in SPES an owned expert's update is its
-    /// owner's alone, while shared parameters average every node's, so the two may want
-    /// different rates.
+    /// SPES and DiLoCo nodes step at `lr · node_lr_scale` (default "auto": √nodes, since an
+    /// average of n nodes' steps moves about 1/√n as far as one step on their rows together;
+    /// [`crate::rules`]).
+    pub node_lr_scale: f64,
+    /// Expert matrices step at `lr · node_lr_scale · expert_lr_scale`: in SPES an owned
+    /// expert's update is its owner's alone, while shared parameters average every node's
+    /// (default "auto": 1 / `node_lr_scale` in SPES, experts at the centralized rate).
     pub expert_lr_scale: f64,
+    /// Linear warm-up steps (default "auto": a tenth of the schedule).
     pub warmup_steps: u64,
     /// The step at which the cosine decay reaches the floor, after which the rate stays there;
     /// 0: `max_steps`. Larger than `max_steps`, a run ends before the decay does (the SPES 9B
@@ -189,6 +197,11 @@ fn is_zero(v: &usize) -> bool {
 }
 
 impl TrainConfig {
+    /// The nodes' peak rate for the shared parameters: `lr · node_lr_scale`.
+    pub fn node_lr(&self) -> f64 {
+        self.lr * self.node_lr_scale
+    }
+
     /// Sequences per forward and backward pass: `micro_batch`, or `batch_size` when unset.
     pub fn micro_rows(&self) -> usize {
         if self.micro_batch > 0 {
@@ -207,6 +220,7 @@ impl Default for TrainConfig {
             grad_accum: 1,
             seq_len: 256,
             lr: 5e-4,
+            node_lr_scale: 1.0,
             expert_lr_scale: 1.0,
             warmup_steps: 100,
             t_max: 0,
@@ -339,10 +353,24 @@ impl RunConfig {
             apply_override(&mut doc, o)?;
         }
         resolve_preset(&mut doc)?;
-        let cfg: RunConfig = serde_path_to_error::deserialize(toml::Value::Table(doc))
+        let derived = crate::rules::resolve(&mut doc)?;
+        let mut cfg: RunConfig = serde_path_to_error::deserialize(toml::Value::Table(doc))
             .map_err(|e| anyhow::anyhow!("key `{}`: {}", e.path(), e.inner()))?;
+        cfg.derived = derived;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The resolved config as TOML, headed by a comment naming each value a rule derived.
+    pub fn to_toml(&self) -> Result<String> {
+        let mut text = String::new();
+        if !self.derived.is_empty() {
+            text += "# derived by rule (docs/guides/configuration.md#rules):\n";
+            for d in &self.derived {
+                text += &format!("# {d}\n");
+            }
+        }
+        Ok(text + &toml::to_string(self)?)
     }
 
     fn validate(&self) -> Result<()> {
@@ -383,6 +411,12 @@ impl RunConfig {
                 "train.t_max ({}) must be 0 (use train.max_steps) or more than train.warmup_steps ({})",
                 t.t_max,
                 t.warmup_steps
+            );
+        }
+        if !(t.node_lr_scale > 0.0 && t.node_lr_scale.is_finite()) {
+            bail!(
+                "train.node_lr_scale must be a positive number or \"auto\", got {}",
+                t.node_lr_scale
             );
         }
         if !(t.expert_lr_scale > 0.0 && t.expert_lr_scale.is_finite()) {

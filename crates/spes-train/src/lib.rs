@@ -10,6 +10,7 @@ pub mod lead;
 pub mod memory_plan;
 pub mod metrics;
 pub mod optim;
+pub mod rules;
 pub mod simulate;
 pub mod task_hook;
 pub mod tensorboard;

@@ -369,7 +369,7 @@ pub struct Retarget {
 /// Learning rate at step `s` (0-based): linear warm-up from `floor·peak` to `peak`, then cosine
 /// down to `floor·peak` at `t_max` (0: `max_steps`), flat after.
 pub fn lr_at(s: u64, cfg: &TrainConfig) -> f64 {
-    let (peak, floor) = (cfg.lr, cfg.lr_floor * cfg.lr);
+    let (peak, floor) = (cfg.node_lr(), cfg.lr_floor * cfg.node_lr());
     if s < cfg.warmup_steps {
         return floor + (peak - floor) * s as f64 / cfg.warmup_steps as f64;
     }

@@ -103,7 +103,7 @@ pub fn simulate(cfg: &RunConfig, device: Device, opts: &SimOptions) -> Result<Si
     let layout = Layout::of(&model0);
     let scope = sync.scope(cfg.model.n_experts)?;
     let rounds = cfg.train.max_steps / h;
-    let peak_lr = cfg.train.lr * cfg.train.expert_lr_scale.max(1.0);
+    let peak_lr = cfg.train.node_lr() * cfg.train.expert_lr_scale.max(1.0);
     let global0 = weights(&model0);
     let mut coord = Coordinator::new(
         layout.clone(),

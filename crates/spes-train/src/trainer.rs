@@ -668,7 +668,7 @@ pub fn run(
     let tasks = crate::task_hook::TaskHook::load(&cfg, device)?;
     let mut log = None;
     if first {
-        let config = toml::to_string(&cfg)?;
+        let config = cfg.to_toml()?;
         spes_data::shard::write_atomic(&out.join("config.toml"), config.as_bytes())?;
         log = Some(
             MetricsLog::open(out, latest.as_ref().map(|_| tr.step))?

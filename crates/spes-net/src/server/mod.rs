@@ -387,7 +387,7 @@ pub async fn serve(
         progress.initial_val_loss = logged.as_ref().and_then(|l| l.initial_val_loss);
     }
     // The fastest-moving tensors bound the check: experts step at lr · expert_lr_scale.
-    let peak_lr = cfg.train.lr * cfg.train.expert_lr_scale.max(1.0);
+    let peak_lr = cfg.train.node_lr() * cfg.train.expert_lr_scale.max(1.0);
     let mut coord = Coordinator::new(
         layout.clone(),
         scope.clone(),

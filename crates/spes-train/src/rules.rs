@@ -1,0 +1,235 @@
+//! Rules of the recipe: the keys a config leaves out or sets to `"auto"` are derived from the
+//! rest of the run (node count, run length, sync interval) when the config is parsed, so a
+//! recipe nobody tuned on gets rates and schedules that follow it. Explicit numbers override.
+//! The measurements behind each rule are in docs/results/quality.md (the recipe grid).
+
+use crate::config::{Mode, RunConfig};
+use anyhow::{bail, Result};
+
+/// One value a rule derived: the key, the value and the rule in words, as the resolved config
+/// shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Derived {
+    /// `section.key`.
+    pub key: &'static str,
+    pub value: toml::Value,
+    pub rule: &'static str,
+}
+
+impl std::fmt::Display for Derived {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} = {} (auto: {})", self.key, self.value, self.rule)
+    }
+}
+
+/// The keys whose default is a rule, in the order they are derived (later rules may read
+/// earlier results).
+const RULE_KEYS: [(&str, &str); 5] = [
+    ("train", "node_lr_scale"),
+    ("train", "expert_lr_scale"),
+    ("train", "warmup_steps"),
+    ("sync", "merge_until"),
+    ("sync", "merge_every"),
+];
+
+/// Nodes' rate for the shared parameters over the centralized rate `train.lr`: averaging n
+/// nodes' AdamW steps cancels part of their noise, so the mean moves about 1/√n as far as one
+/// step on the n-fold batch; √n gives it back. 1 for a centralized run.
+pub fn node_lr_scale(mode: Mode, nodes: usize) -> f64 {
+    match mode {
+        Mode::Centralized => 1.0,
+        Mode::Spes | Mode::Diloco => (nodes as f64).sqrt(),
+    }
+}
+
+/// Experts' rate over the nodes' shared rate: in SPES an owned expert's change is its owner's
+/// alone, not an average, so it steps at the centralized rate (1 / `node_lr_scale`); DiLoCo
+/// averages experts like everything else (1).
+pub fn expert_lr_scale(mode: Mode, node_lr_scale: f64) -> f64 {
+    match mode {
+        Mode::Spes => 1.0 / node_lr_scale,
+        Mode::Centralized | Mode::Diloco => 1.0,
+    }
+}
+
+/// Linear warm-up over the first tenth of the schedule (`t_max`, or `max_steps`).
+pub fn warmup_steps(schedule_steps: u64) -> u64 {
+    (schedule_steps as f64 / 10.0).round() as u64
+}
+
+/// The merge warm-up's α reaches 0 three quarters into the run.
+pub fn merge_until(max_steps: u64) -> u64 {
+    max_steps * 3 / 4
+}
+
+/// Three merges before `merge_until`: every third of it, on a sync step.
+pub fn merge_every(merge_until: u64, sync_steps: u64) -> u64 {
+    let h = sync_steps.max(1);
+    (merge_until / 3 / h * h).max(h)
+}
+
+/// Fills every rule key that `doc` leaves out or sets to `"auto"` (`doc` holds the config
+/// after overrides, with its model preset resolved) and returns what was derived.
+pub(crate) fn resolve(doc: &mut toml::Table) -> Result<Vec<Derived>> {
+    let mut auto = Vec::new();
+    for (section, key) in RULE_KEYS {
+        match doc.get(section).and_then(|s| s.get(key)) {
+            None => auto.push((section, key)),
+            Some(toml::Value::String(s)) if s == "auto" => auto.push((section, key)),
+            Some(toml::Value::String(s)) => {
+                bail!("key `{section}.{key}`: expected a number or \"auto\", got \"{s}\"")
+            }
+            Some(_) => {}
+        }
+    }
+    if auto.is_empty() {
+        return Ok(Vec::new());
+    }
+    // What the rules read, with every other default filled in: the config without the keys
+    // still to derive.
+    let mut bare = doc.clone();
+    for (section, key) in &auto {
+        if let Some(t) = bare.get_mut(*section).and_then(|s| s.as_table_mut()) {
+            t.remove(*key);
+        }
+    }
+    let base: RunConfig = serde_path_to_error::deserialize(toml::Value::Table(bare))
+        .map_err(|e| anyhow::anyhow!("key `{}`: {}", e.path(), e.inner()))?;
+    let (t, s) = (&base.train, &base.sync);
+    let is_auto = |section: &str, key: &str| auto.contains(&(section, key));
+    let node_scale = if is_auto("train", "node_lr_scale") {
+        node_lr_scale(s.mode, s.nodes)
+    } else {
+        t.node_lr_scale
+    };
+    let until = if is_auto("sync", "merge_until") {
+        merge_until(t.max_steps)
+    } else {
+        s.merge_until
+    };
+    let schedule = if t.t_max == 0 { t.max_steps } else { t.t_max };
+    let mut derived = Vec::new();
+    for (section, key) in auto {
+        let (key, value, rule): (&'static str, toml::Value, &'static str) = match key {
+            "node_lr_scale" => (
+                "train.node_lr_scale",
+                node_scale.into(),
+                "√sync.nodes on SPES and DiLoCo nodes, 1 centralized",
+            ),
+            "expert_lr_scale" => (
+                "train.expert_lr_scale",
+                expert_lr_scale(s.mode, node_scale).into(),
+                "1 / train.node_lr_scale in SPES: experts at the centralized rate",
+            ),
+            "warmup_steps" => (
+                "train.warmup_steps",
+                (warmup_steps(schedule) as i64).into(),
+                "a tenth of train.t_max, or of train.max_steps",
+            ),
+            "merge_until" => (
+                "sync.merge_until",
+                (until as i64).into(),
+                "three quarters of train.max_steps",
+            ),
+            "merge_every" => (
+                "sync.merge_every",
+                (merge_every(until, s.sync_steps) as i64).into(),
+                "a third of sync.merge_until, on a sync step",
+            ),
+            _ => unreachable!("every rule key is listed"),
+        };
+        let table = doc
+            .entry(section)
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let Some(table) = table.as_table_mut() else {
+            bail!("`{section}` is not a section");
+        };
+        table.insert(key[section.len() + 1..].to_owned(), value.clone());
+        derived.push(Derived { key, value, rule });
+    }
+    Ok(derived)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn tiny(sets: &[&str]) -> RunConfig {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/spes-tiny.toml");
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        RunConfig::load(&path, &sets).unwrap()
+    }
+
+    /// The demo's config states the centralized rate; the rules give back the rates and
+    /// schedule it was tuned with (docs/results/quality.md), to the bit.
+    #[test]
+    fn the_demo_config_derives_its_tuned_values() {
+        let c = tiny(&[]);
+        assert_eq!(c.train.lr, 3e-3);
+        assert_eq!(c.train.node_lr(), 6e-3);
+        assert_eq!(c.train.node_lr() * c.train.expert_lr_scale, 3e-3);
+        assert_eq!(c.train.warmup_steps, 40);
+        assert_eq!((c.sync.merge_every, c.sync.merge_until), (100, 300));
+        let keys: Vec<&str> = c.derived.iter().map(|d| d.key).collect();
+        assert_eq!(
+            keys,
+            [
+                "train.node_lr_scale",
+                "train.expert_lr_scale",
+                "train.warmup_steps",
+                "sync.merge_until",
+                "sync.merge_every"
+            ]
+        );
+        assert_eq!(
+            c.derived[2].to_string(),
+            "train.warmup_steps = 40 (auto: a tenth of train.t_max, or of train.max_steps)"
+        );
+    }
+
+    /// The rules follow the recipe: node count, run length, sync interval and mode.
+    #[test]
+    fn rules_follow_the_recipe() {
+        let c = tiny(&["sync.nodes=8", "train.max_steps=250"]);
+        assert_eq!(c.train.node_lr_scale, 8f64.sqrt());
+        assert_eq!(c.train.expert_lr_scale, 1.0 / 8f64.sqrt());
+        assert_eq!(c.train.warmup_steps, 25);
+        assert_eq!((c.sync.merge_every, c.sync.merge_until), (60, 187));
+        let c = tiny(&["sync.nodes=2", "train.max_steps=1000", "train.t_max=2000"]);
+        assert_eq!(c.train.node_lr_scale, 2f64.sqrt());
+        assert_eq!(c.train.warmup_steps, 200, "a tenth of t_max");
+        let c = tiny(&["sync.mode=diloco"]);
+        assert_eq!((c.train.node_lr_scale, c.train.expert_lr_scale), (2.0, 1.0));
+        let c = tiny(&["sync.mode=centralized", "train.batch_size=16"]);
+        assert_eq!((c.train.node_lr(), c.train.expert_lr_scale), (3e-3, 1.0));
+        assert_eq!(merge_every(10, 5), 5, "at least one sync step");
+    }
+
+    /// Explicit numbers override, "auto" asks for the rule, anything else is refused by key;
+    /// a resolved config parses back to itself with nothing left to derive.
+    #[test]
+    fn explicit_values_override_and_resolved_configs_are_fixed_points() {
+        let c = tiny(&["train.node_lr_scale=1", "sync.merge_every=50"]);
+        assert_eq!(c.train.node_lr(), 3e-3);
+        assert_eq!(c.train.expert_lr_scale, 1.0, "1 / the explicit scale");
+        assert_eq!(c.sync.merge_every, 50);
+        assert!(!c.derived.iter().any(|d| d.key == "sync.merge_every"));
+        let c = tiny(&["train.warmup_steps=\"auto\""]);
+        assert_eq!(c.train.warmup_steps, 40);
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/spes-tiny.toml");
+        let e = RunConfig::load(&path, &["train.warmup_steps=\"soon\"".into()]).unwrap_err();
+        assert!(format!("{e:#}").contains("`train.warmup_steps`: expected a number or \"auto\""));
+        let c = tiny(&["sync.nodes=8"]);
+        let again = RunConfig::parse(&c.to_toml().unwrap(), &[]).unwrap();
+        assert!(again.derived.is_empty());
+        assert_eq!(
+            toml::to_string(&again).unwrap(),
+            toml::to_string(&c).unwrap()
+        );
+        assert!(c
+            .to_toml()
+            .unwrap()
+            .starts_with("# derived by rule (docs/guides/configuration.md#rules):\n# train.node_lr_scale = 2.8284271247461903"));
+    }
+}
