@@ -208,9 +208,9 @@ pub struct SyncConfig {
     /// Fraction of the values trimmed at each end by `aggregate = "trimmed_mean"`.
     pub trim_fraction: f64,
     /// An upload is refused if a tensor's RMS change from the global model exceeds
-    /// `max_update_factor · sync_steps · train.lr` (times `train.expert_lr_scale` when above
-    /// 1). AdamW moves a weight by about `lr` per step (RMS), so honest nodes stay far below
-    /// the default; 0 disables the check.
+    /// `max_update_factor · sync_steps · train.lr · train.node_lr_scale` (times
+    /// `train.expert_lr_scale` when above 1). AdamW moves a weight by about its rate per step
+    /// (RMS), so honest nodes stay far below the default; 0 disables the check.
     pub max_update_factor: f64,
     /// Checkpoint every this many rounds (0: by time only). The server writes its whole
     /// fp32 model and carried state (other rounds it keeps only their published delta); a
