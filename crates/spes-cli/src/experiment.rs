@@ -89,6 +89,9 @@ struct RunSpec {
     set: Vec<String>,
     /// Some of the spec's seeds only (a cheaper screen of a variant); default: all.
     seeds: Option<Vec<u64>>,
+    /// Some of the spec's recipes only (a variant screened where it should matter); default:
+    /// all. Such runs come after the others of their seed.
+    recipes: Option<Vec<String>>,
 }
 
 /// What one run of one seed measured (`<run>/seed-<s>/result.json`).
@@ -227,6 +230,25 @@ impl Spec {
                 );
             }
         }
+        for r in &spec.run {
+            let names = r.recipes.as_deref().unwrap_or_default();
+            if let Some(bad) = names
+                .iter()
+                .find(|n| !spec.recipe.iter().any(|c| c.name == **n))
+            {
+                bail!(
+                    "{}: run `{}`: recipe `{bad}` is not a [[recipe]]",
+                    path.display(),
+                    r.name
+                );
+            }
+            if r.name == baseline && r.recipes.is_some() {
+                bail!(
+                    "{}: the baseline `{baseline}` runs on every recipe",
+                    path.display()
+                );
+            }
+        }
         if !spec.run.iter().any(|r| r.name == baseline) {
             bail!("{}: baseline `{baseline}` is not a run", path.display());
         }
@@ -284,8 +306,15 @@ impl Spec {
         RunConfig::load(&self.config, &all)
     }
 
-    /// The seeds `r` runs on `recipe`: those both list (each default: all the spec's).
+    /// The seeds `r` runs on `recipe`: those both list (each default: all the spec's), none
+    /// where `r` names other recipes.
     fn seeds_of(&self, recipe: &Recipe, r: &RunSpec) -> Vec<u64> {
+        if r.recipes
+            .as_ref()
+            .is_some_and(|l| !l.contains(&recipe.name))
+        {
+            return Vec::new();
+        }
         let listed = |s: &Option<Vec<u64>>, x: &u64| s.as_ref().is_none_or(|l| l.contains(x));
         self.seeds
             .iter()
@@ -372,11 +401,12 @@ fn run(spec_path: &Path, out: &Path, device: tch::Device, device_arg: &str) -> R
         &out.join("spec.toml"),
         &std::fs::read(spec_path).context("cannot copy the spec")?,
     )?;
-    let cells: Vec<(&Recipe, &RunSpec)> = spec
+    let mut cells: Vec<(&Recipe, &RunSpec)> = spec
         .recipe
         .iter()
         .flat_map(|c| spec.run.iter().map(move |r| (c, r)))
         .collect();
+    cells.sort_by_key(|(_, r)| r.recipes.is_some());
     let total: usize = cells.iter().map(|(c, r)| spec.seeds_of(c, r).len()).sum();
     let mut done = 0;
     for &seed in &spec.seeds {
@@ -677,6 +707,12 @@ fn summarize(spec: &Spec, out: &Path) -> Result<()> {
             );
         }
         for (r, rs) in spec.run.iter().zip(&results) {
+            if rs.is_empty() {
+                if grid {
+                    grid_md += " — |";
+                }
+                continue;
+            }
             let col = |f: &dyn Fn(&RunResult) -> f64| rs.iter().map(f).collect::<Vec<f64>>();
             let n = rs.len();
             let final_ce = mean_spread(&col(&|x| x.final_ce));
@@ -732,6 +768,7 @@ fn summarize(spec: &Spec, out: &Path) -> Result<()> {
             .run
             .iter()
             .zip(&results)
+            .filter(|(_, rs)| !rs.is_empty())
             .map(|(r, rs)| {
                 let curve = mean_curve(rs).into_iter().filter(|p| p.0 >= from);
                 (r.name.clone(), curve.collect())
@@ -815,5 +852,80 @@ mod tests {
             checked += 1;
         }
         assert!(checked >= 4, "only {checked} specs in {}", dir.display());
+    }
+
+    /// A grid: every run on every recipe (or those it names), each recipe's baseline with its
+    /// own overrides, seeds narrowed by recipe and run, and budgets checked per recipe.
+    #[test]
+    fn a_grid_crosses_runs_with_recipes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/spes-tiny.toml");
+        std::fs::write(tmp.path().join("a.txt"), "text").unwrap();
+        let spec = |central_batch: u32| {
+            format!(
+                r#"config = {config:?}
+seeds = [0, 1]
+baseline = "c"
+[data]
+inputs = ["a.txt"]
+[[run]]
+name = "c"
+set = ["sync.mode=centralized"]
+[[run]]
+name = "s"
+set = ["sync.mode=spes"]
+[[run]]
+name = "v"
+seeds = [0]
+recipes = ["two"]
+set = ["sync.mode=spes", "sync.merge_every=0"]
+[[recipe]]
+name = "four"
+set = ["sync.nodes=4", "train.max_steps=250"]
+baseline_set = ["train.batch_size=16"]
+[[recipe]]
+name = "two"
+seeds = [1]
+set = ["sync.nodes=2", "train.max_steps=500"]
+baseline_set = ["train.batch_size={central_batch}"]
+"#,
+                config = config.display().to_string(),
+            )
+        };
+        let path = tmp.path().join("grid.toml");
+        std::fs::write(&path, spec(7)).unwrap();
+        let e = format!("{:#}", Spec::load(&path).unwrap_err());
+        assert!(
+            e.contains("run `s` of recipe `two` trains on 1024000 tokens, `c` on 896000"),
+            "{e}"
+        );
+        std::fs::write(&path, spec(8)).unwrap();
+        let g = Spec::load(&path).unwrap();
+        assert!(g.is_grid());
+        let (four, two) = (&g.recipe[0], &g.recipe[1]);
+        let [c, s, v] = [&g.run[0], &g.run[1], &g.run[2]];
+        assert_eq!(g.seeds_of(four, s), [0, 1]);
+        assert_eq!(g.seeds_of(two, s), [1]);
+        assert!(g.seeds_of(four, v).is_empty(), "v runs on `two` only");
+        assert!(
+            g.seeds_of(two, v).is_empty(),
+            "v's seed 0 is not one of `two`'s"
+        );
+        let at = |r, run| g.config_of(r, run, Path::new("d"), 0).unwrap();
+        assert_eq!(at(two, c).train.batch_size, 8, "the baseline's own batch");
+        assert_eq!(at(two, s).train.batch_size, 4, "the config's");
+        assert_eq!(
+            at(two, s).train.node_lr_scale,
+            2f64.sqrt(),
+            "rules see the recipe"
+        );
+        assert_eq!(g.dir_of(Path::new("o"), two, s), Path::new("o/two/s"));
+        let bad = spec(8).replace("recipes = [\"two\"]", "recipes = [\"three\"]");
+        std::fs::write(&path, bad).unwrap();
+        let e = format!("{:#}", Spec::load(&path).unwrap_err());
+        assert!(
+            e.contains("run `v`: recipe `three` is not a [[recipe]]"),
+            "{e}"
+        );
     }
 }

@@ -6,6 +6,6 @@ pub mod model;
 
 pub use config::{ModelConfig, NormPlacement, ParamCounts, QkNorm, PRESETS};
 pub use model::{
-    define_grads, expert_tensor_name, load_balancing_loss, LossWeights, Losses, MoeKernel,
-    MoeModel, Param, Role, Stage, EXPERT_PARTS,
+    define_grads, expert_tensor_name, load_balancing_loss, router_tensor_name, LossWeights, Losses,
+    MoeKernel, MoeModel, Param, Role, Stage, EXPERT_PARTS,
 };

@@ -35,6 +35,11 @@ pub fn expert_tensor_name(layer: usize, index: usize, part: &str) -> String {
     format!("model.layers.{layer}.mlp.experts.{index}.{part}.weight")
 }
 
+/// The name of layer `layer`'s router (`[E, d]`: row i scores expert i).
+pub fn router_tensor_name(layer: usize) -> String {
+    format!("model.layers.{layer}.mlp.gate.weight")
+}
+
 struct Expert {
     gate: Tensor, // W1 [hidden, d]
     up: Tensor,   // V1 [hidden, d]
@@ -1017,7 +1022,7 @@ impl MoeModel {
                 push(format!("{p}.self_attn.k_norm.weight"), s, kn);
             }
             push(format!("{p}.{ffn_norm}.weight"), s, &layer.ffn_norm);
-            push(format!("{p}.mlp.gate.weight"), s, &layer.router);
+            push(router_tensor_name(l), s, &layer.router);
             for (i, ex) in layer.experts.iter().enumerate() {
                 let role = Role::Expert { layer: l, index: i };
                 for (part, t) in EXPERT_PARTS.iter().zip([&ex.gate, &ex.up, &ex.down]) {

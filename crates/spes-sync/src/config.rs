@@ -74,6 +74,17 @@ impl Wire {
     }
 }
 
+/// What the merge warm-up compares to find each expert's most similar ones.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MergeSimilarity {
+    /// The cosine of the experts' flattened gate matrices (the published algorithm).
+    #[default]
+    Experts,
+    /// The cosine of their router rows: experts the router sends alike tokens to.
+    Router,
+}
+
 /// Where a node keeps what a lossy wire has not sent yet (error feedback).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -230,6 +241,9 @@ pub struct SyncConfig {
     pub merge_alpha: f64,
     pub merge_until: u64,
     pub merge_top_k: usize,
+    /// "experts" (default: gate matrices, as published) or "router" (router rows): what the
+    /// merge compares ([`MergeSimilarity`]).
+    pub merge_similarity: MergeSimilarity,
     /// The server's outer optimizer on each round's change of the averaged (shared) tensors,
     /// DiLoCo's `θ ← θ + lr·(Δ + μ·m)` with `m ← μ·m + Δ` ([`crate::outer`]): learning rate,
     /// momentum μ in [0, 1), and Nesterov (else heavy-ball `θ ← θ + lr·m`). lr 1 with μ 0 is
@@ -292,6 +306,7 @@ impl Default for SyncConfig {
             merge_alpha: 0.01,
             merge_until: 10_000,
             merge_top_k: 4,
+            merge_similarity: MergeSimilarity::Experts,
             outer_lr: 1.0,
             outer_momentum: 0.0,
             outer_nesterov: true,

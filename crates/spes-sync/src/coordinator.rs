@@ -945,7 +945,13 @@ impl Coordinator {
                         (name.clone(), v)
                     })
                     .collect();
-                let merges = merge_experts(&mut values, &self.layout, self.cfg.merge_top_k, alpha);
+                let merges = merge_experts(
+                    &mut values,
+                    &self.layout,
+                    self.cfg.merge_top_k,
+                    alpha,
+                    self.cfg.merge_similarity,
+                );
                 // The merge replaced every expert it touched: its change is now from the base.
                 for ((n, (_, value)), (_, base)) in next.iter_mut().zip(values).zip(&self.global) {
                     if value.data_ptr() != base.data_ptr() {

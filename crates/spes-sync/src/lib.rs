@@ -19,7 +19,9 @@ pub mod replica;
 pub mod round;
 
 pub use budget::Work;
-pub use config::{AggregateRule, AverageBy, Feedback, Mode, RoundBy, SyncConfig, Wire};
+pub use config::{
+    AggregateRule, AverageBy, Feedback, MergeSimilarity, Mode, RoundBy, SyncConfig, Wire,
+};
 pub use coordinator::{Coordinator, PeerWork, RoundError, RoundReport, Standing, Start};
 pub use delta::{Delta, Deltas, RoundDelta};
 pub use named::{Layout, Named};

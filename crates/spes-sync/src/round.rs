@@ -5,13 +5,13 @@
 //! Uploads are folded into running sums as they arrive, so the server holds one model's worth of
 //! accumulators however many nodes there are.
 
-use crate::config::{AggregateRule, SyncConfig};
+use crate::config::{AggregateRule, MergeSimilarity, SyncConfig};
 use crate::delta::{Delta, Deltas};
 use crate::named::{Layout, Named};
 use crate::ownership::{Claims, Ownership};
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
-use spes_model::{expert_tensor_name, Role, EXPERT_PARTS};
+use spes_model::{expert_tensor_name, router_tensor_name, Role, EXPERT_PARTS};
 use std::collections::{BTreeSet, HashMap};
 use tch::{Kind, Tensor};
 
@@ -442,13 +442,15 @@ pub struct MergeEvent {
 }
 
 /// `ψ_i ← ψ_i + α·mean_{j∈N(i)}(ψ_j − ψ_i)` for every expert of every layer, where N(i) are the
-/// `top_k` experts whose flattened gate matrices have the highest cosine similarity to i's.
-/// All experts of a layer are updated from the pre-merge values.
+/// `top_k` experts whose flattened gate matrices (or router rows, by `similarity`) have the
+/// highest cosine similarity to i's. All experts of a layer are updated from the pre-merge
+/// values.
 pub fn merge_experts(
     global: &mut Named,
     layout: &Layout,
     top_k: usize,
     alpha: f64,
+    similarity: MergeSimilarity,
 ) -> Vec<MergeEvent> {
     let e = layout.n_experts;
     let k = top_k.min(e.saturating_sub(1));
@@ -480,8 +482,14 @@ pub fn merge_experts(
                     Tensor::stack(&ts, 0)
                 })
                 .collect();
-            let gate = stacked[0].view([e as i64, -1]);
-            let unit = &gate / gate.norm_scalaropt_dim(2, [1], true).clamp_min(1e-12);
+            let view = match similarity {
+                MergeSimilarity::Experts => stacked[0].view([e as i64, -1]),
+                // A shard holds whole layers, router included.
+                MergeSimilarity::Router => global[index[&router_tensor_name(layer)]]
+                    .1
+                    .to_kind(Kind::Float),
+            };
+            let unit = &view / view.norm_scalaropt_dim(2, [1], true).clamp_min(1e-12);
             let mut sim = unit.matmul(&unit.tr());
             let _ = sim.fill_diagonal_(f64::NEG_INFINITY, false);
             let (_, nbr) = sim.topk(k as i64, 1, true, true);

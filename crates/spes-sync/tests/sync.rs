@@ -8,8 +8,8 @@ use common::*;
 use spes_model::{expert_tensor_name, MoeModel, Role};
 use spes_sync::{
     delta, merge_experts, validate, AggregateRule, Aggregator, Combined, Coordinator, Delta,
-    Deltas, Layout, Mode, Named, Ownership, Published, Replica, RoundError, Scope, Standing, Start,
-    SyncConfig, Wire, Work, UNOWNED,
+    Deltas, Layout, MergeSimilarity, Mode, Named, Ownership, Published, Replica, RoundError, Scope,
+    Standing, Start, SyncConfig, Wire, Work, UNOWNED,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use tch::{Device, Kind, Tensor};
@@ -269,7 +269,11 @@ fn merge_mixes_each_expert_with_its_most_similar_from_pre_merge_values() {
             Tensor::full([4, 2], i as f64, (Kind::Float, Device::Cpu)),
         );
     }
-    let events = merge_experts(&mut g, &layout, 2, 0.5);
+    let before = g
+        .iter()
+        .map(|(n, t)| (n.clone(), t.copy()))
+        .collect::<Named>();
+    let events = merge_experts(&mut g, &layout, 2, 0.5, MergeSimilarity::Experts);
     assert_eq!(events.len(), 4);
     // cos: C01=.8 C02=.0995 C03=-1 C12=.677 C13=-.8 C23=-.0995.
     assert_eq!(events[0].neighbours, vec![1, 2]);
@@ -287,6 +291,31 @@ fn merge_mixes_each_expert_with_its_most_similar_from_pre_merge_values() {
     // The gate itself merges too: expert 0's first entry 1 + 0.5·((0.8 + 0.1)/2 − 1).
     let gate0 = scalar(get(&g, &expert_tensor_name(0, 0, "gate_proj")));
     assert!((gate0 - 0.725).abs() < 1e-6, "{gate0}");
+
+    // By the router's view: rows that pair 0 with 3 and 1 with 2, whatever the gates say.
+    let mut g = before;
+    let rows = [[1.0f32, 0.0], [0.0, 1.0], [0.1, 1.0], [1.0, 0.1]];
+    let router = Tensor::zeros([4, 2], (Kind::Float, Device::Cpu));
+    for (i, r) in rows.iter().enumerate() {
+        router.get(i as i64).copy_(&Tensor::from_slice(r));
+    }
+    let name = spes_model::router_tensor_name(0);
+    let slot = g
+        .iter_mut()
+        .find(|(n, _)| *n == name)
+        .expect("layer 0's router");
+    slot.1 = router
+        .view([4, 2])
+        .pad([0, slot.1.size()[1] - 2], "constant", Some(0.0));
+    let events = merge_experts(&mut g, &layout, 1, 0.5, MergeSimilarity::Router);
+    let nearest: Vec<usize> = events.iter().map(|e| e.neighbours[0]).collect();
+    assert_eq!(nearest, vec![3, 2, 1, 0]);
+    let up0 = scalar(get(&g, &expert_tensor_name(0, 0, "up_proj")));
+    assert_eq!(
+        up0,
+        0.0 + 0.5 * (30.0 - 0.0),
+        "merged with expert 3 by the router's view"
+    );
 }
 
 #[test]
