@@ -90,7 +90,7 @@ struct RunSpec {
     /// Some of the spec's seeds only (a cheaper screen of a variant); default: all.
     seeds: Option<Vec<u64>>,
     /// Some of the spec's recipes only (a variant screened where it should matter); default:
-    /// all. Such runs come after the others of their seed.
+    /// all.
     recipes: Option<Vec<String>>,
 }
 
@@ -401,12 +401,11 @@ fn run(spec_path: &Path, out: &Path, device: tch::Device, device_arg: &str) -> R
         &out.join("spec.toml"),
         &std::fs::read(spec_path).context("cannot copy the spec")?,
     )?;
-    let mut cells: Vec<(&Recipe, &RunSpec)> = spec
+    let cells: Vec<(&Recipe, &RunSpec)> = spec
         .recipe
         .iter()
         .flat_map(|c| spec.run.iter().map(move |r| (c, r)))
         .collect();
-    cells.sort_by_key(|(_, r)| r.recipes.is_some());
     let total: usize = cells.iter().map(|(c, r)| spec.seeds_of(c, r).len()).sum();
     let mut done = 0;
     for &seed in &spec.seeds {
