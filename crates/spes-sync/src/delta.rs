@@ -105,18 +105,33 @@ impl Delta {
         })
     }
 
-    /// In place: `sum ← sum + f32(self)` up to rounding: the server's sum of uploads, whose bits
-    /// no node recomputes. Low-rank factors go through one matrix product (BLAS), several times
-    /// faster than the ordered per-value formula of [`Delta::apply_`]; every other form is added
-    /// as there.
+    /// In place: `sum ← sum + f32(self)`: the server's sum of uploads, whose bits no node
+    /// recomputes. Low-rank factors go through one matrix product (BLAS), several times faster
+    /// than the ordered per-value formula of [`Delta::apply_`], in the sum's own kind (fp64 for
+    /// them: [`Delta::sum_kind`]); every other form is added as there.
     pub fn fold_into(&self, sum: &mut Tensor) {
         match self {
             Delta::LowRank(l) => tch::no_grad(|| {
                 let (u, v) = l.decoded(sum.device());
-                let f = l.factors;
-                let _ = sum.view([f.rows, f.cols]).addmm_(&u.tr(), &v);
+                let (f, k) = (l.factors, sum.kind());
+                let _ = sum
+                    .view([f.rows, f.cols])
+                    .addmm_(&u.tr().to_kind(k), &v.to_kind(k));
             }),
             other => other.apply_(sum),
+        }
+    }
+
+    /// The kind a sum of such deltas is kept in so that it comes out the same whatever order
+    /// the uploads arrive in. Bf16 values and quantized levels (a few significant bits each)
+    /// add exactly in fp32; a low-rank product has full fp32 significands, so an fp32 sum of
+    /// several would round differently in another order and a run would not repeat. In fp64
+    /// the products of the factors' codes (4-bit codes times bf16 scales: 24 significant bits
+    /// at most) and their sums over a round are exact.
+    pub fn sum_kind(&self) -> Kind {
+        match self {
+            Delta::LowRank(_) => Kind::Double,
+            _ => Kind::Float,
         }
     }
 

@@ -112,6 +112,8 @@ pub struct Aggregator {
     /// `sync.aggregate` and `sync.trim_fraction`.
     rule: AggregateRule,
     trim_fraction: f64,
+    /// Each averaged tensor's running sum: fp32, or fp64 where its terms would round
+    /// differently in another order ([`Delta::sum_kind`]).
     sums: HashMap<String, Tensor>,
     /// Robust rules keep every upload of an averaged tensor until the round closes.
     kept: HashMap<String, Vec<Tensor>>,
@@ -328,6 +330,9 @@ impl Aggregator {
                         Delta::Value(t) | Delta::Dense(t) => t.to_kind(Kind::Float) * weight,
                         compressed => compressed.folded_f32(&zeros()) * weight,
                     };
+                    // Weighted terms have full significands: fp64 keeps their sum exact, so
+                    // the same in any order of arrival.
+                    let scaled = scaled.to_kind(Kind::Double);
                     match self.sums.get_mut(&name) {
                         Some(sum) => {
                             let _ = sum.g_add_(&scaled);
@@ -353,7 +358,8 @@ impl Aggregator {
                         self.sums.insert(name, own_f32(t));
                     }
                     (None, compressed) => {
-                        let mut sum = zeros();
+                        let mut sum =
+                            Tensor::zeros(shape.as_slice(), (compressed.sum_kind(), d.device()));
                         compressed.fold_into(&mut sum);
                         self.sums.insert(name, sum);
                     }
@@ -396,7 +402,7 @@ impl Aggregator {
             .into_iter()
             .map(|(name, mut sum)| {
                 let _ = sum.g_div_scalar_(divisor);
-                (name, sum)
+                (name, sum.to_kind(Kind::Float))
             })
             .collect();
         averaged.extend(

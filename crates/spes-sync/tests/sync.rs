@@ -1176,3 +1176,54 @@ fn rounds_by_tokens_give_a_slow_node_fewer_experts_and_noise_moves_none() {
         vec![4, 4, 4, 4]
     );
 }
+
+/// The server folds uploads in as they arrive; a round's average must not depend on that order,
+/// or two runs of one seed would drift apart (low-rank products carry full fp32 significands,
+/// whose fp32 sums round by order).
+#[test]
+fn a_round_of_low_rank_uploads_averages_to_the_same_bits_in_any_order_of_arrival() {
+    let m = sized(1, 4, 64);
+    let layout = Layout::of(&m);
+    let scope = Scope::Spes(Ownership::resolve(&[], 4, 4).unwrap());
+    let cfg = SyncConfig {
+        wire: Wire::LowrankDelta,
+        rank: 16,
+        ..cfg()
+    };
+    let uploads: Vec<Named> = (0..4)
+        .map(|peer| {
+            // Changes of every rank and sign, without the global generator parallel tests share.
+            upload(&layout, &scope, peer, 0.0)
+                .into_iter()
+                .map(|(n, t)| {
+                    let x = Tensor::arange(t.numel() as i64, (Kind::Float, Device::Cpu));
+                    let scale = [1e-3, 3.7e-3, 1.3e-5, 2.9e-2][peer];
+                    let change = ((&x * &x * 1e-3 + peer as f64).sin() * scale).view_as(&t);
+                    (n, change)
+                })
+                .collect()
+        })
+        .collect();
+    let average = |order: &[usize]| {
+        let mut agg = Aggregator::new(scope.clone(), &cfg);
+        for &peer in order {
+            let deltas: Deltas = uploads[peer]
+                .iter()
+                .map(|(n, t)| (n.clone(), Delta::of_change(t, &cfg, 1)))
+                .collect();
+            agg.add(&layout, peer, deltas, 1.0).unwrap();
+        }
+        agg.finish().averaged
+    };
+    let (a, b) = (average(&[0, 1, 2, 3]), average(&[3, 1, 0, 2]));
+    let name = "model.layers.0.self_attn.q_proj.weight";
+    assert!(matches!(
+        Delta::of_change(get(&uploads[0], name), &cfg, 1),
+        Delta::LowRank(_)
+    ));
+    assert_eq!(a.len(), b.len());
+    for (n, t) in &a {
+        assert_eq!(t.kind(), Kind::Float, "{n}");
+        assert!(t.equal(&b[n]), "{n} differs by arrival order");
+    }
+}
