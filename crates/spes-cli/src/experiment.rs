@@ -372,6 +372,10 @@ pub struct Args {
     /// The experiment spec (TOML).
     #[arg(long)]
     pub spec: PathBuf,
+    /// Train nothing: write the tables and plots of the runs finished so far (a grid takes
+    /// hours; a recipe whose baseline has not finished is left out).
+    #[arg(long)]
+    pub summarize: bool,
     #[arg(long, default_value = "runs/experiment")]
     pub out: PathBuf,
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
@@ -380,6 +384,9 @@ pub struct Args {
 
 /// `spes experiment`.
 pub fn command(a: Args) -> Result<()> {
+    if a.summarize {
+        return summarize(&Spec::load(&a.spec)?, &a.out);
+    }
     let device = crate::device::select(a.device)?;
     run(&a.spec, &a.out, device, &a.device.arg()).map_err(|e| {
         if e.is::<demo::Interrupted>() {
@@ -666,24 +673,41 @@ fn summarize(spec: &Spec, out: &Path) -> Result<()> {
             }
             texts_header = Some(texts.clone());
         }
-        let mut results: Vec<Vec<RunResult>> = Vec::new();
-        for r in &spec.run {
-            let mut per_seed = Vec::new();
-            for seed in spec.seeds_of(recipe, r) {
-                let path = spec
-                    .dir_of(out, recipe, r)
-                    .join(format!("seed-{seed}/result.json"));
-                let text = std::fs::read_to_string(&path)
-                    .with_context(|| format!("cannot read {}", path.display()))?;
-                per_seed.push(serde_json::from_str(&text)?);
-            }
-            results.push(per_seed);
-        }
         let base = spec
             .run
             .iter()
             .position(|r| r.name == spec.baseline())
             .expect("checked by load");
+        // Finished runs only (a result.json), and of each seed only where the baseline's is
+        // finished too, so that a grid still training can be summarized.
+        let finished = |r: &RunSpec| -> Result<Vec<RunResult>> {
+            let mut per_seed = Vec::new();
+            for seed in spec.seeds_of(recipe, r) {
+                let path = spec
+                    .dir_of(out, recipe, r)
+                    .join(format!("seed-{seed}/result.json"));
+                if !path.exists() {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path)
+                    .with_context(|| format!("cannot read {}", path.display()))?;
+                per_seed.push(
+                    serde_json::from_str(&text)
+                        .with_context(|| format!("{} is not a run's result", path.display()))?,
+                );
+            }
+            Ok(per_seed)
+        };
+        let baseline = finished(&spec.run[base])?;
+        if baseline.is_empty() {
+            continue;
+        }
+        let mut results: Vec<Vec<RunResult>> = Vec::new();
+        for r in &spec.run {
+            let mut per_seed = finished(r)?;
+            per_seed.retain(|a: &RunResult| baseline.iter().any(|b| b.seed == a.seed));
+            results.push(per_seed);
+        }
         // Each seed's value over the baseline's of the same seed.
         let ratios = |rs: &[RunResult], f: &dyn Fn(&RunResult) -> f64| -> Vec<f64> {
             rs.iter()
@@ -926,5 +950,45 @@ baseline_set = ["train.batch_size={central_batch}"]
             e.contains("run `v`: recipe `three` is not a [[recipe]]"),
             "{e}"
         );
+
+        // A grid still training summarizes what has finished: `four` with the seed its
+        // baseline has, not `two`, whose baseline has not finished.
+        std::fs::write(&path, spec(8)).unwrap();
+        let out = tmp.path().join("out");
+        let finish = |recipe: &Recipe, r: &RunSpec, seed: u64, ce: f64| {
+            let dir = g.dir_of(&out, recipe, r).join(format!("seed-{seed}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            let res = RunResult {
+                name: r.name.clone(),
+                seed,
+                mode: Mode::Spes,
+                tokens: 1_024_000,
+                final_ce: ce,
+                best_ce: ce,
+                curve: vec![(0.0, 9.0), (1_024_000.0, ce)],
+                held_out_ce: vec![],
+                held_out_bpb: vec![],
+                val_ce: Some(ce),
+                wall_s: 1.0,
+                optimizer_bytes: 0,
+                bytes_per_round: 0.0,
+            };
+            std::fs::write(
+                dir.join("result.json"),
+                serde_json::to_string(&res).unwrap(),
+            )
+            .unwrap();
+        };
+        finish(four, c, 0, 4.0);
+        finish(four, s, 0, 4.2);
+        finish(four, s, 1, 9.9);
+        finish(two, s, 1, 5.0);
+        summarize(&g, &out).unwrap();
+        let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+        assert!(
+            md.contains("| four |  | 1024000 | 4.0000 | 1.0500 (1) | — |"),
+            "{md}"
+        );
+        assert!(!md.contains("| two |"), "{md}");
     }
 }
