@@ -12,7 +12,7 @@ use crate::ownership::{Claims, Ownership};
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use spes_model::{expert_tensor_name, router_tensor_name, Role, EXPERT_PARTS};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use tch::{Kind, Tensor};
 
 /// What each node uploads and how the server combines it, for one round's members.
@@ -126,9 +126,10 @@ pub struct Aggregator {
     /// (`None`: every upload counts once, the sums are plain).
     weights: Option<f64>,
     scratch: Scratch,
-    /// With [`Aggregator::with_spread`]: per averaged tensor, the sum over uploads of the
-    /// squared norm of each uploaded delta.
-    spread: Option<HashMap<String, f64>>,
+    /// With [`Aggregator::with_spread`]: per averaged tensor, the squared norm of each peer's
+    /// uploaded delta, summed in peer order at the end so the result is the same in any order
+    /// of arrival.
+    spread: Option<HashMap<String, BTreeMap<usize, f64>>>,
 }
 
 /// An fp32 buffer reused across the tensors of a round.
@@ -315,7 +316,10 @@ impl Aggregator {
                     }
                     .norm_scalaropt_dtype(2, Kind::Float)
                     .double_value(&[]);
-                    *spread.entry(name.clone()).or_default() += norm * norm;
+                    spread
+                        .entry(name.clone())
+                        .or_default()
+                        .insert(peer, norm * norm);
                 }
                 if self.rule != AggregateRule::Mean {
                     let all = self.kept.entry(name).or_default();
@@ -395,7 +399,7 @@ impl Aggregator {
             .spread
             .unwrap_or_default()
             .into_iter()
-            .map(|(name, sum)| (name, sum / n.max(1) as f64))
+            .map(|(name, per_peer)| (name, per_peer.values().sum::<f64>() / n.max(1) as f64))
             .collect();
         let mut averaged: HashMap<String, Tensor> = self
             .sums

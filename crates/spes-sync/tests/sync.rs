@@ -1205,7 +1205,7 @@ fn a_round_of_low_rank_uploads_averages_to_the_same_bits_in_any_order_of_arrival
         })
         .collect();
     let average = |order: &[usize]| {
-        let mut agg = Aggregator::new(scope.clone(), &cfg);
+        let mut agg = Aggregator::new(scope.clone(), &cfg).with_spread(true);
         for &peer in order {
             let deltas: Deltas = uploads[peer]
                 .iter()
@@ -1213,9 +1213,11 @@ fn a_round_of_low_rank_uploads_averages_to_the_same_bits_in_any_order_of_arrival
                 .collect();
             agg.add(&layout, peer, deltas, 1.0).unwrap();
         }
-        agg.finish().averaged
+        agg.finish()
     };
     let (a, b) = (average(&[0, 1, 2, 3]), average(&[3, 1, 0, 2]));
+    assert_eq!(a.spread, b.spread, "the uploads' spread, summed by peer");
+    let (a, b) = (a.averaged, b.averaged);
     let name = "model.layers.0.self_attn.q_proj.weight";
     assert!(matches!(
         Delta::of_change(get(&uploads[0], name), &cfg, 1),
