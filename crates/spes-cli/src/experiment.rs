@@ -698,15 +698,13 @@ fn summarize(spec: &Spec, out: &Path) -> Result<()> {
             }
             Ok(per_seed)
         };
-        let baseline = finished(&spec.run[base])?;
-        if baseline.is_empty() {
+        let mut results = spec.run.iter().map(finished).collect::<Result<Vec<_>>>()?;
+        let baseline_seeds: Vec<u64> = results[base].iter().map(|b| b.seed).collect();
+        if baseline_seeds.is_empty() {
             continue;
         }
-        let mut results: Vec<Vec<RunResult>> = Vec::new();
-        for r in &spec.run {
-            let mut per_seed = finished(r)?;
-            per_seed.retain(|a: &RunResult| baseline.iter().any(|b| b.seed == a.seed));
-            results.push(per_seed);
+        for per_seed in &mut results {
+            per_seed.retain(|a| baseline_seeds.contains(&a.seed));
         }
         // Each seed's value over the baseline's of the same seed.
         let ratios = |rs: &[RunResult], f: &dyn Fn(&RunResult) -> f64| -> Vec<f64> {
@@ -953,7 +951,6 @@ baseline_set = ["train.batch_size={central_batch}"]
 
         // A grid still training summarizes what has finished: `four` with the seed its
         // baseline has, not `two`, whose baseline has not finished.
-        std::fs::write(&path, spec(8)).unwrap();
         let out = tmp.path().join("out");
         let finish = |recipe: &Recipe, r: &RunSpec, seed: u64, ce: f64| {
             let dir = g.dir_of(&out, recipe, r).join(format!("seed-{seed}"));

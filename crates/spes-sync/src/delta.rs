@@ -128,7 +128,7 @@ impl Delta {
     /// several would round differently in another order and a run would not repeat. In fp64
     /// the products of the factors' codes (4-bit codes times bf16 scales: 24 significant bits
     /// at most) and their sums over a round are exact.
-    pub fn sum_kind(&self) -> Kind {
+    pub(crate) fn sum_kind(&self) -> Kind {
         match self {
             Delta::LowRank(_) => Kind::Double,
             _ => Kind::Float,
