@@ -170,9 +170,10 @@ impl WireOption {
 }
 
 /// Billions of dense-equivalent values per second one 2-core server folds of low-rank uploads
-/// at rank 16 (`spes bench-sync --presets 1b --nodes 16`, release build: 2.47;
+/// at rank 16, its sums in fp64 so that any order of arrival gives the same bits
+/// (`spes bench-sync --presets 1b --nodes 16`, release build: 1.12 and 1.30;
 /// docs/results/sync-cost.md).
-pub const LOWRANK_GVPS: f64 = 2.4;
+pub const LOWRANK_GVPS: f64 = 1.2;
 
 /// Billions of values per second one 2-core server encodes a round's change at for a lossy
 /// wire's download (quantizing or factoring every value it publishes; the same bench's close
