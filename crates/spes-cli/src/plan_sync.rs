@@ -42,8 +42,8 @@ pub struct Args {
     #[arg(long, default_value_t = 1.0)]
     aggregate_gbps: f64,
     /// Billions of values per second the server decodes and folds of quantized uploads (each
-    /// value sent; `spes bench-sync` measures 0.3–0.5 on 2 cores).
-    #[arg(long, default_value_t = 0.5)]
+    /// value sent; `spes bench-sync` measures it).
+    #[arg(long, default_value_t = LOSSY_GVPS)]
     lossy_gvps: f64,
     /// The same for sparse uploads (`spes bench-sync` measures it).
     #[arg(long, default_value_t = SPARSE_GVPS)]
@@ -68,6 +68,11 @@ pub struct Args {
 
 /// Billions of values per second one 2-core server folds of sparse uploads (`spes bench-sync`).
 pub const SPARSE_GVPS: f64 = 0.9;
+
+/// Billions of values per second one 2-core server folds of 2-bit uploads of `1b`
+/// (`spes bench-sync --presets 1b --nodes 16`, release build: 1.22 and 1.00;
+/// docs/results/sync-cost.md). `tiny`'s small matrices fold slower (`spes bench-link` assumes 0.5).
+pub const LOSSY_GVPS: f64 = 1.0;
 
 pub use spes_net::plan::{ENCODE_GVPS, LOWRANK_GVPS};
 
