@@ -12,6 +12,6 @@ pub mod shard;
 pub mod testing;
 pub mod tokenize;
 
-pub use loader::{Loader, Source, ValWindows};
+pub use loader::{Loader, Share, Source, ValWindows};
 pub use shard::{Manifest, Part, TokenDtype};
 pub use tokenize::{tokenize, TokenizeOptions, TokenizeReport, TokenizerSource};

@@ -183,14 +183,40 @@ fn source_seed(seed: u64, k: usize, m: &Manifest) -> u64 {
     }
 }
 
+/// Which draws of the seeded stream one reader takes: every `of`-th, from the `index`-th. The
+/// `of` readers of one seed together read the stream a single reader would, each window once
+/// an epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Share {
+    pub index: u64,
+    pub of: u64,
+}
+
+impl Share {
+    /// The whole stream.
+    pub const WHOLE: Share = Share { index: 0, of: 1 };
+}
+
+impl Default for Share {
+    fn default() -> Self {
+        Share::WHOLE
+    }
+}
+
 /// Training windows in a seeded shuffled order, resumable from any position.
 pub struct Loader {
     sources: Vec<Windows>,
     /// Each source's permutation seed.
     seeds: Vec<u64>,
     schedule: Schedule,
-    /// Windows drawn from each source so far.
+    share: Share,
+    /// Draws of each source among the stream's first `stream` draws (this reader's and the
+    /// other readers' of its share).
+    counts: Vec<u64>,
+    stream: u64,
+    /// Windows this reader drew from each source so far.
     drawn: Vec<u64>,
+    /// Windows this reader consumed.
     position: u64,
 }
 
@@ -206,6 +232,24 @@ impl Loader {
 
     /// Opens the train splits of a weighted mixture of tokenized directories.
     pub fn open_mixture(sources: &[Source], seq: usize, seed: u64, position: u64) -> Result<Self> {
+        Self::open_share(sources, seq, seed, position, Share::WHOLE)
+    }
+
+    /// [`Loader::open_mixture`] for one reader of `share`, `position` counting its own windows.
+    pub fn open_share(
+        sources: &[Source],
+        seq: usize,
+        seed: u64,
+        position: u64,
+        share: Share,
+    ) -> Result<Self> {
+        if share.of == 0 || share.index >= share.of {
+            bail!(
+                "a reader's share must be index < of, got {} of {}",
+                share.index,
+                share.of
+            );
+        }
         let manifests = open_sources(sources)?;
         let mut streams = Vec::with_capacity(sources.len());
         for (s, m) in sources.iter().zip(&manifests) {
@@ -222,7 +266,14 @@ impl Loader {
         }
         let weights: Vec<f64> = sources.iter().map(|s| s.weight).collect();
         let schedule = Schedule::new(&weights, seed);
-        let drawn = schedule.counts_at(position);
+        let stream = position * share.of + share.index;
+        let counts = schedule.counts_at(stream);
+        let mut drawn = vec![0; streams.len()];
+        if share == Share::WHOLE {
+            drawn.clone_from(&counts);
+        } else {
+            (0..position).for_each(|i| drawn[schedule.source_of(i * share.of + share.index)] += 1);
+        }
         let seeds = manifests
             .iter()
             .enumerate()
@@ -232,6 +283,9 @@ impl Loader {
             sources: streams,
             seeds,
             schedule,
+            share,
+            counts,
+            stream,
             drawn,
             position,
         })
@@ -242,12 +296,24 @@ impl Loader {
         let seq = self.sources[0].seq;
         let mut out = Vec::with_capacity(batch * (seq + 1));
         for _ in 0..batch {
-            let k = self.schedule.source_of(self.position);
+            let at = self.position * self.share.of + self.share.index;
+            // The other readers' draws in between, counted so that each source's epoch and
+            // place in it are the stream's.
+            if self.counts.len() == 1 {
+                self.counts[0] = at;
+            } else {
+                for i in self.stream..at {
+                    self.counts[self.schedule.source_of(i)] += 1;
+                }
+            }
+            let k = self.schedule.source_of(at);
             let source = &self.sources[k];
             let n = source.count();
-            let drawn = self.drawn[k];
+            let drawn = self.counts[k];
             let order = Permutation::new(n, self.seeds[k], drawn / n);
             source.read(order.at(drawn % n), &mut out);
+            self.counts[k] += 1;
+            self.stream = at + 1;
             self.drawn[k] += 1;
             self.position += 1;
         }

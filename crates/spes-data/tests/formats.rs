@@ -4,7 +4,7 @@
 
 use spes_data::import::{import, write_megatron, ImportOptions};
 use spes_data::{
-    tokenize, Loader, Manifest, Part, Source, TokenDtype, TokenizeOptions, TokenizerSource,
+    tokenize, Loader, Manifest, Part, Share, Source, TokenDtype, TokenizeOptions, TokenizerSource,
     ValWindows,
 };
 use std::collections::BTreeMap;
@@ -340,6 +340,22 @@ fn a_mixture_draws_by_weight_and_resumes() {
     assert!((share - 0.75).abs() <= 0.0075, "first source drew {share}");
     let mut resumed = Loader::open_mixture(&sources, 32, 5, 6_000).unwrap();
     assert_eq!(resumed.next_batch(4_000), first[6_000 * 33..]);
+    // Three readers of the seed, each taking every third draw, read between them the stream
+    // one reader reads, in its order, and each resumes where it stopped.
+    let row = 33;
+    for index in 0..3 {
+        let share = Share { index, of: 3 };
+        let mine = Loader::open_share(&sources, 32, 5, 0, share)
+            .unwrap()
+            .next_batch(3_000);
+        for (i, w) in mine.chunks(row).enumerate() {
+            let at = i * 3 + index as usize;
+            assert_eq!(w, &first[at * row..(at + 1) * row], "reader {index}, draw {i}");
+        }
+        let mut again = Loader::open_share(&sources, 32, 5, 1_000, share).unwrap();
+        assert_eq!(again.next_batch(2_000), mine[1_000 * row..]);
+        assert_eq!(again.drawn().iter().sum::<u64>(), 3_000);
+    }
     // Windows of the first source come from its tokens alone: its share of windows that
     // exist only there.
     let val = ValWindows::open_mixture(&sources, 32).unwrap();

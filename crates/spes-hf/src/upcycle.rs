@@ -192,6 +192,7 @@ pub fn upcycle(o: &UpcycleOptions) -> Result<PathBuf> {
             path: o.data.clone(),
             sources: Vec::new(),
             partition: Default::default(),
+            share: Default::default(),
         },
         train: TrainConfig {
             seq_len: cfg.context_length.min(2048),

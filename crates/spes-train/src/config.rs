@@ -35,6 +35,10 @@ pub struct DataConfig {
     /// How a decentralized run's nodes share the corpus. The same on every node and the server.
     #[serde(default)]
     pub partition: Partition,
+    /// The draws of the seeded stream this trainer reads (a node of an interleaved run: its
+    /// own; set by [`RunConfig::for_node`], never written).
+    #[serde(skip)]
+    pub share: spes_data::Share,
 }
 
 /// How a decentralized run's nodes share the corpus.
@@ -44,6 +48,10 @@ pub enum Partition {
     /// Every node reads the whole corpus in its own seeded order (the published recipe).
     #[default]
     Shuffle,
+    /// Every node reads one seeded order of the whole corpus, node p of n taking every n-th
+    /// window from the p-th: together they read each window once an epoch, as the centralized
+    /// run of n × the batch does, where shuffled nodes read some windows twice and miss others.
+    Interleave,
     /// Every node reads only the parts its data directory holds (`spes tokenize --part p/N`),
     /// and no part is read by two live nodes: the server refuses a second reader.
     Disjoint,
@@ -333,8 +341,19 @@ impl RunConfig {
         cfg.sync.take_per_role(&local.sync);
         // Shuffled copies of one corpus need an order per node; disjoint parts are each the
         // node's own already, and are seeded by their identity so any holder reads one order.
-        if cfg.data.partition == Partition::Shuffle {
-            cfg.train.seed += 1000 * peer as u64;
+        match cfg.data.partition {
+            Partition::Shuffle => cfg.train.seed += 1000 * peer as u64,
+            Partition::Interleave => {
+                let of = cfg.sync.nodes as u64;
+                if peer as u64 >= of {
+                    bail!("data.partition = \"interleave\" shares the corpus among sync.nodes = {of} nodes, but this is node {peer}");
+                }
+                cfg.data.share = spes_data::Share {
+                    index: peer as u64,
+                    of,
+                };
+            }
+            Partition::Disjoint => {}
         }
         Ok(cfg)
     }
@@ -694,6 +713,26 @@ mod tests {
         for k in SyncConfig::PER_ROLE {
             assert!(sync.get(k).is_some(), "{k}");
         }
+    }
+
+    #[test]
+    fn interleaved_nodes_read_their_share_of_one_order() {
+        let o = [
+            "sync.mode=spes".to_string(),
+            "sync.nodes=4".into(),
+            "sync.sync_steps=5".into(),
+            "data.partition=interleave".into(),
+        ];
+        let server = RunConfig::parse(BASE, &o).unwrap();
+        assert_eq!(server.data.share, spes_data::Share::WHOLE);
+        let node = RunConfig::for_node(server.clone(), &server, 3).unwrap();
+        assert_eq!(node.train.seed, server.train.seed, "one order for all");
+        assert_eq!(node.data.share, spes_data::Share { index: 3, of: 4 });
+        let e = RunConfig::for_node(server.clone(), &server, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sync.nodes = 4") && e.contains("node 4"), "{e}");
+        assert!(!toml::to_string(&node).unwrap().contains("share"));
     }
 
     #[test]

@@ -136,7 +136,8 @@ impl Trainer {
         let opt = AdamW::new(model.trainable_params(), &cfg.train);
         let seq = cfg.train.seq_len;
         let sources = cfg.data.sources();
-        let loader = Loader::open_mixture(&sources, seq, cfg.train.seed, data_position)?;
+        let loader =
+            Loader::open_share(&sources, seq, cfg.train.seed, data_position, cfg.data.share)?;
         let val = ValWindows::open_mixture(&sources, seq)?;
         let options = StepOptions::from_config(&cfg.train);
         Ok(Trainer {
@@ -342,11 +343,12 @@ impl Trainer {
         }
         let rows = (self.cfg.train.batch_size * self.cfg.train.grad_accum * self.ranks()) as u64;
         let position = self.loader.position() + (step - self.step) * rows;
-        self.loader = spes_data::Loader::open_mixture(
+        self.loader = spes_data::Loader::open_share(
             &self.cfg.data.sources(),
             self.cfg.train.seq_len,
             self.cfg.train.seed,
             position,
+            self.cfg.data.share,
         )?;
         self.step = step;
         Ok(())
