@@ -350,7 +350,11 @@ fn a_mixture_draws_by_weight_and_resumes() {
             .next_batch(3_000);
         for (i, w) in mine.chunks(row).enumerate() {
             let at = i * 3 + index as usize;
-            assert_eq!(w, &first[at * row..(at + 1) * row], "reader {index}, draw {i}");
+            assert_eq!(
+                w,
+                &first[at * row..(at + 1) * row],
+                "reader {index}, draw {i}"
+            );
         }
         let mut again = Loader::open_share(&sources, 32, 5, 1_000, share).unwrap();
         assert_eq!(again.next_batch(2_000), mine[1_000 * row..]);
