@@ -186,7 +186,8 @@ fn source_seed(seed: u64, k: usize, m: &Manifest) -> u64 {
 /// Which draws of the seeded stream one reader takes: every `of`-th, from the `index`-th. The
 /// `of` readers of one seed together read the stream a single reader would, each window once
 /// an epoch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Share {
     pub index: u64,
     pub of: u64,
@@ -195,6 +196,11 @@ pub struct Share {
 impl Share {
     /// The whole stream.
     pub const WHOLE: Share = Share { index: 0, of: 1 };
+
+    /// Whether this is the whole stream.
+    pub fn is_whole(&self) -> bool {
+        *self == Share::WHOLE
+    }
 }
 
 impl Default for Share {
@@ -269,7 +275,7 @@ impl Loader {
         let stream = position * share.of + share.index;
         let counts = schedule.counts_at(stream);
         let mut drawn = vec![0; streams.len()];
-        if share == Share::WHOLE {
+        if share.is_whole() {
             drawn.clone_from(&counts);
         } else {
             (0..position).for_each(|i| drawn[schedule.source_of(i * share.of + share.index)] += 1);

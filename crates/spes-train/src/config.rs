@@ -35,9 +35,10 @@ pub struct DataConfig {
     /// How a decentralized run's nodes share the corpus. The same on every node and the server.
     #[serde(default)]
     pub partition: Partition,
-    /// The draws of the seeded stream this trainer reads (a node of an interleaved run: its
-    /// own; set by [`RunConfig::for_node`], never written).
-    #[serde(skip)]
+    /// The draws of the seeded stream this trainer reads: a node of an interleaved run its
+    /// own, set by [`RunConfig::for_node`] (and serialized, so its other ranks read it too);
+    /// never written by hand.
+    #[serde(default, skip_serializing_if = "spes_data::Share::is_whole")]
     pub share: spes_data::Share,
 }
 
@@ -84,6 +85,9 @@ impl DataConfig {
             (true, true) => bail!("[data]: set `path` (a tokenized directory) or `sources`"),
             (false, false) => bail!("[data]: set `path` or `sources`, not both"),
             _ => {}
+        }
+        if !self.share.is_whole() {
+            bail!("[data] share: a node takes its share from data.partition = \"interleave\"; leave `share` out");
         }
         spes_data::loader::check_weights(&self.sources)
     }
@@ -339,8 +343,9 @@ impl RunConfig {
         cfg.data = local.data.clone();
         cfg.train.take_node_local(&local.train);
         cfg.sync.take_per_role(&local.sync);
-        // Shuffled copies of one corpus need an order per node; disjoint parts are each the
-        // node's own already, and are seeded by their identity so any holder reads one order.
+        // Shuffled copies of one corpus need an order per node; interleaved nodes share one
+        // order and each read their own draws of it; disjoint parts are each the node's own
+        // already, and are seeded by their identity so any holder reads one order.
         match cfg.data.partition {
             Partition::Shuffle => cfg.train.seed += 1000 * peer as u64,
             Partition::Interleave => {
@@ -732,7 +737,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("sync.nodes = 4") && e.contains("node 4"), "{e}");
-        assert!(!toml::to_string(&node).unwrap().contains("share"));
+        // A node's other ranks get its config as JSON from rank 0 (lead.rs): the share travels.
+        let sent: RunConfig = serde_json::from_str(&serde_json::to_string(&node).unwrap()).unwrap();
+        assert_eq!(sent.data.share, node.data.share);
+        assert!(!toml::to_string(&server).unwrap().contains("share"));
+        let mut written = o.to_vec();
+        written.push("data.share={index=1,of=4}".into());
+        let e = RunConfig::parse(BASE, &written).unwrap_err().to_string();
+        assert!(e.contains("[data] share"), "{e}");
     }
 
     #[test]
