@@ -97,6 +97,11 @@ impl WireOption {
             out.push(format!("sync.skip_own_experts={}", self.skips_own()));
         }
         out.push(format!("sync.overlap={}", self.overlapped()));
+        if self.overlapped() {
+            // What the option plans: train on through the whole next round if the exchange
+            // takes that long (the code's default; the demo's config bounds it to one step).
+            out.push("sync.overlap_steps=0".into());
+        }
         if self == WireOption::Int2StridedOverlap {
             out.push(format!("sync.stride={stride}"));
         }

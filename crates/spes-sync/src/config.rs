@@ -203,8 +203,8 @@ pub struct SyncConfig {
     pub overlap: bool,
     /// With overlap: the most steps a node trains after its upload before it waits for the
     /// round ([`SyncConfig::overlap_cap`]); 0: the whole next round. Steps trained on the model
-    /// before the round lands cost loss: at 5 steps a round, one such step cost 0.46 % on the
-    /// demo's recipe and two 1.2 % (docs/results/sync-cost.md).
+    /// before the round lands cost loss by their number: on the demo's recipe one cost
+    /// 0.1–0.2 %, five of a 25-step round 1 % (docs/results/sync-cost.md#overlap-issue-25).
     pub overlap_steps: u64,
     /// Close a round this long after it opened with whoever uploaded (never with nobody).
     pub round_timeout_s: f64,
