@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -23,7 +24,24 @@ struct Group {
   c10::intrusive_ptr<c10d::Backend> pg;
   int rank;
   int world;
+  bool gloo;
 };
+
+// Calls `enqueue` (a collective's c10d call, which queues the work and returns its Work) with
+// every Gloo group of this process serialized. Why: PyTorch 2.11's flight recorder, one per
+// process for all Gloo groups, inserts a group into an unguarded map when it records that
+// group's first collective, so two groups of one process starting collectives at once can
+// corrupt it (a SIGSEGV in FlightRecorder::recordWithResetEnabled, seen when test ranks run as
+// threads). Gloo's calls only queue work, so the lock is held for microseconds; NCCL's first
+// call may block until every rank has joined its communicator, so NCCL is not serialized (a
+// node runs one group per process).
+template <typename F>
+auto enqueued(const Group& g, F&& enqueue) {
+  if (!g.gloo) return enqueue();
+  static std::mutex serial;
+  std::lock_guard<std::mutex> lock(serial);
+  return enqueue();
+}
 
 // nccl.cpp's spes_nccl_backend_new, passed in by the caller that loaded it.
 using BackendFactory = char* (*)(void* store, int rank, int world, int64_t timeout_ms, void** out);
@@ -125,7 +143,7 @@ char* spes_ext_pg_new(const char* host, int port, int rank, int world, int64_t t
       opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
       pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, opts);
     }
-    *out = new Group{store, pg, rank, world};
+    *out = new Group{store, pg, rank, world, factory == nullptr};
   });
 }
 
@@ -153,12 +171,12 @@ char* spes_ext_pg_reduce_mean_start(void* group, at::Tensor* const* ts, size_t n
         if (root < 0) {
           c10d::AllreduceOptions opts;
           opts.reduceOp = c10d::ReduceOp::SUM;
-          p->works.push_back(g->pg->allreduce(io, opts));
+          p->works.push_back(enqueued(*g, [&] { return g->pg->allreduce(io, opts); }));
         } else {
           c10d::ReduceOptions opts;
           opts.reduceOp = c10d::ReduceOp::SUM;
           opts.rootRank = root;
-          p->works.push_back(g->pg->reduce(io, opts));
+          p->works.push_back(enqueued(*g, [&] { return g->pg->reduce(io, opts); }));
         }
       }
     } catch (...) {
@@ -192,14 +210,17 @@ char* spes_ext_pg_broadcast(void* group, at::Tensor* const* ts, size_t n, int ro
       std::vector<at::Tensor> io{flat};
       c10d::BroadcastOptions opts;
       opts.rootRank = root;
-      g->pg->broadcast(io, opts)->wait();
+      enqueued(*g, [&] { return g->pg->broadcast(io, opts); })->wait();
     });
   });
 }
 
 // Waits until every rank has called it.
 char* spes_ext_pg_barrier(void* group) {
-  return guarded([&] { static_cast<Group*>(group)->pg->barrier()->wait(); });
+  return guarded([&] {
+    auto* g = static_cast<Group*>(group);
+    enqueued(*g, [&] { return g->pg->barrier(); })->wait();
+  });
 }
 
 }  // extern "C"
