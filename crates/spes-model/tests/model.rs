@@ -274,7 +274,9 @@ fn frozen_experts_get_no_gradient_but_pass_activations() {
 #[test]
 fn gqa_and_per_head_norm_run_and_initial_loss_is_uniform() {
     let m = MoeModel::seeded(&small(QkNorm::PerHead, 2, true), Device::Cpu, 4).unwrap();
-    let batch = Tensor::randint(97, [2, 9], (Kind::Int64, Device::Cpu));
+    // 512 tokens: torch's generator is shared with tests running beside this one, so the draw
+    // varies, and one token's CE at init varies by about 0.1 nats; their mean varies by 0.005.
+    let batch = Tensor::randint(97, [32, 16], (Kind::Int64, Device::Cpu));
     let l = m.backward(&batch, &W, 1.0, false);
     let ce = l.ce.double_value(&[]);
     assert!((ce - (97f64).ln()).abs() < 0.05, "ce {ce}");
