@@ -207,15 +207,15 @@ fn a_live_run_is_watched_through_prometheus_a_browser_status_and_tensorboard() {
     let first = parse_prometheus(&first);
     release();
     wait_paused();
-    // Both nodes' reports of their newest sync, and the newest round scored.
+    // Both nodes' reports of their newest step and sync, and the newest round scored. A
+    // report reaches the server on the node's heartbeat, after the round closed.
     let view = view_until(web, "reports and scores of round 4", |v| {
         v.run.round >= 4
             && v.nodes.len() == 2
             && v.nodes.iter().all(|n| {
                 n.report
                     .as_ref()
-                    .and_then(|r| r.sync.as_ref())
-                    .is_some_and(|s| s.round >= 3)
+                    .is_some_and(|r| r.step >= 8 && r.sync.as_ref().is_some_and(|s| s.round >= 3))
             })
             && v.expert_load.as_ref().is_some_and(|l| l.round >= 4)
             && v.loss.len() >= 5
