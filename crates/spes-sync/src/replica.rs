@@ -336,6 +336,11 @@ impl Replica {
         if self.handover_round != Some(round) {
             return Vec::new();
         }
+        self.handing_over_experts()
+    }
+
+    /// The experts of the tensors held for a handover, ascending.
+    fn handing_over_experts(&self) -> Vec<usize> {
         let mut experts: Vec<usize> = self
             .handover
             .keys()
@@ -468,6 +473,9 @@ impl Replica {
             let before = std::mem::replace(&mut self.owned, owned);
             let keeps_progress = self.cfg.keeps_progress();
             let next_round = self.held.map(|r| r + 1);
+            // Tensors of dropped experts with nothing owed: zeros, should their expert be
+            // handed over (the server expects every tensor of each expert an upload names).
+            let mut unowed: Vec<(String, usize, Tensor)> = Vec::new();
             if let Some(base) = &mut self.base {
                 for (name, w) in weights {
                     let Some(i) = self.layout.position(name) else {
@@ -493,9 +501,18 @@ impl Replica {
                                 let owed = owed.filter(|o| {
                                     self.consecutive && o.abs().max().double_value(&[]) > 0.0
                                 });
-                                if let (Some(o), Some(r)) = (owed, next_round) {
-                                    self.handover.insert(name.clone(), o);
-                                    self.handover_round = Some(r);
+                                match (owed, next_round, role) {
+                                    (Some(o), Some(r), _) => {
+                                        self.handover.insert(name.clone(), o);
+                                        self.handover_round = Some(r);
+                                    }
+                                    // E.g. a layer whose router sent the expert no token.
+                                    (None, Some(_), Role::Expert { index, .. })
+                                        if self.consecutive =>
+                                    {
+                                        unowed.push((name.clone(), index, b.zeros_like()));
+                                    }
+                                    _ => {}
                                 }
                                 if keeps_progress {
                                     tch::no_grad(|| w.shallow_clone().copy_(&b));
@@ -505,6 +522,12 @@ impl Replica {
                         }
                         _ => {}
                     }
+                }
+            }
+            let handed = self.handing_over_experts();
+            for (name, expert, zeros) in unowed {
+                if handed.contains(&expert) {
+                    self.handover.insert(name, zeros);
                 }
             }
         }

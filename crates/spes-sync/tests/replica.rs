@@ -540,6 +540,79 @@ fn an_expert_that_changes_owner_keeps_what_its_old_owner_had_not_sent() {
     }
 }
 
+/// A handover names whole experts, since the server sizes an upload by every tensor of each
+/// expert it names: where a dropped expert did not change (a layer whose router sent it no
+/// token), its tensors travel as zeros.
+#[test]
+fn a_handover_carries_every_tensor_of_each_expert_it_names() {
+    let m = model(2, 4);
+    let cfg = SyncConfig {
+        rotate_every_rounds: 1,
+        merge_every: 0,
+        ..wire_cfg(Wire::Int2Delta)
+    };
+    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
+    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    tch::manual_seed(21);
+    let in_layer_1 = |role: Role| matches!(role, Role::Expert { layer: 1, .. });
+    for n in &mut nodes {
+        // Every trained tensor moves but layer 1's experts.
+        tch::no_grad(|| {
+            for (name, w) in &n.weights {
+                let role = role_of(&c, name);
+                if n.replica.trains(role) && !in_layer_1(role) {
+                    let _ = w.shallow_clone().g_add_(&(w.randn_like() * 1e-3));
+                }
+            }
+        });
+        upload(&mut c, n, 1.0);
+    }
+    c.close(1.5);
+    for n in &mut nodes {
+        deliver(&c, n, true, false);
+    }
+    let entries = c.layout().entries.clone();
+    for n in &mut nodes {
+        let handed = n.replica.handing_over(2);
+        assert_eq!(
+            handed.len(),
+            2,
+            "each node hands over the two experts it trained"
+        );
+        let state = n.replica.state(&n.weights).unwrap();
+        let wire = n.replica.upload(&n.weights, 2, false).unwrap();
+        for (name, role, _) in &entries {
+            let Role::Expert { index, .. } = *role else {
+                continue;
+            };
+            if !handed.contains(&index) {
+                continue;
+            }
+            let (_, held) = state
+                .handover
+                .iter()
+                .find(|(x, _)| x == name)
+                .unwrap_or_else(|| panic!("`{name}` of a handed expert is not held"));
+            let moved = held.abs().max().double_value(&[]) > 0.0;
+            assert_eq!(moved, !in_layer_1(*role), "`{name}`");
+            let on_wire = format!("{name}#handover");
+            assert!(
+                wire.iter().any(|(x, _)| *x == on_wire),
+                "the upload lacks `{on_wire}`"
+            );
+        }
+        c.upload(
+            n.replica.peer(),
+            100 + n.replica.peer() as u64,
+            2,
+            wire,
+            Work::default(),
+            2.0,
+        )
+        .unwrap();
+    }
+}
+
 #[test]
 fn an_ownership_change_trains_the_new_experts_and_resets_the_dropped_ones() {
     let m = model(2, 4);
