@@ -339,6 +339,23 @@ impl Replica {
         self.handing_over_experts()
     }
 
+    /// Fills the handover with zeros for every tensor of a handed expert that owes nothing
+    /// (e.g. a layer whose router sent the expert no token): the server sizes an upload by
+    /// every tensor of each expert it names.
+    fn whole_experts_in_handover(&mut self) {
+        let Some(device) = self.handover.values().next().map(Tensor::device) else {
+            return;
+        };
+        let handed = self.handing_over_experts();
+        for (name, role, shape) in &self.layout.entries {
+            if matches!(role, Role::Expert { index, .. } if handed.contains(index)) {
+                self.handover
+                    .entry(name.clone())
+                    .or_insert_with(|| Tensor::zeros(shape.as_slice(), (Kind::Float, device)));
+            }
+        }
+    }
+
     /// The experts of the tensors held for a handover, ascending.
     fn handing_over_experts(&self) -> Vec<usize> {
         let mut experts: Vec<usize> = self
@@ -473,9 +490,6 @@ impl Replica {
             let before = std::mem::replace(&mut self.owned, owned);
             let keeps_progress = self.cfg.keeps_progress();
             let next_round = self.held.map(|r| r + 1);
-            // Tensors of dropped experts with nothing owed: zeros, should their expert be
-            // handed over (the server expects every tensor of each expert an upload names).
-            let mut unowed: Vec<(String, usize, Tensor)> = Vec::new();
             if let Some(base) = &mut self.base {
                 for (name, w) in weights {
                     let Some(i) = self.layout.position(name) else {
@@ -501,18 +515,9 @@ impl Replica {
                                 let owed = owed.filter(|o| {
                                     self.consecutive && o.abs().max().double_value(&[]) > 0.0
                                 });
-                                match (owed, next_round, role) {
-                                    (Some(o), Some(r), _) => {
-                                        self.handover.insert(name.clone(), o);
-                                        self.handover_round = Some(r);
-                                    }
-                                    // E.g. a layer whose router sent the expert no token.
-                                    (None, Some(_), Role::Expert { index, .. })
-                                        if self.consecutive =>
-                                    {
-                                        unowed.push((name.clone(), index, b.zeros_like()));
-                                    }
-                                    _ => {}
+                                if let (Some(o), Some(r)) = (owed, next_round) {
+                                    self.handover.insert(name.clone(), o);
+                                    self.handover_round = Some(r);
                                 }
                                 if keeps_progress {
                                     tch::no_grad(|| w.shallow_clone().copy_(&b));
@@ -524,12 +529,7 @@ impl Replica {
                     }
                 }
             }
-            let handed = self.handing_over_experts();
-            for (name, expert, zeros) in unowed {
-                if handed.contains(&expert) {
-                    self.handover.insert(name, zeros);
-                }
-            }
+            self.whole_experts_in_handover();
         }
         Follow::Member {
             changed,

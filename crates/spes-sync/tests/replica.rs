@@ -40,9 +40,15 @@ fn role_of(c: &Coordinator, name: &str) -> Role {
 
 /// "Training": every tensor the node trains moves by a small random step (RMS `size`).
 fn train(c: &Coordinator, n: &mut Node, size: f64) {
+    train_where(c, n, size, |_| true);
+}
+
+/// [`train`], but only the tensors whose role `moves` picks.
+fn train_where(c: &Coordinator, n: &mut Node, size: f64, moves: impl Fn(Role) -> bool) {
     tch::no_grad(|| {
         for (name, w) in &n.weights {
-            if n.replica.trains(role_of(c, name)) {
+            let role = role_of(c, name);
+            if n.replica.trains(role) && moves(role) {
                 let _ = w.shallow_clone().g_add_(&(w.randn_like() * size));
             }
         }
@@ -557,14 +563,7 @@ fn a_handover_carries_every_tensor_of_each_expert_it_names() {
     let in_layer_1 = |role: Role| matches!(role, Role::Expert { layer: 1, .. });
     for n in &mut nodes {
         // Every trained tensor moves but layer 1's experts.
-        tch::no_grad(|| {
-            for (name, w) in &n.weights {
-                let role = role_of(&c, name);
-                if n.replica.trains(role) && !in_layer_1(role) {
-                    let _ = w.shallow_clone().g_add_(&(w.randn_like() * 1e-3));
-                }
-            }
-        });
+        train_where(&c, n, 1e-3, |role| !in_layer_1(role));
         upload(&mut c, n, 1.0);
     }
     c.close(1.5);
