@@ -265,13 +265,20 @@ impl Spec {
             });
         }
         for recipe in &spec.recipe {
-            let within = |r: &RunSpec| {
+            // Only the runs of this recipe: a run screened on one recipe may change what ties
+            // its budget to another's (steps, accumulation).
+            let runs: Vec<&RunSpec> = spec
+                .run
+                .iter()
+                .filter(|r| spec.runs_on(recipe, r))
+                .collect();
+            let within = |r: &&RunSpec| {
                 let c = spec.config_of(recipe, r, Path::new("data"), spec.seeds[0]);
                 c.with_context(|| format!("{}: {}", path.display(), spec.label(recipe, r)))
             };
-            let configs = spec.run.iter().map(within).collect::<Result<Vec<_>>>()?;
+            let configs = runs.iter().map(within).collect::<Result<Vec<_>>>()?;
             let budget = tokens_of(&configs[0]);
-            for (r, c) in spec.run.iter().zip(&configs) {
+            for (r, c) in runs.iter().zip(&configs) {
                 if tokens_of(c) != budget {
                     bail!(
                         "{}: {} trains on {} tokens, `{}` on {budget}: every run of a recipe \
@@ -280,7 +287,7 @@ impl Spec {
                         path.display(),
                         spec.label(recipe, r),
                         tokens_of(c),
-                        spec.run[0].name
+                        runs[0].name
                     );
                 }
             }
@@ -306,13 +313,15 @@ impl Spec {
         RunConfig::load(&self.config, &all)
     }
 
+    /// Whether `r` runs on `recipe` at all (it names no recipes, or names this one).
+    fn runs_on(&self, recipe: &Recipe, r: &RunSpec) -> bool {
+        r.recipes.as_ref().is_none_or(|l| l.contains(&recipe.name))
+    }
+
     /// The seeds `r` runs on `recipe`: those both list (each default: all the spec's), none
     /// where `r` names other recipes.
     fn seeds_of(&self, recipe: &Recipe, r: &RunSpec) -> Vec<u64> {
-        if r.recipes
-            .as_ref()
-            .is_some_and(|l| !l.contains(&recipe.name))
-        {
+        if !self.runs_on(recipe, r) {
             return Vec::new();
         }
         let listed = |s: &Option<Vec<u64>>, x: &u64| s.as_ref().is_none_or(|l| l.contains(x));
@@ -899,7 +908,7 @@ set = ["sync.mode=spes"]
 name = "v"
 seeds = [0]
 recipes = ["two"]
-set = ["sync.mode=spes", "sync.merge_every=0"]
+set = ["sync.mode=spes", "sync.merge_every=0", "train.grad_accum=2", "train.max_steps=250"]
 [[recipe]]
 name = "four"
 set = ["sync.nodes=4", "train.max_steps=250"]
