@@ -38,6 +38,13 @@ fn role_of(c: &Coordinator, name: &str) -> Role {
     l.entries[l.position(name).unwrap()].1
 }
 
+/// A coordinator of two peers and their nodes, each following the first layout.
+fn two_nodes(m: &spes_model::MoeModel, cfg: &SyncConfig) -> (Coordinator, Vec<Node>) {
+    let c = coordinator(m, 2, cfg.clone(), 0.0);
+    let nodes = (0..2).map(|p| node(&c, p, cfg)).collect();
+    (c, nodes)
+}
+
 /// "Training": every tensor the node trains moves by a small random step (RMS `size`).
 fn train(c: &Coordinator, n: &mut Node, size: f64) {
     train_where(c, n, size, |_| true);
@@ -141,8 +148,7 @@ fn every_wire_keeps_every_node_bit_identical_to_the_server() {
         Wire::Int2Delta,
     ] {
         let cfg = wire_cfg(wire);
-        let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
-        let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+        let (mut c, mut nodes) = two_nodes(&m, &cfg);
         tch::manual_seed(7);
         for round in 1..=4u64 {
             let now = round as f64;
@@ -179,8 +185,7 @@ fn the_low_rank_wire_keeps_every_node_bit_identical_and_carries_what_it_left_out
         rank: 2,
         ..wire_cfg(Wire::LowrankDelta)
     };
-    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
-    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let (mut c, mut nodes) = two_nodes(&m, &cfg);
     let name = "model.layers.0.self_attn.q_proj.weight";
     let mut ideal = get(c.global().0, name).copy();
     let mut behind = Vec::new();
@@ -240,8 +245,7 @@ fn the_low_rank_wire_keeps_every_node_bit_identical_and_carries_what_it_left_out
 fn lossy_rounds(wire: Wire) -> (Vec<i64>, Vec<f64>) {
     let m = model(2, 4);
     let cfg = wire_cfg(wire);
-    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
-    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let (mut c, mut nodes) = two_nodes(&m, &cfg);
     let embed = "model.embed_tokens.weight";
     let theta0 = get(c.global().0, embed).copy();
     // θ⁰ plus the nodes' mean change so far: where an exact wire would be.
@@ -308,8 +312,7 @@ fn buffer_feedback_trains_from_the_global_model_and_sends_what_it_held_back_late
         merge_every: 0,
         ..wire_cfg(Wire::SparseDelta)
     };
-    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
-    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let (mut c, mut nodes) = two_nodes(&m, &cfg);
     let embed = "model.embed_tokens.weight";
     let theta0 = get(c.global().0, embed).copy();
     tch::manual_seed(13);
@@ -372,8 +375,7 @@ fn a_strided_wire_sends_each_value_every_stride_rounds_and_stays_bit_identical()
         merge_every: 0,
         ..wire_cfg(Wire::Int2Delta)
     };
-    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
-    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let (mut c, mut nodes) = two_nodes(&m, &cfg);
     let embed = "model.embed_tokens.weight";
     let theta0 = get(c.global().0, embed).copy();
     let n = theta0.numel() as i64;
@@ -423,8 +425,7 @@ fn overlap_keeps_the_progress_made_since_the_upload() {
         merge_every: 0,
         ..wire_cfg(Wire::Bf16Delta)
     };
-    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
-    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let (mut c, mut nodes) = two_nodes(&m, &cfg);
     tch::manual_seed(11);
     for n in &mut nodes {
         train(&c, n, 1e-3);
@@ -476,8 +477,7 @@ fn an_expert_that_changes_owner_keeps_what_its_old_owner_had_not_sent() {
         merge_every: 0,
         ..wire_cfg(Wire::Int2Delta)
     };
-    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
-    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let (mut c, mut nodes) = two_nodes(&m, &cfg);
     let name = spes_model::expert_tensor_name(0, 0, spes_model::EXPERT_PARTS[0]);
     let mut ideal = get(c.global().0, &name).copy();
     tch::manual_seed(9);
@@ -557,8 +557,7 @@ fn a_handover_carries_every_tensor_of_each_expert_it_names() {
         merge_every: 0,
         ..wire_cfg(Wire::Int2Delta)
     };
-    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
-    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let (mut c, mut nodes) = two_nodes(&m, &cfg);
     tch::manual_seed(21);
     let in_layer_1 = |role: Role| matches!(role, Role::Expert { layer: 1, .. });
     for n in &mut nodes {
@@ -621,8 +620,7 @@ fn an_ownership_change_trains_the_new_experts_and_resets_the_dropped_ones() {
         merge_every: 0,
         ..wire_cfg(Wire::Int4Delta)
     };
-    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
-    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let (mut c, mut nodes) = two_nodes(&m, &cfg);
     assert_eq!(nodes[0].replica.owned(), &[true, true, false, false]);
     tch::manual_seed(5);
     for round in 1..=3u64 {
@@ -678,8 +676,7 @@ fn a_node_that_rejoins_or_restores_its_state_stays_bit_identical() {
         merge_every: 0,
         ..wire_cfg(Wire::Int4Delta)
     };
-    let mut c = coordinator(&m, 2, cfg.clone(), 0.0);
-    let mut nodes: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+    let (mut c, mut nodes) = two_nodes(&m, &cfg);
     tch::manual_seed(9);
     let round_of = |c: &mut Coordinator, nodes: &mut [Node], round: u64| {
         for n in nodes.iter_mut() {
