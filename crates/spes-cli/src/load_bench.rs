@@ -256,6 +256,7 @@ async fn join_all(peers: &Arc<Vec<Peer>>) -> Result<()> {
                 data_parts: Vec::new(),
                 report: None,
                 max_experts: None,
+                activity: 0,
             };
             match c.join(req).await {
                 Ok(_) => break,

@@ -10,10 +10,10 @@
 //! (`train.memory_gib`): from round 2 on it never owns more, through its crash and the
 //! others' churn. Bounded: the whole run must end within 240 s.
 
+mod common;
+
+use common::{rounds_logged, tensors, Proc};
 use std::collections::BTreeMap;
-use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 const NODES: usize = 4;
@@ -23,85 +23,6 @@ const MAX_STEPS: u64 = 48;
 const SYNC_STEPS: u64 = 2;
 const EXPERTS: usize = 8;
 const SECRET: &str = "chaos-test-secret";
-
-struct Proc {
-    name: String,
-    args: Vec<String>,
-    fault: Option<&'static str>,
-    restart: bool,
-    child: Option<Child>,
-    killed: bool,
-    restarted: bool,
-    exit: Option<ExitStatus>,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn spawn(&mut self) {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_spes"));
-        cmd.args(&self.args).env_remove("SPES_FAULT");
-        if let (Some(f), false) = (self.fault, self.restarted) {
-            cmd.env("SPES_FAULT", f);
-        }
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .unwrap();
-        cmd.stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .stdin(Stdio::null());
-        self.child = Some(cmd.spawn().unwrap());
-    }
-
-    /// Restarts a process its crash point killed; records a final exit otherwise.
-    fn poll(&mut self) {
-        let Some(child) = self.child.as_mut() else {
-            return;
-        };
-        let Some(status) = child.try_wait().unwrap() else {
-            return;
-        };
-        self.child = None;
-        if status.signal() == Some(9) && !self.killed {
-            self.killed = true;
-            if self.restart {
-                self.restarted = true;
-                self.spawn();
-                return;
-            }
-        }
-        self.exit = Some(status);
-    }
-
-    fn running(&self) -> bool {
-        self.child.is_some()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Some(c) = self.child.as_mut() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn rounds_logged(server: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(server.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
-fn tensors(path: &Path) -> BTreeMap<String, tch::Tensor> {
-    tch::Tensor::read_safetensors(path)
-        .unwrap()
-        .into_iter()
-        .collect()
-}
 
 #[test]
 fn chaos_crashes_restarts_a_departure_and_a_join() {
@@ -200,17 +121,13 @@ evict_after_s = 1
             for set in sets {
                 args.extend(["--set".to_string(), set.to_string()]);
             }
-            Proc {
-                name: format!("node {peer}"),
+            let mut p = Proc::new(
+                format!("node {peer}"),
                 args,
-                fault,
-                restart,
-                child: None,
-                killed: false,
-                restarted: false,
-                exit: None,
-                log: dir.join(format!("node-{peer}.log")),
-            }
+                dir.join(format!("node-{peer}.log")),
+            );
+            (p.fault, p.restart) = (fault, restart);
+            p
         };
     let mut server_args = common("server");
     server_args.extend([
@@ -224,16 +141,10 @@ evict_after_s = 1
         "20".into(),
     ]);
     let mut procs = vec![
-        Proc {
-            name: "server".into(),
-            args: server_args,
-            fault: Some("publish@4"),
-            restart: true,
-            child: None,
-            killed: false,
-            restarted: false,
-            exit: None,
-            log: dir.join("server.log"),
+        {
+            let mut p = Proc::new("server".into(), server_args, dir.join("server.log"));
+            (p.fault, p.restart) = (Some("publish@4"), true);
+            p
         },
         // Checkpoints every 4 rounds and dies in round 8: it restarts from the checkpoint of
         // round 4 and rejoins at the newest round with that checkpoint's AdamW moments.

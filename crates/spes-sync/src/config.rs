@@ -214,6 +214,11 @@ pub struct SyncConfig {
     /// A node whose lease has been expired this long is declared gone at the next round's
     /// close: its experts go to the live nodes, which start fresh AdamW moments for them.
     pub evict_after_s: f64,
+    /// A live member that shows no progress for this long (no step trained, no byte of a round
+    /// moved, as its heartbeats report; at least `lease_s`) is not waited for: the round
+    /// closes once the others are in, and the member uploads a later round
+    /// ([`SyncConfig::stall_after_s`]).
+    pub stall_s: f64,
     /// How the shared parameters are combined: "mean", "trimmed_mean" or "median".
     pub aggregate: AggregateRule,
     /// Fraction of the values trimmed at each end by `aggregate = "trimmed_mean"`.
@@ -296,6 +301,7 @@ impl Default for SyncConfig {
             round_timeout_s: 600.0,
             lease_s: 30.0,
             evict_after_s: 300.0,
+            stall_s: 60.0,
             aggregate: AggregateRule::Mean,
             trim_fraction: 0.25,
             max_update_factor: 10.0,
@@ -348,6 +354,12 @@ impl SyncConfig {
     /// Whether nodes train on while a round is exchanged: `overlap` on a delta wire.
     pub fn overlaps(&self) -> bool {
         self.overlap && self.wire.is_delta()
+    }
+
+    /// How long a live member may show no progress before a round stops waiting for it:
+    /// `stall_s`, but never less than a lease, since progress arrives with heartbeats.
+    pub fn stall_after_s(&self) -> f64 {
+        self.stall_s.max(self.lease_s)
     }
 
     /// With overlap, the most steps a node trains between its upload and applying the round

@@ -3,8 +3,11 @@
 //! wraps it (spes-net's server).
 //!
 //! Membership is per round. A node is *live* while its lease (renewed by heartbeats, joins and
-//! uploads) is younger than `lease_s`. A round closes when every live member uploaded, or
-//! `timeout_s` after it opened, and never without an upload. At the close, members whose lease
+//! uploads) is younger than `lease_s`. A round closes when every live member that makes
+//! progress uploaded ([`crate::hearing`]: a member whose heartbeats report no step and no byte
+//! moved for `stall_s` is not waited for, and a server that heard nobody for a lease keeps
+//! waiting for those live when it went deaf), or `timeout_s` after it opened, and never
+//! without an upload. At the close, members whose lease
 //! has been expired for `evict_after_s` are evicted and nodes that asked to join are admitted;
 //! the next round's ownership is rebalanced over the new members ([`Scope::with_members`]).
 //!
@@ -18,6 +21,7 @@
 use crate::budget::{self, Work};
 use crate::config::{RoundBy, SyncConfig};
 use crate::delta::{self, Delta, RoundDelta, WirePart};
+use crate::hearing::Hearing;
 use crate::named::{Layout, Named};
 use crate::outer::{norm_preserving_scale, OuterState, Source};
 use crate::ownership::Claims;
@@ -33,6 +37,7 @@ use thiserror::Error;
 /// carry the variant and its round, so nodes act on those, never on the text.
 #[derive(Clone, Debug, Error, PartialEq)]
 pub enum RoundError {
+    /// `fetch`: the newest published round, which the node loads to train the open one.
     #[error("round {round} is closed: load round {fetch} and continue")]
     Closed { round: u64, fetch: u64 },
     #[error("round {round} is not open yet: collecting round {open}")]
@@ -146,6 +151,8 @@ pub struct Coordinator {
     agg: Aggregator,
     opened_at: f64,
     leases: BTreeMap<usize, Lease>,
+    /// Who was heard and who made progress: whom the open round waits for besides the leases.
+    hearing: Hearing,
     joining: BTreeSet<usize>,
     /// Evicted peers; one that comes back is admitted again like a joiner.
     gone: BTreeSet<usize>,
@@ -255,6 +262,7 @@ impl Coordinator {
             global,
             opened_at: now,
             leases,
+            hearing: Hearing::new(now),
             joining: BTreeSet::new(),
             gone,
         }
@@ -473,6 +481,7 @@ impl Coordinator {
     }
 
     fn take_lease(&mut self, peer: usize, session: u64, now: f64) -> Result<(), RoundError> {
+        self.hearing.heard(now, &self.cfg);
         if let Some(l) = self.leases.get(&peer) {
             let age_s = now - l.renewed;
             let other = l.session != 0 && l.session != session;
@@ -520,7 +529,7 @@ impl Coordinator {
         if round < self.round {
             return Err(RoundError::Closed {
                 round,
-                fetch: round,
+                fetch: self.round - 1,
             });
         }
         if round > self.round {
@@ -536,7 +545,16 @@ impl Coordinator {
         if self.uploaded().contains(&peer) {
             return Err(RoundError::Duplicate { peer, round });
         }
+        self.hearing.progressed(peer, now);
         Ok(())
+    }
+
+    /// `peer`'s heartbeat reported `activity`, a counter of the steps it trained and the
+    /// payload chunks it moved: a changed value is progress ([`crate::hearing`]).
+    pub fn report_activity(&mut self, peer: usize, activity: u64, now: f64) {
+        if self.leases.contains_key(&peer) {
+            self.hearing.activity(peer, activity, now);
+        }
     }
 
     /// Accepts `peer`'s upload for `round`, which says it trained `work`, or says why not; a
@@ -641,17 +659,50 @@ impl Coordinator {
         self.opened_at + self.cfg.round_timeout_s
     }
 
-    /// Whether the round can close: someone uploaded, and every live member did or the
-    /// timeout passed; or every live member sits it out (their caps are below what they own
+    /// Whether the round can close: someone uploaded, and every member it waits for did
+    /// ([`Coordinator::stalled`] ones it does not) or the timeout passed; or every live member sits it out (their caps are below what they own
     /// in it), when it closes with nothing trained so the next round splits under the caps.
     pub fn ready(&self, now: f64) -> bool {
         let uploaded = self.uploaded();
-        let mut waited = self.live_members(now);
-        waited.retain(|p| !self.sitting_out.contains(p));
+        let waited = self.waited(now);
         if uploaded.is_empty() {
             return waited.is_empty() && !self.sitting_out.is_empty();
         }
         waited.is_subset(uploaded) || now >= self.deadline()
+    }
+
+    /// The members the open round waits for: live (or presumed live through the server's own
+    /// silence), not sitting out, and making progress.
+    fn waited(&self, now: f64) -> BTreeSet<usize> {
+        let mut waited = self.presumed_live(now);
+        waited.retain(|p| {
+            !self.sitting_out.contains(p)
+                && self.hearing.progressing(*p, self.opened_at, now, &self.cfg)
+        });
+        waited
+    }
+
+    /// Members whose lease is current or ran out while the server itself heard nobody.
+    fn presumed_live(&self, now: f64) -> BTreeSet<usize> {
+        let mut members = self.scope().members();
+        members.retain(|p| {
+            self.leases
+                .get(p)
+                .is_some_and(|l| self.hearing.presumed_live(l.renewed, now, &self.cfg))
+        });
+        members
+    }
+
+    /// Live members of the open round that have not uploaded it and whose progress stalled:
+    /// what the round does not wait for although their leases are current.
+    pub fn stalled(&self, now: f64) -> BTreeSet<usize> {
+        let mut stalled = self.presumed_live(now);
+        stalled.retain(|p| {
+            !self.uploaded().contains(p)
+                && !self.sitting_out.contains(p)
+                && !self.hearing.progressing(*p, self.opened_at, now, &self.cfg)
+        });
+        stalled
     }
 
     /// Aggregates (keeping the previous model if the result is not finite), merges on merge
@@ -717,6 +768,7 @@ impl Coordinator {
         for p in &evicted {
             self.gone.insert(*p);
             self.leases.remove(p);
+            self.hearing.forget(*p);
         }
         self.last_work = std::mem::take(&mut self.work);
         self.sitting_out.clear();

@@ -11,6 +11,7 @@ pub mod config;
 pub mod coordinator;
 pub mod delta;
 mod fold;
+mod hearing;
 pub mod named;
 pub mod outer;
 pub mod ownership;

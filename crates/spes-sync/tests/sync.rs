@@ -459,6 +459,118 @@ fn dead_nodes_are_evicted_and_their_experts_adopted_and_joiners_admitted() {
 }
 
 #[test]
+fn a_node_behind_is_told_to_load_the_newest_round_not_its_own() {
+    let m = model(1, 4);
+    let layout = Layout::of(&m);
+    let mut c = unmerged(&m, 2);
+    for (round, now) in [(1, 1.0), (2, 2.0)] {
+        for p in 0..2 {
+            up(&mut c, &layout, p, round as f64, now).unwrap();
+        }
+        c.close(now);
+    }
+    // Node 1 was away for rounds 2 and 3: its upload of round 1 names round 2, the newest.
+    let e = c
+        .upload(
+            1,
+            101,
+            1,
+            upload(&layout, c.scope(), 1, 1.0),
+            Work::default(),
+            2.5,
+        )
+        .unwrap_err();
+    assert_eq!(e, RoundError::Closed { round: 1, fetch: 2 });
+}
+
+#[test]
+fn a_live_member_that_makes_no_progress_does_not_hold_the_round() {
+    let m = model(1, 4);
+    let layout = Layout::of(&m);
+    let cfg = SyncConfig {
+        round_timeout_s: 300.0,
+        stall_s: 20.0,
+        ..cfg()
+    };
+    let mut c = coordinator(&m, 3, cfg, 0.0);
+    for p in 0..3 {
+        c.join(p, 100 + p as u64, false, None, 0.0).unwrap();
+    }
+    // Node 0 uploads at once. Nodes 1 and 2 heartbeat every second; node 1 trains (its
+    // counter moves), node 2 is stuck (the same counter every time).
+    up(&mut c, &layout, 0, 1.0, 1.0).unwrap();
+    for t in 1..=40 {
+        let now = t as f64;
+        for p in [1, 2] {
+            c.join(p, 100 + p as u64, false, None, now).unwrap();
+        }
+        c.report_activity(1, t, now);
+        c.report_activity(2, 7, now);
+        if t == 35 {
+            up(&mut c, &layout, 1, 2.0, now).unwrap();
+        }
+        assert_eq!(
+            c.ready(now),
+            t >= 35,
+            "t = {t}: the round waits for node 1, which trains, and not for node 2 from t = 21"
+        );
+        assert_eq!(c.stalled(now).contains(&2), t >= 21, "t = {t}");
+    }
+    // An upload that begins is progress: the stuck node's header arrives at t = 40.5.
+    c.join(2, 102, false, None, 40.5).unwrap();
+    c.check_upload(2, 102, 1, 40.5).unwrap();
+    assert!(!c.ready(41.0), "node 2's upload is on its way");
+    let r = c.close(60.0);
+    assert_eq!(r.peers, vec![0, 1]);
+    assert_eq!(r.missing, vec![2]);
+    assert!(r.evicted.is_empty(), "live nodes are never evicted");
+}
+
+#[test]
+fn a_server_that_heard_nobody_keeps_waiting_for_the_nodes_live_when_it_went_deaf() {
+    let m = model(1, 4);
+    let layout = Layout::of(&m);
+    let cfg = SyncConfig {
+        round_timeout_s: 300.0,
+        ..cfg()
+    };
+    let mut c = coordinator(&m, 3, cfg, 0.0);
+    for p in 0..3 {
+        c.join(p, 100 + p as u64, false, None, 10.0).unwrap();
+    }
+    // Node 0 uploads at 11; then the server hears nobody from 11 to 26 (paused, or its link
+    // cut): every lease (3 s) runs out, but the round does not close with node 0 alone.
+    up(&mut c, &layout, 0, 1.0, 11.0).unwrap();
+    assert!(
+        !c.ready(26.0),
+        "deaf: the server cannot tell its outage from theirs"
+    );
+    // Node 1 is heard first when the link is back; node 2 a second later: the round waits for
+    // both (a lease after the server heard again), then closes with all three.
+    c.join(1, 101, false, None, 26.0).unwrap();
+    assert!(!c.ready(26.5), "node 2 was live when the server went deaf");
+    c.join(0, 100, false, None, 26.2).unwrap();
+    up(&mut c, &layout, 1, 2.0, 26.6).unwrap();
+    c.join(2, 102, false, None, 27.0).unwrap();
+    assert!(!c.ready(27.0));
+    up(&mut c, &layout, 2, 3.0, 27.5).unwrap();
+    assert!(c.ready(27.5));
+    assert_eq!(c.close(27.5).peers, vec![0, 1, 2]);
+    // A node that does not come back is waited for one lease after the server heard again.
+    for p in 0..2 {
+        up(&mut c, &layout, p, 1.0, 28.0).unwrap();
+    }
+    assert!(!c.ready(28.0));
+    for p in 0..2 {
+        c.join(p, 100 + p as u64, false, None, 30.0).unwrap();
+    }
+    assert!(
+        c.ready(31.0),
+        "node 2's lease ran out with the server hearing the others"
+    );
+}
+
+#[test]
 fn a_run_whose_nodes_all_died_admits_a_joiner_at_once_and_evicts_the_dead_later() {
     let m = model(1, 4);
     let mut c = coordinator(&m, 2, cfg(), 0.0);

@@ -495,6 +495,7 @@ impl RunConfig {
             for (key, v) in [
                 ("sync.round_timeout_s", s.round_timeout_s),
                 ("sync.lease_s", s.lease_s),
+                ("sync.stall_s", s.stall_s),
             ] {
                 if !(v > 0.0 && v.is_finite()) {
                     bail!("{key} must be a positive number of seconds, got {v}");

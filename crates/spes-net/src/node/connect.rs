@@ -93,6 +93,7 @@ impl Link {
             out: opts.out.clone(),
             data_parts: Vec::new(),
             max_experts: None,
+            activity: Default::default(),
         })
     }
 }

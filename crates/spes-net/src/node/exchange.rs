@@ -86,6 +86,7 @@ impl Node {
         let peer = self.peer();
         let (up, target) = match exchange {
             Exchange::Fetched { fetched, up } => {
+                self.refusals.accepted();
                 self.meter.bytes_up += up;
                 let header = fetched.header.clone();
                 let t = Instant::now();
@@ -103,6 +104,7 @@ impl Node {
                 return self.finish_sync(t0, idle_from, up, header.total_bytes);
             }
             Exchange::FetchFailed { status, up } => {
+                self.refusals.accepted();
                 self.meter.bytes_up += up;
                 if status.code() != Code::NotFound {
                     return Err(explain(status, "the server"));
@@ -111,7 +113,13 @@ impl Node {
                 (up, None)
             }
             Exchange::UploadRefused(s) => match (refusal::kind(&s), refusal::of_status(&s)) {
-                (Some(Refused::Duplicate), _) => (0, Some(round)),
+                (Some(Refused::Duplicate), _) => {
+                    self.refusals.accepted();
+                    (0, Some(round))
+                }
+                (Some(kind), _) if self.backs_off(kind, &s)? => {
+                    return self.finish_sync(t0, idle_from, 0, 0);
+                }
                 (Some(Refused::Closed), Some(r)) => {
                     tracing::warn!("node {peer}: {}; loading round {}", s.message(), r.round);
                     (0, Some(r.round))
@@ -134,6 +142,27 @@ impl Node {
         let header = self.fetch_and_load(target)?;
         self.follow(&header)?;
         self.finish_sync(t0, idle_from, up, header.total_bytes)
+    }
+
+    /// Counts a refusal of `kind`; once the same kind keeps coming, waits (saying so at most
+    /// once a minute) and joins again instead of trying the same way: true when it did.
+    fn backs_off(&mut self, kind: Refused, s: &tonic::Status) -> Result<bool> {
+        let now = self.meter.started.elapsed().as_secs_f64();
+        let Some(b) = self.refusals.refused(kind, now) else {
+            return Ok(false);
+        };
+        if b.log {
+            tracing::warn!(
+                "node {}: the server refused {} uploads running ({}); waiting {:.0} s, then joining again",
+                self.peer(),
+                b.count,
+                s.message(),
+                b.wait.as_secs_f64()
+            );
+        }
+        std::thread::sleep(b.wait);
+        self.rejoin()?;
+        Ok(true)
     }
 
     /// Checkpoints and logs a sync: `sync_s` from the upload to the loaded model, `idle_s` the

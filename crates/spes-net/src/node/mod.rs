@@ -17,6 +17,7 @@ mod membership;
 mod meter;
 mod saved;
 mod session;
+mod streak;
 pub(crate) mod transport;
 
 use crate::fault;
@@ -94,6 +95,8 @@ pub struct Node {
     last_checkpoint: Instant,
     /// What the round being trained has trained so far: its upload reports it.
     work: Work,
+    /// Refusals of one kind in a row: a node that keeps being refused backs off and rejoins.
+    refusals: streak::Streak,
 }
 
 impl Drop for Node {
@@ -168,6 +171,7 @@ impl Node {
             checkpointing: None,
             last_checkpoint: Instant::now(),
             work: Work::default(),
+            refusals: streak::Streak::default(),
         };
         node.enter(&reply, saved)?;
         Ok(node)
@@ -225,6 +229,9 @@ impl Node {
             let s = self.trainer.train_rows(per_rank as usize)?;
             self.work.rows += per_rank * ranks;
             self.work.compute_s += s.seconds;
+            self.link
+                .activity
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let step = self.trainer.step;
             if !s.losses.loss.is_finite() {
                 bail!(
@@ -252,11 +259,13 @@ impl Node {
             }
             if self.trainer.step.is_multiple_of(h) {
                 // The previous round must be in before this one's delta is taken from it.
-                let before = self.trainer.step;
                 if self.pending.is_some() {
                     self.settle_pending()?;
                 }
-                if self.trainer.step == before {
+                // A settle may have loaded a round instead (its upload was refused, or the node
+                // joined again): the step then ends that round, which is closed, so the node
+                // trains the next one; unless it was the run's last.
+                if !self.holds_round_of_step() || self.trainer.step >= max_steps {
                     return Ok(self.upload_tensors());
                 }
             }
@@ -271,6 +280,10 @@ impl Node {
         );
         while self.trainer.step < max {
             let upload = self.train_round()?;
+            if self.holds_round_of_step() {
+                // It loaded the run's last round while it was away: nothing left to upload.
+                continue;
+            }
             // The last round is always waited for, so every node ends on the final model.
             if overlap && self.trainer.step < max {
                 self.start_sync(&upload)?;
@@ -290,6 +303,14 @@ impl Node {
             serde_json::to_string_pretty(&summary)?.as_bytes(),
         )?;
         Ok(summary)
+    }
+
+    /// Whether the node holds the round its step ends (it loaded that round rather than
+    /// trained it): a round already closed, which it must not upload.
+    fn holds_round_of_step(&self) -> bool {
+        let h = self.trainer.cfg.sync.sync_steps;
+        self.trainer.step.is_multiple_of(h)
+            && self.replica.base_round() == Some(self.trainer.step / h)
     }
 
     /// Waits for the checkpoint being written, if any.

@@ -58,7 +58,8 @@ impl Session {
     }
 
     /// Renews the lease at every shard every `lease/4` (and right after each sync, when
-    /// `synced` wakes it) on the runtime's worker threads, with the node's newest `report`;
+    /// `synced` wakes it) on the runtime's worker threads, with the node's newest `report` and
+    /// its activity counter;
     /// sets [`Session::lost`] when another process took this peer id.
     pub fn start_heartbeat(
         &self,
@@ -69,13 +70,14 @@ impl Session {
     ) {
         let every = Duration::from_millis((lease_ms / 4).max(50));
         for shard in &link.shards {
-            let (peer, session, client, lost, report, synced) = (
+            let (peer, session, client, lost, report, synced, activity) = (
                 self.peer as u32,
                 self.id,
                 shard.client.clone(),
                 self.lost.clone(),
                 report.clone(),
                 synced.clone(),
+                link.activity.clone(),
             );
             link.handle.spawn(async move {
                 loop {
@@ -91,6 +93,7 @@ impl Session {
                         data_parts: Vec::new(),
                         max_experts: None,
                         report: report.lock().unwrap().as_ref().map(report_to_proto),
+                        activity: activity.load(std::sync::atomic::Ordering::Relaxed),
                     });
                     req.set_timeout(every.max(Duration::from_secs(2)));
                     match c.heartbeat(req).await {

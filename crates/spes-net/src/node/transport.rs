@@ -13,6 +13,7 @@ use spes_sync::delta::tensor_of;
 use spes_sync::{FetchPlan, Named, Work};
 use std::collections::HashSet;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tonic::codegen::InterceptedService;
@@ -141,6 +142,9 @@ pub(super) struct Link {
     pub data_parts: Vec<String>,
     /// The most experts per layer this node's memory holds (`train.memory_gib`), told at join.
     pub max_experts: Option<usize>,
+    /// Steps trained and payload chunks moved by this process, which heartbeats report: the
+    /// server waits for a member only while it changes (`sync.stall_s`).
+    pub activity: Arc<AtomicU64>,
 }
 
 impl Link {
@@ -191,6 +195,7 @@ impl Link {
                 data_parts: self.data_parts.clone(),
                 report: None,
                 max_experts: self.max_experts.map(|k| k as u32),
+                activity: self.activity.load(Ordering::Relaxed),
             };
             let reply = join_run(&self.handle, &s.client, self.patience, &req)?;
             let (shard, shards) = (reply.shard as usize, (reply.shards as usize).max(1));
@@ -220,12 +225,14 @@ impl Link {
             };
             retry(&self.handle, self.patience, "upload", || {
                 let (mut c, bytes, header) = (s.client.clone(), u.bytes.clone(), header.clone());
+                let activity = self.activity.clone();
                 async move {
                     let sources = vec![payload::Source::Bytes(bytes)];
                     let stream = payload::send(sources, header, move |i| {
                         if i == 0 {
                             fault::point("upload", round);
                         }
+                        activity.fetch_add(1, Ordering::Relaxed);
                     });
                     let stream = tokio_stream::StreamExt::filter_map(stream, |r| r.ok());
                     c.upload(stream).await
@@ -246,6 +253,7 @@ impl Link {
         retry(&self.handle, self.patience, "fetch", || {
             let mut c = s.client.clone();
             let d = dest.clone();
+            let activity = self.activity.clone();
             async move {
                 let mut req = Request::new(FetchRequest {
                     peer: peer as u32,
@@ -256,7 +264,11 @@ impl Link {
                     skip_own: ask.skip_own,
                 });
                 req.set_timeout(FETCH_WAIT + CALL_TIMEOUT);
-                let mut stream = c.fetch(req).await?.into_inner();
+                let stream = c.fetch(req).await?.into_inner();
+                let mut stream = tokio_stream::StreamExt::map(stream, move |chunk| {
+                    activity.fetch_add(1, Ordering::Relaxed);
+                    chunk
+                });
                 let header = payload::read_header(&mut stream, IDLE).await?;
                 let fits = if header.delta {
                     ask.have_previous && header.total_bytes <= delta_max

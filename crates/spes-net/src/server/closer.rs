@@ -156,6 +156,14 @@ pub(super) fn run_closer(
                 );
             }
             if coord.ready(now) {
+                let stalled = coord.stalled(now);
+                if !stalled.is_empty() {
+                    tracing::warn!(
+                        "round {} closes without node(s) {stalled:?}: live, but no step trained and no byte moved for {:.0} s (sync.stall_s); they train a later round",
+                        coord.round(),
+                        coord.cfg().stall_after_s()
+                    );
+                }
                 let t0 = Instant::now();
                 let report = coord.close(now);
                 let global = shallow(coord.global().0);

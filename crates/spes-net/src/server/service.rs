@@ -78,6 +78,10 @@ impl Spes for Service {
         let peer = authorize(&req, req.get_ref().peer)?;
         let (standing, _, published_round) =
             s.join(peer, req.get_ref().session, false, None, None)?;
+        s.coord
+            .lock()
+            .unwrap()
+            .report_activity(peer, req.get_ref().activity, s.now());
         if let Some(report) = &req.get_ref().report {
             let checked = crate::view::report_of(report);
             let mut watch = s.watch.lock().unwrap();
