@@ -4,8 +4,10 @@
 use crate::args::{rank_setup, ConfigArgs, RanksArgs, RuntimeArgs};
 use crate::local_ranks;
 use crate::secrets::secret_from;
-use anyhow::Result;
-use std::path::PathBuf;
+use anyhow::{bail, Result};
+use spes_train::RunConfig;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// How a node shows its progress.
 #[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
@@ -16,11 +18,19 @@ pub enum ProgressArg {
 }
 
 /// Run one node of a decentralized run: trains the shared parameters and its own experts.
-/// Its config's data.path is used; model, sync and training keys must match the server's.
+/// The run's settings come from the server; the node names its own data
+/// (`--set data.path=DIR`). With `--config`, that file's model, sync and training keys must
+/// match the server's.
 #[derive(clap::Args)]
 pub struct Args {
-    #[command(flatten)]
-    pub config: ConfigArgs,
+    /// A config file of the run (optional): its data and node-local keys are used, its other
+    /// keys checked against the server's. Without it the node takes the run's settings from
+    /// the server and writes them to <out>/run-settings.toml.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override a config key, e.g. --set data.path=runs/data (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub overrides: Vec<String>,
     /// http://HOST:PORT, or https://HOST:PORT for a TLS server; for a sharded server
     /// (`--shard i/k`), every shard's URL in shard order, comma-separated.
     #[arg(long)]
@@ -63,6 +73,7 @@ pub struct Args {
 pub fn run(a: Args) -> Result<()> {
     let Args {
         config,
+        overrides,
         server,
         peer,
         out,
@@ -76,7 +87,13 @@ pub fn run(a: Args) -> Result<()> {
         ranks,
         runtime,
     } = a;
-    let cfg = config.load()?;
+    let local = config
+        .map(|config| ConfigArgs {
+            config,
+            overrides: overrides.clone(),
+        })
+        .map(|c| c.load())
+        .transpose()?;
     if let Some(g) = ranks.local_ranks.filter(|&g| g > 1) {
         return local_ranks::launch(g);
     }
@@ -104,6 +121,23 @@ pub fn run(a: Args) -> Result<()> {
             anyhow::bail!("give --peer, or a --credential-file to take it from")
         }
     };
+    let tls_ca = tls_ca
+        .map(|p| spes_net::auth::read_pem(&p, "TLS CA certificate"))
+        .transpose()?;
+    let cfg = match local {
+        Some(cfg) => cfg,
+        None => {
+            let from = spes_net::node::SettingsSource {
+                server: &server,
+                peer,
+                credential: credential.as_deref(),
+                tls_ca: tls_ca.as_deref(),
+                insecure,
+                patience: Duration::from_secs_f64(patience_s),
+            };
+            config_from_server(&from, &overrides, &out)?
+        }
+    };
     let metrics_listener = match metrics_listen {
         Some(addr) => {
             spes_net::view::http::HttpOptions::default().check(addr)?;
@@ -119,9 +153,7 @@ pub fn run(a: Args) -> Result<()> {
         peer,
         out,
         credential,
-        tls_ca: tls_ca
-            .map(|p| spes_net::auth::read_pem(&p, "TLS CA certificate"))
-            .transpose()?,
+        tls_ca,
         device,
         progress: match progress {
             ProgressArg::Bar => spes_net::Progress::Bar,
@@ -139,4 +171,42 @@ pub fn run(a: Args) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     }
     Ok(())
+}
+
+/// The config of a node started without one: the run's settings from its server with this
+/// node's `--set`, recorded in `<out>/run-settings.toml`. A node that holds a checkpoint refuses
+/// settings that changed since it recorded them, naming the key.
+fn config_from_server(
+    from: &spes_net::node::SettingsSource,
+    overrides: &[String],
+    out: &Path,
+) -> Result<RunConfig> {
+    let settings = spes_net::node::run_settings(from)?;
+    let cfg = RunConfig::from_run_settings(&settings, overrides)?;
+    if cfg.data.path.as_os_str().is_empty() && cfg.data.sources.is_empty() {
+        bail!(
+            "this node names no data: add --set data.path=DIR (its own copy of the run's \
+             tokenized corpus), or give --config with a [data] section"
+        );
+    }
+    let recorded = out.join("run-settings.toml");
+    if let Ok(before) = std::fs::read_to_string(&recorded) {
+        let holds = spes_train::checkpoint::latest(&out.join("checkpoints"))?.is_some();
+        if let Some(change) = RunConfig::changed_setting(&before, &settings)?.filter(|_| holds) {
+            bail!(
+                "the run's settings changed since this node's checkpoint in {}: {change}; \
+                 start the node with a new --out, or the server with the run's config",
+                out.display()
+            );
+        }
+    }
+    std::fs::create_dir_all(out)?;
+    spes_data::shard::write_atomic(&recorded, settings.as_bytes())?;
+    tracing::info!(
+        "node {}: the run's settings from {} (kept in {}):\n{settings}",
+        from.peer,
+        from.server,
+        recorded.display()
+    );
+    Ok(cfg)
 }

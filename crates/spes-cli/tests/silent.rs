@@ -1,6 +1,7 @@
 //! Silent faults: a host that stays alive while nothing it sends arrives and its connections
 //! neither close nor move, as a paused VM, a sleeping laptop or a network partition do. A real
-//! server and 4 real nodes (processes of the `spes` binary, over TLS with credentials) train 16
+//! server and 4 real nodes (processes of the `spes` binary, over TLS with credentials, the nodes
+//! started with no config: the run's settings come from the server) train 16
 //! rounds; node 1 goes silent after round 2 until the server has evicted it, and the server goes
 //! silent once node 1 is back, for longer than every lease but shorter than eviction. Once by
 //! pausing the processes (SIGSTOP, then SIGCONT), once by cutting each host's link where every
@@ -27,7 +28,12 @@ const MICRO_ROUNDS: u64 = 16;
 /// 512 on the tests' Shakespeare) and `issue-undisturbed` the same without faults, for the
 /// wall-time ratio.
 struct Scenario {
+    /// The server's config; nodes take the run's settings from the server.
     config: PathBuf,
+    /// The nodes' data.
+    data: PathBuf,
+    /// The nodes' own `--set` (node-local keys).
+    node_sets: Vec<String>,
     /// `--set` overrides for every role.
     sets: Vec<String>,
     rounds: u64,
@@ -49,6 +55,10 @@ impl Scenario {
         if which.is_empty() {
             return Scenario {
                 config: micro_config(dir, &data),
+                data,
+                // Rounds of about a second (steps of ~7 ms made ~40 times as long, the CPU
+                // left free), so the faults fall mid-run.
+                node_sets: vec!["train.slowdown=40".into()],
                 sets: Vec::new(),
                 rounds: MICRO_ROUNDS,
                 sync_steps: MICRO_SYNC_STEPS,
@@ -76,6 +86,8 @@ impl Scenario {
         ];
         Scenario {
             config: root.join("configs/spes-tiny.toml"),
+            data,
+            node_sets: Vec::new(),
             sets: sets.into(),
             rounds: 14,
             sync_steps: 20,
@@ -219,9 +231,6 @@ lr = 3e-3
 warmup_steps = 2
 log_every = 100
 eval_batches = 2
-# Rounds of about a second (steps of ~7 ms made ~40 times as long, the CPU left free), so
-# the faults fall mid-run.
-slowdown = 40
 
 [sync]
 mode = "spes"
@@ -304,12 +313,22 @@ fn run_through_silent_faults(fault: Fault) {
         Fault::Cut(_) => 50051,
     };
     let server_out = dir.join("server");
+    // The server reads the run's config; a node only names its data and the server.
     let role = |role: &str, extra: Vec<String>| -> Vec<String> {
-        let mut a: Vec<String> = [role, "--config", config.to_str().unwrap()]
+        let own = match role {
+            "server" => ["--config".to_string(), config.display().to_string()],
+            _ => ["--set".into(), format!("data.path={}", sc.data.display())],
+        };
+        let mut a: Vec<String> = [role, "--device", "cpu", "--threads", "1"]
             .into_iter()
-            .chain(["--device", "cpu", "--threads", "1"])
             .map(String::from)
+            .chain(own)
             .collect();
+        if role == "node" {
+            for set in &sc.node_sets {
+                a.extend(["--set".to_string(), set.clone()]);
+            }
+        }
         a.extend(extra);
         for set in &sc.sets {
             a.extend(["--set".to_string(), set.clone()]);

@@ -267,6 +267,16 @@ impl Default for TrainConfig {
     }
 }
 
+/// Whether `section.key` is each role's own: node-local `[train]` keys and per-role `[sync]`
+/// keys, which a node neither receives nor must match.
+fn is_node_own(section: &str, key: &str) -> bool {
+    match section {
+        "train" => TrainConfig::NODE_LOCAL.contains(&key),
+        "sync" => SyncConfig::PER_ROLE.contains(&key),
+        _ => false,
+    }
+}
+
 /// Declares the `[train]` keys a node sets for itself, once: the list the config check skips
 /// and the copy that takes them from the node's own config are both made from it.
 macro_rules! node_local_train_keys {
@@ -288,6 +298,9 @@ node_local_train_keys!(
     log_every,
     eval_every,
     eval_batches,
+    eval_tasks,
+    eval_tasks_every,
+    eval_task_docs,
     checkpoint_every,
     keep_checkpoints,
     activation_checkpointing,
@@ -361,6 +374,84 @@ impl RunConfig {
             Partition::Disjoint => {}
         }
         Ok(cfg)
+    }
+
+    /// The run's settings a server sends to a node that has no config of its own: the keys
+    /// every node must share ([`RunConfig::for_node`] checks the same ones) and nothing that
+    /// names a file: `[model]`, `[train]` but its node-local keys, `[sync]` but its per-role
+    /// keys, and `data.partition`.
+    pub fn run_settings(&self) -> Result<String> {
+        let mut all = toml::Table::try_from(self)?;
+        let mut out = toml::Table::new();
+        for section in ["model", "train", "sync"] {
+            if let Some(toml::Value::Table(mut t)) = all.remove(section) {
+                t.retain(|k, _| !is_node_own(section, k));
+                out.insert(section.into(), t.into());
+            }
+        }
+        let mut data = toml::Table::new();
+        data.insert(
+            "partition".into(),
+            toml::Value::try_from(self.data.partition)?,
+        );
+        out.insert("data".into(), data.into());
+        Ok(toml::to_string(&out)?)
+    }
+
+    /// A node's config from the settings its server sent ([`RunConfig::run_settings`]) and its
+    /// own `section.key=value` overrides (its data and node-local keys). The settings are
+    /// untrusted: a key that is not a run setting (a path, a node's own key, an unknown one) is
+    /// refused by name, and the result is validated as a local config is.
+    pub fn from_run_settings(settings: &str, overrides: &[String]) -> Result<Self> {
+        let doc: toml::Table =
+            toml::from_str(settings).context("the server's run settings are not TOML")?;
+        for (section, value) in &doc {
+            let keys = value.as_table().with_context(|| {
+                format!("the server's run settings: `{section}` is not a section")
+            })?;
+            for key in keys.keys() {
+                let run_key = match section.as_str() {
+                    "model" | "train" | "sync" => !is_node_own(section, key),
+                    "data" => key == "partition",
+                    _ => false,
+                };
+                if !run_key {
+                    bail!(
+                        "the server sent `{section}.{key}`, which is not a run setting (a path, \
+                         or a key each node sets for itself): refusing the run's settings"
+                    );
+                }
+            }
+        }
+        Self::parse(&toml::to_string(&doc)?, overrides)
+            .context("the server's run settings with this node's --set")
+    }
+
+    /// The first run setting that differs between two [`RunConfig::run_settings`] texts, as
+    /// "`section.key` was A, is now B"; `None` when they agree.
+    pub fn changed_setting(before: &str, now: &str) -> Result<Option<String>> {
+        let (a, b): (toml::Table, toml::Table) = (toml::from_str(before)?, toml::from_str(now)?);
+        let keys = |t: &toml::Table| -> Vec<(String, String)> {
+            t.iter()
+                .flat_map(|(s, v)| {
+                    let keys: Vec<String> = v
+                        .as_table()
+                        .map(|t| t.keys().cloned().collect())
+                        .unwrap_or_default();
+                    keys.into_iter().map(move |k| (s.clone(), k))
+                })
+                .collect()
+        };
+        let mut all = keys(&a);
+        all.extend(keys(&b));
+        all.sort();
+        all.dedup();
+        let get = |t: &toml::Table, s: &str, k: &str| t.get(s).and_then(|v| v.get(k)).cloned();
+        let shown = |v: Option<toml::Value>| v.map_or("nothing".into(), |v| v.to_string());
+        Ok(all.into_iter().find_map(|(s, k)| {
+            let (x, y) = (get(&a, &s, &k), get(&b, &s, &k));
+            (x != y).then(|| format!("`{s}.{k}` was {}, is now {}", shown(x), shown(y)))
+        }))
     }
 
     /// Reads a TOML file and applies `section.key=value` overrides.
@@ -701,6 +792,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("`train.lr` differs"), "{e}");
+        assert!(
+            e.contains("this node has 0.01") && e.contains("the server has 0.0005"),
+            "both values named: {e}"
+        );
         // Every declared key is a key of the config.
         let train = toml::Value::try_from(TrainConfig::default()).unwrap();
         let sync = toml::Value::try_from(SyncConfig::default()).unwrap();
@@ -719,6 +814,84 @@ mod tests {
         for k in SyncConfig::PER_ROLE {
             assert!(sync.get(k).is_some(), "{k}");
         }
+    }
+
+    #[test]
+    fn a_node_without_a_config_runs_the_servers_settings_with_its_own_keys() {
+        let o = [
+            "sync.mode=spes".to_string(),
+            "sync.sync_steps=5".into(),
+            "train.eval_tasks=[\"/srv/tasks\"]".into(),
+            "train.tensorboard=/srv/tb".into(),
+        ];
+        let server = RunConfig::parse(BASE, &o).unwrap();
+        let settings = server.run_settings().unwrap();
+        for path in ["/srv", "\"d\""] {
+            assert!(!settings.contains(path), "{path} in {settings}");
+        }
+        let mine = ["data.path=mine".to_string(), "train.log_every=3".into()];
+        let local = RunConfig::from_run_settings(&settings, &mine).unwrap();
+        // What the join then builds equals what a node with the server's config file gets.
+        let via_settings = RunConfig::for_node(server.clone(), &local, 1).unwrap();
+        // (The node's file names no files of the server's: those keys are node-local.)
+        let mut file = o[..2].to_vec();
+        file.extend(mine);
+        let via_file =
+            RunConfig::for_node(server, &RunConfig::parse(BASE, &file).unwrap(), 1).unwrap();
+        assert_eq!(
+            toml::to_string(&via_settings).unwrap(),
+            toml::to_string(&via_file).unwrap()
+        );
+        assert_eq!(via_settings.data.path, PathBuf::from("mine"));
+        let mut again = o[..2].to_vec();
+        again.push("sync.lease_s=7".into());
+        let changed = RunConfig::parse(BASE, &again)
+            .unwrap()
+            .run_settings()
+            .unwrap();
+        assert_eq!(
+            RunConfig::changed_setting(&settings, &changed).unwrap(),
+            Some("`sync.lease_s` was 30.0, is now 7.0".into())
+        );
+        assert_eq!(
+            RunConfig::changed_setting(&settings, &settings).unwrap(),
+            None
+        );
+        assert!(via_settings.train.eval_tasks.is_empty());
+        assert_eq!(via_settings.train.tensorboard, None);
+    }
+
+    #[test]
+    fn settings_that_name_a_path_or_an_unknown_key_are_refused_by_name() {
+        let good = RunConfig::parse(BASE, &[]).unwrap().run_settings().unwrap();
+        for (extra, key) in [
+            ("[data]\npath = \"/etc\"\n", "data.path"),
+            ("[train]\ntensorboard = \"/tmp/x\"\n", "train.tensorboard"),
+            ("[train]\neval_tasks = [\"/etc\"]\n", "train.eval_tasks"),
+            ("[init]\npath = \"/etc/passwd\"\n", "init.path"),
+        ] {
+            let mut doc: toml::Table = toml::from_str(&good).unwrap();
+            let add: toml::Table = toml::from_str(extra).unwrap();
+            for (section, t) in add {
+                let entry = doc
+                    .entry(section)
+                    .or_insert_with(|| toml::Table::new().into());
+                entry
+                    .as_table_mut()
+                    .unwrap()
+                    .extend(t.as_table().unwrap().clone());
+            }
+            let e = RunConfig::from_run_settings(&toml::to_string(&doc).unwrap(), &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{key}`")), "{key}: {e}");
+        }
+        let unknown = good.replace("[sync]\n", "[sync]\nexfiltrate = true\n");
+        let e = format!(
+            "{:#}",
+            RunConfig::from_run_settings(&unknown, &[]).unwrap_err()
+        );
+        assert!(e.contains("exfiltrate"), "{e}");
     }
 
     #[test]

@@ -2,11 +2,12 @@
 //! and keepalives that find a black-holed connection; the credential never goes in plaintext to
 //! a host that is not loopback unless the operator says so.
 
-use super::transport::{Client, Link, Shard};
+use super::transport::{call, explain, retry, Client, Link, Shard};
 use super::NodeOptions;
 use crate::auth::{is_loopback_url, AddToken};
 use crate::payload;
 use crate::proto::spes_client::SpesClient;
+use crate::proto::SettingsRequest;
 use anyhow::{bail, Context, Result};
 use std::time::Duration;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
@@ -96,4 +97,39 @@ impl Link {
             activity: Default::default(),
         })
     }
+}
+
+/// Where a node without a config of its own asks for the run's settings: the server at
+/// `server` (shard 0 of a sharded one), as peer `peer`.
+pub struct SettingsSource<'a> {
+    pub server: &'a str,
+    pub peer: usize,
+    pub credential: Option<&'a str>,
+    pub tls_ca: Option<&'a [u8]>,
+    pub insecure: bool,
+    /// How long to keep retrying an unreachable server.
+    pub patience: Duration,
+}
+
+/// The run's settings as the server sends them ([`spes_train::RunConfig::run_settings`]), to
+/// be checked by [`spes_train::RunConfig::from_run_settings`].
+pub fn run_settings(from: &SettingsSource) -> Result<String> {
+    let url = from
+        .server
+        .split(',')
+        .map(str::trim)
+        .find(|u| !u.is_empty())
+        .context("--server names no server")?;
+    let rt = tokio::runtime::Runtime::new()?;
+    let client = {
+        let _entered = rt.enter();
+        client(url, from.credential, from.tls_ca, from.insecure)?
+    };
+    let peer = from.peer as u32;
+    let reply = retry(rt.handle(), from.patience, "settings", || {
+        let mut c = client.clone();
+        async move { c.settings(call(SettingsRequest { peer })).await }
+    })
+    .map_err(|s| explain(s, url))?;
+    Ok(reply.into_inner().settings_toml)
 }

@@ -33,6 +33,7 @@ use std::time::Instant;
 use tch::Device;
 use transport::{explain, Exchange, Link};
 
+pub use connect::{run_settings, SettingsSource};
 pub use spes_train::metrics::NodeSummary;
 
 /// How a node shows its progress.

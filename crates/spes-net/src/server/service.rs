@@ -9,7 +9,7 @@ use crate::proto::refusal::Kind;
 use crate::proto::spes_server::Spes;
 use crate::proto::{
     Chunk, DoneReply, DoneRequest, FetchRequest, HeartbeatReply, JoinReply, JoinRequest,
-    PayloadHeader, StatusReply, StatusRequest, UploadReply,
+    PayloadHeader, SettingsReply, SettingsRequest, StatusReply, StatusRequest, UploadReply,
 };
 use crate::{payload, refusal};
 use spes_data::shard::write_atomic;
@@ -189,6 +189,19 @@ impl Spes for Service {
         s.io.lock().unwrap().done.insert(peer);
         tracing::info!("node {peer} finished");
         Ok(Response::new(DoneReply {}))
+    }
+
+    async fn settings(
+        &self,
+        req: Request<SettingsRequest>,
+    ) -> Result<Response<SettingsReply>, Status> {
+        authorize(&req, req.get_ref().peer)?;
+        let settings_toml = self
+            .state
+            .cfg
+            .run_settings()
+            .map_err(|e| Status::internal(format!("{e:#}")))?;
+        Ok(Response::new(SettingsReply { settings_toml }))
     }
 
     async fn status(&self, _req: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
