@@ -11,7 +11,7 @@ as on a SPES node. Variants: `eager` (torch.optim.AdamW's default implementation
 Prints one JSON line. The reference for what a careful PyTorch user would write by hand,
 not a port of spes's kernels: full fp32 logits, autocast for bf16.
 """
-import argparse, json, os, resource, subprocess, time
+import argparse, json, resource, time
 import torch
 import torch.nn.functional as F
 
@@ -177,19 +177,6 @@ for i in range(args.warmup + args.steps):
         times.append(time.perf_counter() - start)
 
 
-def gpu_memory_mb():
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
-    except OSError:
-        return None
-    for line in out.splitlines():
-        pid, mb = line.split(",")
-        if int(pid) == os.getpid():
-            return float(mb)
-    return None
-
-
 times.sort()
 median = times[len(times) // 2]
 tokens = args.batch_size * args.seq_len
@@ -201,5 +188,8 @@ print(json.dumps({
     "step_ms": median * 1e3,
     "tokens_per_s": tokens / median,
     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    "gpu_memory_mb": gpu_memory_mb() if dev.type == "cuda" else None,
+    # As `spes bench` reports it: the caching allocator's own peaks on CUDA, RSS on CPU.
+    "device_memory_source": "cuda_caching_allocator" if dev.type == "cuda" else "rss",
+    "device_peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else None,
+    "device_peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20 if dev.type == "cuda" else None,
 }))

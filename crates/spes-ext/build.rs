@@ -10,8 +10,13 @@
 //! libtorch_cuda and embedded in the crate (src/nccl.rs loads it when a run asks for NCCL), so
 //! the binary itself links only the CPU libraries. It is built where the CUDA wheels' headers
 //! are: site-packages/nvidia/cu13 (runtime, plus nvidia-cuda-crt and nvidia-cuda-cccl, which
-//! scripts/setup.sh installs) and nvidia/nccl, or `CUDA_INCLUDE` and `NCCL_INCLUDE`. Without
-//! them spes still builds, and asking for NCCL says why it cannot.
+//! scripts/setup.sh installs) and nvidia/nccl, or `CUDA_INCLUDE` and `NCCL_INCLUDE`. A libtorch
+//! without CUDA builds spes without the part; a libtorch with CUDA whose headers are missing
+//! fails the build (a GPU binary without its NCCL part would only fail on the GPU), unless
+//! `SPES_NO_NCCL` asks for a build without it.
+//!
+//! `SPES_BUILD_LIBTORCH` and `SPES_BUILD_CUDA` tell `spes capabilities` what it was built
+//! against.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -53,6 +58,10 @@ fn main() {
         .parent()
         .expect("libtorch lib directory has a parent")
         .to_path_buf();
+    println!(
+        "cargo:rustc-env=SPES_BUILD_LIBTORCH={}",
+        libtorch_version(&root)
+    );
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
     let mut build = cc::Build::new();
     build
@@ -71,7 +80,16 @@ fn main() {
         .file("csrc/ext.cpp")
         .file("csrc/c10d.cpp")
         .compile("spes_ext");
-    if std::env::var_os("SPES_NO_NCCL").is_some() {
+    let cuda = root.join("lib/libtorch_cuda.so").exists();
+    println!(
+        "cargo:rustc-env=SPES_BUILD_CUDA={}",
+        if cuda {
+            cuda_version(&root)
+        } else {
+            "none".into()
+        }
+    );
+    if !cuda || std::env::var_os("SPES_NO_NCCL").is_some() {
         return;
     }
     match cuda_headers(&root) {
@@ -80,10 +98,44 @@ fn main() {
             println!("cargo:rustc-cfg=spes_nccl");
             println!("cargo:rustc-env=SPES_NCCL_SO={}", so.display());
         }
-        Err(missing) => println!(
-            "cargo:warning=spes-ext: built without its NCCL part ({missing}); multi-GPU nodes will use Gloo"
+        Err(missing) => panic!(
+            "spes-ext: libtorch has CUDA but its NCCL part cannot be built: {missing}. Run \
+             scripts/setup.sh (it installs the CUDA host headers), or set SPES_NO_NCCL=1 for a \
+             binary whose GPU nodes use Gloo"
         ),
     }
+}
+
+/// "2.11.0" from libtorch's version header; "unknown" where it has none.
+fn libtorch_version(torch: &Path) -> String {
+    let header = std::fs::read_to_string(torch.join("include/torch/headeronly/version.h"))
+        .unwrap_or_default();
+    let part = |name: &str| {
+        header.lines().find_map(|l| {
+            let rest = l.trim().strip_prefix("#define ")?.strip_prefix(name)?;
+            rest.trim().parse::<u32>().ok()
+        })
+    };
+    match (
+        part("TORCH_VERSION_MAJOR"),
+        part("TORCH_VERSION_MINOR"),
+        part("TORCH_VERSION_PATCH"),
+    ) {
+        (Some(a), Some(b), Some(c)) => format!("{a}.{b}.{c}"),
+        _ => "unknown".into(),
+    }
+}
+
+/// The CUDA release the wheel was built for ("13.0"), from its version.py.
+fn cuda_version(torch: &Path) -> String {
+    std::fs::read_to_string(torch.join("version.py"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            let v = l.strip_prefix("cuda")?.split('\'').nth(1)?;
+            Some(v.to_owned())
+        })
+        .unwrap_or_else(|| "unknown".into())
 }
 
 /// Include directories for the NCCL part: CUDA runtime (with crt/ and CCCL's nv/) and NCCL.
@@ -93,9 +145,6 @@ fn cuda_headers(torch: &Path) -> Result<Vec<PathBuf>, String> {
         .ok()
         .and_then(|t| t.parent().map(Path::to_path_buf))
         .unwrap_or_default();
-    if !torch.join("lib/libtorch_cuda.so").exists() {
-        return Err(format!("{} has no lib/libtorch_cuda.so", torch.display()));
-    }
     let from_env = |v: &str| std::env::var_os(v).map(PathBuf::from);
     let cuda = from_env("CUDA_INCLUDE").unwrap_or_else(|| site.join("nvidia/cu13/include"));
     let nccl = from_env("NCCL_INCLUDE").unwrap_or_else(|| site.join("nvidia/nccl/include"));

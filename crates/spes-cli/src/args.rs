@@ -50,7 +50,10 @@ pub fn rank_setup(
     let local = env("LOCAL_WORLD_SIZE").unwrap_or(r.world);
     if let tch::Device::Cuda(_) = device {
         let gpus = tch::Cuda::device_count().max(1) as usize;
-        device = tch::Device::Cuda(local_rank % gpus);
+        let gpu = local_rank % gpus;
+        device = tch::Device::Cuda(gpu);
+        // Else every rank opens a context on GPU 0 and NCCL guesses each rank's device.
+        spes_ext::set_device(gpu)?;
         r.backend = ranks.dist_backend.resolve(local, gpus)?;
     } else {
         if ranks.dist_backend == local_ranks::DistBackend::Nccl {

@@ -25,9 +25,15 @@ const SPES_TINY: &str = include_str!("../../../configs/spes-tiny.toml");
 
 /// Tokenizes the embedded corpus into `<out>/data` unless already there.
 pub fn prepare_data(out: &Path) -> Result<PathBuf> {
-    let data = out.join("data");
+    tokenize_into(&out.join("data"))
+}
+
+/// Tokenizes the embedded corpus into `data` unless already there.
+fn tokenize_into(data: &Path) -> Result<PathBuf> {
+    let data = data.to_path_buf();
     if !data.join(spes_data::shard::MANIFEST).exists() {
-        let corpus = out.join("default-corpus.jsonl.gz");
+        std::fs::create_dir_all(&data)?;
+        let corpus = data.join("default-corpus.jsonl.gz");
         spes_data::shard::write_atomic(&corpus, CORPUS)?;
         let opts = TokenizeOptions::new(
             vec![corpus.display().to_string()],
@@ -185,6 +191,10 @@ pub fn config(data: &Path, overrides: &[String]) -> Result<RunConfig> {
 pub struct Args {
     #[arg(long, default_value = "runs/demo")]
     pub out: PathBuf,
+    /// The embedded corpus tokenized in DIR (tokenized there first if DIR holds none) instead
+    /// of in <out>/data: one corpus for several demos.
+    #[arg(long, value_name = "DIR")]
+    pub data: Option<PathBuf>,
     /// Override a key of the embedded configs/spes-tiny.toml (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub overrides: Vec<String>,
@@ -254,6 +264,7 @@ pub struct Extras {
 pub fn run(a: Args) -> Result<()> {
     let Args {
         out,
+        data,
         mut overrides,
         device,
         link,
@@ -264,7 +275,10 @@ pub fn run(a: Args) -> Result<()> {
     } = a;
     let started = Instant::now();
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
-    let data = prepare_data(&out)?;
+    let data = match &data {
+        Some(dir) => tokenize_into(dir)?,
+        None => prepare_data(&out)?,
+    };
     if partition != DemoPartition::Shuffle {
         overrides.push("data.partition=disjoint".into());
     }

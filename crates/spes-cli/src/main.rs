@@ -2,6 +2,7 @@
 //! module that implements it, next to the flags it takes.
 
 mod args;
+mod capabilities;
 mod demo;
 mod device;
 #[cfg(test)]
@@ -91,6 +92,9 @@ enum Command {
     BenchSync(sync_bench::Args),
     /// Print the parameter counts of the built-in model presets.
     Presets,
+    /// What this binary was built with and can do here: CUDA, the NCCL part, the grouped MoE
+    /// kernel, the libtorch it links (`--json` for scripts).
+    Capabilities(capabilities::Args),
     /// Decentralized training on loopback: one server and 4 nodes (separate processes) train
     /// the tiny preset with SPES on the embedded corpus; writes report.md with plots.
     Demo(demo::Args),
@@ -149,6 +153,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::BenchVsPytorch(a) => step_bench::run_vs_pytorch(&a),
         Command::BenchSync(a) => sync_bench::run(a),
         Command::Presets => presets(),
+        Command::Capabilities(a) => capabilities::run(a),
         Command::Demo(a) => demo::run(a).context("demo failed"),
         Command::Experiment(a) => experiment::command(a),
         Command::Simulate(a) => simulate::run(a),

@@ -28,7 +28,8 @@ pub struct StepArgs {
     /// Train only this many experts per layer (as a SPES node does); default all.
     #[arg(long)]
     own_experts: Option<usize>,
-    /// How MoE layers run their experts: auto (grouped on CUDA), loop or grouped.
+    /// How MoE layers run their experts: auto (grouped in bf16 on SM 9.x GPUs, else the loop),
+    /// loop or grouped.
     #[arg(long, value_parser = parse_moe_kernel, default_value = "auto")]
     moe_kernel: MoeKernelChoice,
     #[command(flatten)]
@@ -78,6 +79,10 @@ pub struct VsPytorchArgs {
     /// Print the rows as JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also append each run to FILE as a Markdown table line the moment it finishes, so a run
+    /// cut short (a GPU check's time budget) keeps what it measured.
+    #[arg(long)]
+    rows: Option<PathBuf>,
 }
 
 /// `spes bench`: measure in this process and print a table or JSON.
@@ -107,7 +112,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
     }
-    println!("| preset | device | precision | batch×seq | trainable params | optimizer state | step ms | optimizer ms | tokens/s | peak RSS | GPU memory |");
+    println!("| preset | device | precision | batch×seq | trainable params | optimizer state | step ms | optimizer ms | tokens/s | peak RSS | device peak (allocated / reserved) |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     println!(
         "| {} | {device:?} | {:?} | {}×{} | {:.1} M of {:.1} M | {:.1} MiB | {:.0} | {:.1} | {:.0} | {:.0} MiB | {} |",
@@ -122,7 +127,10 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         r.optimizer_ms,
         r.tokens_per_s,
         r.peak_rss_mb,
-        r.gpu_memory_mb.map_or("n/a".into(), |m| format!("{m:.0} MiB"))
+        match (r.device_peak_allocated_mb, r.device_peak_reserved_mb) {
+            (Some(a), Some(b)) => format!("{a:.0} / {b:.0} MiB (caching allocator)"),
+            _ => "n/a (CPU: the process's RSS)".into(),
+        }
     );
     if let Some(d) = &r.moe_kernels {
         println!(
@@ -146,9 +154,41 @@ struct Run {
     tokens_per_s: f64,
     step_ms: f64,
     peak_rss_mb: f64,
-    gpu_memory_mb: Option<f64>,
+    device_peak_allocated_mb: Option<f64>,
+    device_peak_reserved_mb: Option<f64>,
     total_params: u64,
     trainable_params: u64,
+}
+
+impl Run {
+    /// Its peak memory: the caching allocator's peak reserved bytes on CUDA (what the card
+    /// had to hold), the process's peak RSS on CPU.
+    fn memory_mb(&self) -> f64 {
+        self.device_peak_reserved_mb.unwrap_or(self.peak_rss_mb)
+    }
+}
+
+/// What MFU divides by: the FLOPs counted per token, both ways, and the peaks.
+struct Mfu {
+    /// Model FLOPs (every expert trained, PaLM's convention: what other stacks print).
+    model: f64,
+    /// The FLOPs a SPES node does (no weight gradients for frozen experts).
+    node: f64,
+    /// The matmul peak measured on this device, and the card's specification (bf16 dense) where
+    /// it is known.
+    measured: f64,
+    spec: Option<f64>,
+}
+
+/// Dense bf16 tensor-core peaks by card name (NVIDIA's datasheets).
+fn spec_peak(gpu: &str, kind: Kind) -> Option<f64> {
+    if kind != Kind::BFloat16 {
+        return None;
+    }
+    [("H100", 989.4e12), ("H200", 989.4e12), ("A100", 312e12)]
+        .into_iter()
+        .find(|(name, _)| gpu.contains(name))
+        .map(|(_, p)| p)
 }
 
 /// One row of the side-by-side table.
@@ -161,10 +201,18 @@ struct Row {
     step_ms_median: f64,
     /// spes's median tokens/s over this row's.
     spes_ratio: f64,
-    /// Peak over the repeats: RSS on CPU, `nvidia-smi` memory on CUDA.
+    /// Peak over the repeats: the caching allocator's peak reserved memory on CUDA, the
+    /// process's peak RSS on CPU ([`Row::memory_source`]).
     peak_memory_mb: f64,
-    /// Median tokens/s × model FLOPs per token over the measured matmul peak.
-    mfu: f64,
+    memory_source: &'static str,
+    /// CUDA: the most the tensors took at once (the caching allocator's peak allocated).
+    peak_allocated_mb: Option<f64>,
+    /// Median tokens/s × FLOPs per token over a peak: model FLOPs or the node's, over the
+    /// measured matmul peak or the card's specification.
+    mfu_model_measured: f64,
+    mfu_node_measured: f64,
+    mfu_model_spec: Option<f64>,
+    mfu_node_spec: Option<f64>,
 }
 
 /// `spes bench-vs-pytorch`: alternate `spes bench` and `scripts/bench_pytorch.py` (each run a
@@ -176,7 +224,7 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
     let cuda = device.is_cuda();
     let kind = compute_kind(s.precision, device);
     let bf16 = kind == Kind::BFloat16;
-    let kernel = match moe_kernel(s.moe_kernel, device) {
+    let kernel = match moe_kernel(s.moe_kernel, device, kind) {
         MoeKernel::Loop => "loop",
         MoeKernel::Grouped => "grouped",
     };
@@ -217,6 +265,39 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
     let mut names = vec!["spes".to_string()];
     names.extend(a.variants.iter().map(|v| format!("PyTorch {v}")));
     let mut runs: Vec<Vec<Run>> = vec![Vec::new(); names.len()];
+    let gpu = match device {
+        tch::Device::Cuda(i) => spes_ext::nccl::cuda_device(i).ok().map(|d| d.name),
+        _ => None,
+    };
+    let mfu = Mfu {
+        model: model.train_flops_per_token(s.seq_len),
+        node: model.node_train_flops_per_token(s.seq_len, s.own_experts),
+        measured: matmul_peak_flops(device, kind),
+        spec: gpu.as_deref().and_then(|g| spec_peak(g, kind)),
+    };
+    let memory_source = if cuda {
+        "caching allocator, peak reserved"
+    } else {
+        "peak RSS"
+    };
+    let mut rows_file = a
+        .rows
+        .as_ref()
+        .map(|path| {
+            let fresh = std::fs::metadata(path).map_or(true, |m| m.len() == 0);
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .with_context(|| format!("cannot write --rows {}", path.display()))?;
+            if fresh {
+                use std::io::Write;
+                writeln!(f, "| run | round | tokens/s | step ms | memory MiB ({memory_source}) | MFU model / measured peak | MFU node / measured peak |")?;
+                writeln!(f, "|---|---|---|---|---|---|---|")?;
+            }
+            anyhow::Ok(f)
+        })
+        .transpose()?;
     for round in 0..repeats {
         for i in (0..names.len()).map(|i| (i + round) % names.len()) {
             let mut cmd = if i == 0 {
@@ -234,13 +315,28 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
             };
             common(&mut cmd);
             eprintln!("round {}/{repeats}: {}", round + 1, names[i]);
-            runs[i].push(run_json(&mut cmd, &names[i])?);
+            let r = run_json(&mut cmd, &names[i])?;
+            let line = format!(
+                "| {} | {} | {:.0} | {:.1} | {:.0} | {:.1} % | {:.1} % |",
+                names[i],
+                round + 1,
+                r.tokens_per_s,
+                r.step_ms,
+                r.memory_mb(),
+                100.0 * r.tokens_per_s * mfu.model / mfu.measured,
+                100.0 * r.tokens_per_s * mfu.node / mfu.measured
+            );
+            eprintln!("{line}");
+            if let Some(f) = rows_file.as_mut() {
+                use std::io::Write;
+                writeln!(f, "{line}")?;
+                f.flush()?;
+            }
+            runs[i].push(r);
         }
     }
     check_same_model(&names, &runs)?;
 
-    let peak = matmul_peak_flops(device, kind);
-    let flops = model.train_flops_per_token(s.seq_len);
     let spes_median = median(runs[0].iter().map(|r| r.tokens_per_s).collect());
     let rows: Vec<Row> = names
         .iter()
@@ -255,14 +351,16 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
                 tokens_per_s_max: tps.iter().copied().fold(0.0, f64::max),
                 step_ms_median: median(rs.iter().map(|r| r.step_ms).collect()),
                 spes_ratio: spes_median / med,
-                peak_memory_mb: rs
+                peak_memory_mb: rs.iter().map(Run::memory_mb).fold(0.0, f64::max),
+                memory_source,
+                peak_allocated_mb: rs
                     .iter()
-                    .map(|r| {
-                        r.gpu_memory_mb
-                            .unwrap_or(if cuda { 0.0 } else { r.peak_rss_mb })
-                    })
-                    .fold(0.0, f64::max),
-                mfu: med * flops / peak,
+                    .filter_map(|r| r.device_peak_allocated_mb)
+                    .reduce(f64::max),
+                mfu_model_measured: med * mfu.model / mfu.measured,
+                mfu_node_measured: med * mfu.node / mfu.measured,
+                mfu_model_spec: mfu.spec.map(|p| med * mfu.model / p),
+                mfu_node_spec: mfu.spec.map(|p| med * mfu.node / p),
             }
         })
         .collect();
@@ -285,17 +383,23 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
         s.warmup
     );
     println!(
-        "matmul peak {:.1} GFLOP/s ({}), {:.2} MFLOP per token",
-        peak / 1e9,
+        "matmul peak measured {:.1} GFLOP/s ({}), specification {}; {:.2} MFLOP per token as model FLOPs, {:.2} as the node's (frozen experts: no weight gradient)",
+        mfu.measured / 1e9,
         if bf16 { "bf16" } else { "fp32" },
-        flops / 1e6
+        mfu.spec.map_or("unknown for this device".into(), |p| format!(
+            "{:.1} TFLOP/s ({})",
+            p / 1e12,
+            gpu.as_deref().unwrap_or("?")
+        )),
+        mfu.model / 1e6,
+        mfu.node / 1e6
     );
-    let memory = if cuda { "GPU memory" } else { "peak RSS" };
-    println!("| run | tokens/s median | min | max | step ms | spes ÷ run | {memory} MiB | MFU |");
-    println!("|---|---|---|---|---|---|---|---|");
+    let pct = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{:.1} %", 100.0 * v));
+    println!("| run | tokens/s median | min | max | step ms | spes ÷ run | {memory_source} MiB | MFU model / measured | MFU node / measured | MFU model / spec | MFU node / spec |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(
-            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.1} % |",
+            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.1} % | {:.1} % | {} | {} |",
             r.name,
             r.tokens_per_s_median,
             r.tokens_per_s_min,
@@ -303,7 +407,10 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
             r.step_ms_median,
             r.spes_ratio,
             r.peak_memory_mb,
-            100.0 * r.mfu
+            100.0 * r.mfu_model_measured,
+            100.0 * r.mfu_node_measured,
+            pct(r.mfu_model_spec),
+            pct(r.mfu_node_spec)
         );
     }
     Ok(())

@@ -633,6 +633,16 @@ fn bench_vs_pytorch_compares_the_same_model() {
         assert!(f(r, "tokens_per_s_min") <= med && med <= f(r, "tokens_per_s_max"));
         assert!((f(r, "spes_ratio") - spes / med).abs() < 1e-9, "{r}");
         assert!(f(r, "peak_memory_mb") > 100.0, "{r}");
-        assert!(f(r, "mfu") > 0.0 && f(r, "mfu") < 1.0, "{r}");
+        let (model, node) = (f(r, "mfu_model_measured"), f(r, "mfu_node_measured"));
+        assert!(model > 0.0 && model < 1.0, "{r}");
+        assert!(
+            node < model,
+            "4 of 16 experts trained: fewer FLOPs a node does, {r}"
+        );
+        assert_eq!(r["memory_source"], "peak RSS", "{r}");
+        assert!(
+            r["mfu_model_spec"].is_null(),
+            "no specification for a CPU: {r}"
+        );
     }
 }

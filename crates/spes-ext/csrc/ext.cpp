@@ -5,6 +5,8 @@
 // success) for the Rust side to turn into an error and free; nothing unwinds across the FFI.
 
 #include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 
 #include "guard.h"
 
@@ -99,6 +101,35 @@ char* spes_ext_zero(at::Tensor* const* ts, size_t n) {
     auto t = tensors(ts, n);
     at::_foreach_zero_(t);
   });
+}
+
+// The device allocator's byte counts on accelerator `device` (CUDA): allocated now and at its
+// peak, reserved now and at its peak, into out[0..4]. Throws where the process has no CUDA
+// allocator (a CPU-only run), which the caller reports as "no device statistics".
+char* spes_ext_device_memory(int device, int64_t* out) {
+  return guarded([&] {
+    auto* allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
+    auto stats = allocator->getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    out[0] = stats.allocated_bytes[all].current;
+    out[1] = stats.allocated_bytes[all].peak;
+    out[2] = stats.reserved_bytes[all].current;
+    out[3] = stats.reserved_bytes[all].peak;
+  });
+}
+
+// Starts the allocator's peaks on accelerator `device` again from its current figures.
+char* spes_ext_reset_peak_memory(int device) {
+  return guarded([&] {
+    c10::getDeviceAllocator(c10::DeviceType::CUDA)
+        ->resetPeakStats(static_cast<c10::DeviceIndex>(device));
+  });
+}
+
+// Makes `device` this thread's current accelerator device (what CUDA contexts, NCCL and
+// allocations without an explicit device use).
+char* spes_ext_set_device(int device) {
+  return guarded([&] { at::accelerator::setDeviceIndex(static_cast<c10::DeviceIndex>(device)); });
 }
 
 }  // extern "C"

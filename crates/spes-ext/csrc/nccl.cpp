@@ -1,11 +1,14 @@
-// spes-ext, NCCL part: builds c10d's ProcessGroupNCCL over a store the main shim made. It is a
-// shared library of its own, linked against libtorch_cuda, and loaded only when a run asks for
-// NCCL, so the spes binary still starts on machines without CUDA libraries.
+// spes-ext, CUDA part: builds c10d's ProcessGroupNCCL over a store the main shim made, and
+// tells what a CUDA device is. It is a shared library of its own, linked against
+// libtorch_cuda, and loaded only when a run needs it, so the spes binary still starts on
+// machines without CUDA libraries.
 
 #include "guard.h"
+#include <ATen/cuda/CUDAContext.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include <chrono>
+#include <cstring>
 
 extern "C" {
 
@@ -25,5 +28,16 @@ char* spes_nccl_backend_new(void* store, int rank, int world, int64_t timeout_ms
 
 // The NCCL version libtorch was built with, e.g. 22703 for 2.27.3.
 int spes_nccl_version() { return NCCL_VERSION_CODE; }
+
+// CUDA device `device`'s compute capability and name (NUL-terminated, cut to `name_len`).
+char* spes_cuda_device(int device, int* major, int* minor, char* name, size_t name_len) {
+  return spes_ext::guarded([&] {
+    const cudaDeviceProp* p = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device));
+    *major = p->major;
+    *minor = p->minor;
+    std::strncpy(name, p->name, name_len - 1);
+    name[name_len - 1] = '\0';
+  });
+}
 
 }  // extern "C"

@@ -4,6 +4,8 @@
 //! - [`fused_adamw`]: libtorch's `_fused_adamw_` (one pass per tensor instead of ~10 kernels).
 //! - [`clip_grad_norm`]: `_foreach_norm` and `_foreach_mul_`, no host sync.
 //! - [`zero`], [`add_scalar`]: `_foreach_zero_`, `_foreach_add_`.
+//! - [`device_memory`], [`reset_peak_memory`], [`set_device`]: the CUDA caching allocator's
+//!   statistics and the current device (errors on a process without CUDA).
 //! - [`dist`]: a torch.distributed (c10d) process group (Gloo, or NCCL through [`nccl`]) and
 //!   its collectives.
 //!
@@ -11,6 +13,11 @@
 
 pub mod dist;
 pub mod nccl;
+
+/// The libtorch this binary was built against ("2.11.0").
+pub const BUILT_LIBTORCH: &str = env!("SPES_BUILD_LIBTORCH");
+/// The CUDA release of that libtorch ("13.0"), or "none" for a CPU-only libtorch.
+pub const BUILT_CUDA: &str = env!("SPES_BUILD_CUDA");
 
 use std::ffi::{c_char, CStr};
 use tch::Tensor;
@@ -81,7 +88,53 @@ mod ffi {
         pub fn spes_ext_zero(ts: *const *const C_tensor, n: usize) -> *mut c_char;
         pub fn spes_ext_add_scalar(ts: *const *const C_tensor, n: usize, value: f64)
             -> *mut c_char;
+        pub fn spes_ext_device_memory(device: i32, out: *mut i64) -> *mut c_char;
+        pub fn spes_ext_reset_peak_memory(device: i32) -> *mut c_char;
+        pub fn spes_ext_set_device(device: i32) -> *mut c_char;
     }
+}
+
+/// What the CUDA caching allocator holds on one device, in bytes: what tensors take
+/// (allocated) and what it took from the driver (reserved), now and at the peak since the
+/// process started or [`reset_peak_memory`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub allocated: i64,
+    pub peak_allocated: i64,
+    pub reserved: i64,
+    pub peak_reserved: i64,
+}
+
+/// The caching allocator's figures for CUDA device `device`; an error where this process has
+/// no CUDA allocator.
+pub fn device_memory(device: usize) -> Result<DeviceMemory, ExtError> {
+    let mut out = [0i64; 4];
+    // SAFETY: `out` holds the four values the shim writes.
+    check("device_memory", unsafe {
+        ffi::spes_ext_device_memory(device as i32, out.as_mut_ptr())
+    })?;
+    let [allocated, peak_allocated, reserved, peak_reserved] = out;
+    Ok(DeviceMemory {
+        allocated,
+        peak_allocated,
+        reserved,
+        peak_reserved,
+    })
+}
+
+/// Restarts the allocator's peaks on CUDA device `device` from its current figures.
+pub fn reset_peak_memory(device: usize) -> Result<(), ExtError> {
+    check("reset_peak_memory", unsafe {
+        ffi::spes_ext_reset_peak_memory(device as i32)
+    })
+}
+
+/// Makes CUDA device `device` the current one of the calling thread, as
+/// `torch.cuda.set_device` does.
+pub fn set_device(device: usize) -> Result<(), ExtError> {
+    check("set_device", unsafe {
+        ffi::spes_ext_set_device(device as i32)
+    })
 }
 
 fn handles(ts: &[Tensor]) -> Vec<*const C_tensor> {

@@ -1,7 +1,8 @@
-//! The NCCL part of the shim: csrc/nccl.cpp, built by `build.rs` into a shared library linked
-//! against libtorch_cuda and embedded here. It is written to a cache file and loaded only when
-//! a process group asks for NCCL, after libtorch's CUDA backend is loaded, so a binary built
-//! with it still starts where there is no CUDA at all.
+//! The CUDA part of the shim: csrc/nccl.cpp (NCCL process groups and what a CUDA device is),
+//! built by `build.rs` into a shared library linked against libtorch_cuda and embedded here. It
+//! is written to a cache file and loaded only when a process group asks for NCCL or a device
+//! is queried, after libtorch's CUDA backend is loaded, so a binary built with it still starts
+//! where there is no CUDA at all.
 
 use crate::ExtError;
 use std::ffi::{c_char, c_void};
@@ -16,9 +17,51 @@ pub(crate) type Factory = unsafe extern "C" fn(
     out: *mut *mut c_void,
 ) -> *mut c_char;
 
+/// nccl.cpp's `spes_cuda_device`.
+type DeviceQuery = unsafe extern "C" fn(
+    device: i32,
+    major: *mut i32,
+    minor: *mut i32,
+    name: *mut c_char,
+    name_len: usize,
+) -> *mut c_char;
+
 struct Loaded {
     factory: Factory,
     version: i32,
+    device: DeviceQuery,
+}
+
+/// What a CUDA device is: its compute capability (9.0 for H100 and H200) and name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaDevice {
+    pub major: i32,
+    pub minor: i32,
+    pub name: String,
+}
+
+/// CUDA device `index` as libtorch sees it; loads the part (libtorch's CUDA backend must be
+/// loaded first). An error without the part or without CUDA.
+pub fn cuda_device(index: usize) -> Result<CudaDevice, ExtError> {
+    let query = load()?.device;
+    let (mut major, mut minor) = (0, 0);
+    let mut name = [0 as c_char; 256];
+    // SAFETY: the buffers are as long as the call is told; the message is the shim's.
+    let message = unsafe {
+        query(
+            index as i32,
+            &mut major,
+            &mut minor,
+            name.as_mut_ptr(),
+            name.len(),
+        )
+    };
+    crate::check("cuda_device", message)?;
+    // SAFETY: the shim NUL-terminates the name within the buffer.
+    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    Ok(CudaDevice { major, minor, name })
 }
 
 #[cfg(spes_nccl)]
@@ -67,7 +110,7 @@ fn load() -> Result<&'static Loaded, ExtError> {
 
 fn open(bytes: &[u8]) -> Result<Loaded, String> {
     let path = materialize(bytes)?;
-    // SAFETY: the library only defines two C functions and runs no initialisers of its own;
+    // SAFETY: the library only defines three C functions and runs no initialisers of its own;
     // its dependencies are libtorch's, already loaded by the caller. Kept for the process.
     let lib = unsafe {
         libloading::os::unix::Library::open(
@@ -90,7 +133,14 @@ fn open(bytes: &[u8]) -> Result<Loaded, String> {
         let version = lib
             .get::<unsafe extern "C" fn() -> i32>(b"spes_nccl_version\0")
             .map_err(|e| e.to_string())?();
-        Loaded { factory, version }
+        let device = *lib
+            .get::<DeviceQuery>(b"spes_cuda_device\0")
+            .map_err(|e| e.to_string())?;
+        Loaded {
+            factory,
+            version,
+            device,
+        }
     };
     std::mem::forget(lib);
     Ok(loaded)

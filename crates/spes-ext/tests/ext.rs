@@ -130,3 +130,23 @@ fn bad_input_is_a_typed_error() {
     assert_eq!(err.op, "fused_adamw");
     assert!(!err.message.is_empty());
 }
+
+#[test]
+fn the_device_allocator_reports_peaks_on_cuda_and_is_a_clear_error_without() {
+    if !tch::Cuda::is_available() {
+        let e = spes_ext::device_memory(0).unwrap_err();
+        assert_eq!(e.op, "device_memory");
+        assert!(spes_ext::reset_peak_memory(0).is_err());
+        return;
+    }
+    spes_ext::reset_peak_memory(0).unwrap();
+    let before = spes_ext::device_memory(0).unwrap();
+    let t = Tensor::zeros([1 << 20], (Kind::Float, Device::Cuda(0)));
+    let after = spes_ext::device_memory(0).unwrap();
+    assert!(
+        after.peak_allocated >= before.allocated + (4 << 20),
+        "{after:?}"
+    );
+    assert!(after.peak_reserved >= after.peak_allocated);
+    drop(t);
+}

@@ -153,6 +153,26 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// The alignment the grouped MoE kernel needs: PyTorch's `_grouped_mm` wants every row of
+    /// its operands 16-byte aligned, so `d_model` and `expert_hidden` must be multiples of 8
+    /// (bf16). PyTorch checks it on CUDA only, so a config that trains on a CPU could throw on
+    /// a GPU; run configs are held to it everywhere ([`crate::MoeModel::new`] is not, so tests
+    /// can build models of any width).
+    pub fn check_alignment(&self) -> Result<()> {
+        for (key, v) in [
+            ("d_model", self.d_model),
+            ("expert_hidden", self.expert_hidden),
+        ] {
+            if !v.is_multiple_of(8) {
+                bail!(
+                    "model.{key} ({v}) must be a multiple of 8: the grouped MoE kernel on a GPU \
+                     needs 16-byte aligned rows"
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Parameter counts derived from the shapes alone.
     pub fn param_counts(&self) -> ParamCounts {
         let (d, l) = (self.d_model as u64, self.n_layers as u64);
@@ -227,6 +247,23 @@ impl ModelConfig {
         let matmul = l * per_layer + self.vocab_size as f64 * d;
         6.0 * matmul + 12.0 * l * q * seq_len as f64
     }
+
+    /// The FLOPs a SPES node does per token when it trains `own` of the experts of each layer
+    /// (all: `None`): [`ModelConfig::train_flops_per_token`] less the weight gradients of the
+    /// frozen experts (2 of the 6 per weight), with routing spread evenly over the experts.
+    pub fn node_train_flops_per_token(&self, seq_len: usize, own: Option<usize>) -> f64 {
+        let all = self.train_flops_per_token(seq_len);
+        let Some(own) = own else {
+            return all;
+        };
+        let frozen = 1.0 - own.min(self.n_experts) as f64 / self.n_experts as f64;
+        let expert_weights = self.n_layers as f64
+            * self.top_k as f64
+            * 3.0
+            * self.d_model as f64
+            * self.expert_hidden as f64;
+        all - 2.0 * frozen * expert_weights
+    }
 }
 
 /// Parameter counts of a configuration. `active` is what one token touches.
@@ -296,11 +333,36 @@ mod tests {
     }
 
     #[test]
+    fn a_node_that_freezes_experts_does_no_weight_gradient_for_them() {
+        let c = ModelConfig::preset("1b").unwrap();
+        let all = c.train_flops_per_token(2048);
+        assert_eq!(c.node_train_flops_per_token(2048, None), all);
+        assert_eq!(c.node_train_flops_per_token(2048, Some(c.n_experts)), all);
+        let experts =
+            c.n_layers as f64 * c.top_k as f64 * 3.0 * (c.d_model * c.expert_hidden) as f64;
+        let quarter = c.node_train_flops_per_token(2048, Some(c.n_experts / 4));
+        assert!((all - quarter - 2.0 * 0.75 * experts).abs() / all < 1e-12);
+        assert!(quarter < all && quarter > all - 2.0 * experts);
+    }
+
+    #[test]
     fn bad_shapes_name_the_field() {
         let mut c = ModelConfig::preset("tiny").unwrap();
         c.n_kv_heads = 3;
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("model.n_kv_heads"), "{err}");
+        let mut c = ModelConfig::preset("tiny").unwrap();
+        assert!(c.check_alignment().is_ok());
+        c.d_model = 100;
+        let err = c.check_alignment().unwrap_err().to_string();
+        assert!(
+            err.contains("model.d_model (100) must be a multiple of 8"),
+            "{err}"
+        );
+        c.d_model = 96;
+        c.expert_hidden = 36;
+        let err = c.check_alignment().unwrap_err().to_string();
+        assert!(err.contains("model.expert_hidden"), "{err}");
         assert!(ModelConfig::preset("2b")
             .unwrap_err()
             .to_string()

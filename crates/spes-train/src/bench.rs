@@ -51,9 +51,14 @@ pub struct BenchResult {
     /// Resident set size once libtorch's kernels have run (a miniature model's training step,
     /// before this benchmark's tensors): what `spes plan-memory` calls the runtime on CPU.
     pub runtime_rss_mb: f64,
-    /// GPU memory this process holds after the steps (the caching allocator keeps its peak), if
-    /// on CUDA and `nvidia-smi` is there.
-    pub gpu_memory_mb: Option<f64>,
+    /// Where the device memory figures come from: `"cuda_caching_allocator"` (the allocator's
+    /// own statistics, peaks since the model was built) or `"rss"` (a CPU has no device
+    /// allocator: its memory is the process's, `peak_rss_mb`).
+    pub device_memory_source: &'static str,
+    /// CUDA: the most the tensors took at once, and the most the allocator held from the
+    /// driver (what `nvidia-smi` shows), in MiB; `None` on CPU.
+    pub device_peak_allocated_mb: Option<f64>,
+    pub device_peak_reserved_mb: Option<f64>,
     /// With `compare_moe_kernels`: the grouped kernel against the loop on one batch.
     pub moe_kernels: Option<KernelDiff>,
     /// With `compare_step_paths`: the step's compute copies against per-matmul casts.
@@ -72,10 +77,21 @@ pub struct KernelDiff {
 /// Runs the benchmark in this process; peak RSS covers everything the process did before too.
 pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
     let runtime_rss_mb = runtime_rss_mb(o)?;
+    let cuda = match o.device {
+        Device::Cuda(i) => Some(i),
+        _ => None,
+    };
+    if let Some(i) = cuda {
+        spes_ext::reset_peak_memory(i)?;
+    }
     tch::manual_seed(0);
     let mut model = MoeModel::new(&o.model, o.device)?;
     model.set_compute_kind(compute_kind(o.precision, o.device));
-    model.set_moe_kernel(moe_kernel(o.moe_kernel, o.device));
+    model.set_moe_kernel(moe_kernel(
+        o.moe_kernel,
+        o.device,
+        compute_kind(o.precision, o.device),
+    ));
     model.set_frozen_experts_bf16(frozen_experts_bf16(o.frozen_experts_bf16, o.device));
     let own = o.own_experts;
     model.set_trainable(|r| match (r, own) {
@@ -95,7 +111,11 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
         .then(|| {
             let batch = Tensor::randint(vocab, shape, (Kind::Int64, o.device));
             let d = compare_moe_kernels(&mut model, &batch, &step.weights);
-            model.set_moe_kernel(moe_kernel(o.moe_kernel, o.device));
+            model.set_moe_kernel(moe_kernel(
+                o.moe_kernel,
+                o.device,
+                compute_kind(o.precision, o.device),
+            ));
             d
         })
         .transpose()?;
@@ -119,6 +139,8 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
     let tokens = (o.batch_size * o.seq_len) as u64;
     let params = model.params();
     let trainable = model.trainable_params();
+    let device = cuda.map(spes_ext::device_memory).transpose()?;
+    let mb = |bytes: i64| bytes as f64 / (1u64 << 20) as f64;
     Ok(BenchResult {
         total_params: params.iter().map(|p| p.tensor.numel() as u64).sum(),
         trainable_params: trainable.iter().map(|p| p.tensor.numel() as u64).sum(),
@@ -129,7 +151,13 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
         tokens_per_s: tokens as f64 / median,
         peak_rss_mb: peak_rss_mb(),
         runtime_rss_mb,
-        gpu_memory_mb: o.device.is_cuda().then(gpu_memory_mb).flatten(),
+        device_memory_source: if device.is_some() {
+            "cuda_caching_allocator"
+        } else {
+            "rss"
+        },
+        device_peak_allocated_mb: device.map(|d| mb(d.peak_allocated)),
+        device_peak_reserved_mb: device.map(|d| mb(d.peak_reserved)),
         moe_kernels,
         step_paths,
     })
@@ -222,7 +250,11 @@ fn runtime_rss_mb(o: &BenchOptions) -> Result<f64> {
     {
         let mut model = MoeModel::new(&cfg, o.device)?;
         model.set_compute_kind(compute_kind(o.precision, o.device));
-        model.set_moe_kernel(moe_kernel(o.moe_kernel, o.device));
+        model.set_moe_kernel(moe_kernel(
+            o.moe_kernel,
+            o.device,
+            compute_kind(o.precision, o.device),
+        ));
         model.set_trainable(|_| true);
         let t = TrainConfig::default();
         let mut opt = AdamW::new(model.trainable_params(), &t);
@@ -295,22 +327,6 @@ pub fn matmul_peak_flops(device: Device, kind: Kind) -> f64 {
         best = best.min(start.elapsed().as_secs_f64());
     }
     2.0 * (n as f64).powi(3) / best
-}
-
-/// This process's GPU memory in MiB as `nvidia-smi` reports it.
-fn gpu_memory_mb() -> Option<f64> {
-    let out = std::process::Command::new("nvidia-smi")
-        .args([
-            "--query-compute-apps=pid,used_memory",
-            "--format=csv,noheader,nounits",
-        ])
-        .output()
-        .ok()?;
-    let me = std::process::id().to_string();
-    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
-        let (pid, mb) = l.split_once(',')?;
-        (pid.trim() == me).then(|| mb.trim().parse().ok()).flatten()
-    })
 }
 
 /// Peak resident set size of this process in MiB, from /proc (0 where unavailable).

@@ -107,7 +107,8 @@ pub enum Precision {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MoeKernelChoice {
-    /// Grouped on CUDA, the loop on CPU (where `_grouped_mm` is slower than the loop).
+    /// Grouped in bf16 on SM 9.x GPUs (H100, H200), the loop elsewhere (the CPU, fp32, other
+    /// cards: [`crate::moe_kernel`]).
     Auto,
     Loop,
     Grouped,
@@ -490,6 +491,7 @@ impl RunConfig {
 
     fn validate(&self) -> Result<()> {
         self.model.validate()?;
+        self.model.check_alignment()?;
         self.data.validate()?;
         let t = &self.train;
         if t.seq_len == 0 || t.seq_len > self.model.context_length {

@@ -21,6 +21,6 @@ pub use config::{
 };
 pub use lead::follow;
 pub use trainer::{
-    compute_kind, moe_kernel, run, validation_loss, validation_stats, RunSummary, StepOptions,
-    StepStats, Trainer,
+    compute_kind, grouped_kernel_native, moe_kernel, run, validation_loss, validation_stats,
+    RunSummary, StepOptions, StepStats, Trainer,
 };

@@ -134,7 +134,8 @@ impl MemoryInput {
             seq_len: t.seq_len,
             compute_bytes: if bf16 { 2 } else { 4 },
             activation_checkpointing: t.activation_checkpointing,
-            grouped_experts: moe_kernel(t.moe_kernel, device) == MoeKernel::Grouped,
+            grouped_experts: moe_kernel(t.moe_kernel, device, compute_kind(t.precision, device))
+                == MoeKernel::Grouped,
             frozen_bf16: bf16 && frozen_experts_bf16(t.frozen_experts_bf16, device),
             logits_chunk: 1 << 26,
             runtime_bytes: 1 << 30,

@@ -84,11 +84,29 @@ pub struct Trainer {
     pub(crate) leads: bool,
 }
 
-/// The MoE kernel a choice means on `device`.
-pub fn moe_kernel(choice: MoeKernelChoice, device: Device) -> MoeKernel {
-    match (choice, device) {
-        (MoeKernelChoice::Loop, _) | (MoeKernelChoice::Auto, Device::Cpu) => MoeKernel::Loop,
-        _ => MoeKernel::Grouped,
+/// The MoE kernel a choice means on `device` computing in `kind`. `auto` takes PyTorch's
+/// grouped kernel only where it is fast and correct ([`grouped_kernel_native`]); elsewhere
+/// `_grouped_mm` syncs with the host and runs one matmul per expert (fp32, cards before SM 9,
+/// such as A100 and L40S), or reports non-zero gradients for experts that got no token (SM 10,
+/// pytorch#172439), so `auto` takes the loop there. `grouped` is honoured everywhere, the CPU
+/// included, where its twin is tested.
+pub fn moe_kernel(choice: MoeKernelChoice, device: Device, kind: Kind) -> MoeKernel {
+    match choice {
+        MoeKernelChoice::Loop => MoeKernel::Loop,
+        MoeKernelChoice::Grouped => MoeKernel::Grouped,
+        MoeKernelChoice::Auto if grouped_kernel_native(device, kind) => MoeKernel::Grouped,
+        MoeKernelChoice::Auto => MoeKernel::Loop,
+    }
+}
+
+/// Whether `device` runs the grouped MoE kernel natively in `kind`: bf16 on a GPU of compute
+/// capability 9.x (H100, H200), as spes-ext's CUDA part reports it.
+pub fn grouped_kernel_native(device: Device, kind: Kind) -> bool {
+    match device {
+        Device::Cuda(i) if kind == Kind::BFloat16 => {
+            spes_ext::nccl::cuda_device(i).is_ok_and(|d| d.major == 9)
+        }
+        _ => false,
     }
 }
 
@@ -129,8 +147,9 @@ impl Trainer {
                 cfg.model.vocab_size
             );
         }
-        model.set_compute_kind(compute_kind(cfg.train.precision, device));
-        model.set_moe_kernel(moe_kernel(cfg.train.moe_kernel, device));
+        let kind = compute_kind(cfg.train.precision, device);
+        model.set_compute_kind(kind);
+        model.set_moe_kernel(moe_kernel(cfg.train.moe_kernel, device, kind));
         model.set_frozen_experts_bf16(frozen_experts_bf16(cfg.train.frozen_experts_bf16, device));
         model.set_trainable(trainable);
         let opt = AdamW::new(model.trainable_params(), &cfg.train);
