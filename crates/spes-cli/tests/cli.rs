@@ -547,6 +547,9 @@ fn memory_plan_matches_measured_peak() {
         assert!(o.status.success(), "{}", text(&o));
         let stdout = String::from_utf8_lossy(&o.stdout);
         let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        // A CPU has no device allocator: its memory is the process's, and says so.
+        assert_eq!(r["device_memory_source"], "rss", "{r}");
+        assert!(r["device_peak_reserved_mb"].is_null(), "{r}");
         let measured = r["peak_rss_mb"].as_f64().unwrap();
         let runtime_gb = r["runtime_rss_mb"].as_f64().unwrap() / 1024.0;
         let plan_args = vec![

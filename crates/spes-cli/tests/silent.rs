@@ -7,8 +7,9 @@
 //! pausing the processes (SIGSTOP, then SIGCONT), once by cutting each host's link where every
 //! host has a network namespace of its own (its bridge port down, then up). Each run must
 //! finish with every round published once, no round held for its timeout, node 1 uploading
-//! again within 3 rounds of its return, the server's silence costing no membership, and every
-//! node bit-identical to the final model. Bounded: each run ends within 180 s.
+//! again within 4 rounds of its return, the round open during the server's silence keeping
+//! every upload, its silence costing no membership, and every node bit-identical to the final
+//! model. Bounded: each run ends within 180 s.
 
 mod common;
 
@@ -489,11 +490,20 @@ fn check_faults(lines: &[serde_json::Value], f: &Faults, procs: &[Proc]) {
          round {uploaded_again}; the server silent at round {}",
         f.silent_from, f.back_at, f.server_silent_at
     );
+    // Two rounds on a loaded machine: a cut link may take some seconds (keepalives,
+    // reconnects) to carry again, and a round here is about one.
     assert!(
-        uploaded_again <= f.back_at + 3,
+        uploaded_again <= f.back_at + 4,
         "node 1 came back after round {} and first uploaded round {uploaded_again}",
         f.back_at
     );
+    // The round open while the server was silent kept every member's upload: the server did
+    // not take its own silence for theirs.
+    let during = lines
+        .iter()
+        .find(|l| l["round"].as_u64() == Some(f.server_silent_at + 1))
+        .unwrap();
+    assert_eq!(during["peers"], serde_json::json!([0, 1, 2, 3]), "{during}");
     // Nobody was evicted after the server's silence, and every node trained the last round.
     for l in lines
         .iter()

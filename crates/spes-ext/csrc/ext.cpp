@@ -108,6 +108,7 @@ char* spes_ext_zero(at::Tensor* const* ts, size_t n) {
 // allocator (a CPU-only run), which the caller reports as "no device statistics".
 char* spes_ext_device_memory(int device, int64_t* out) {
   return guarded([&] {
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
     auto* allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
     auto stats = allocator->getDeviceStats(static_cast<c10::DeviceIndex>(device));
     auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
@@ -121,6 +122,7 @@ char* spes_ext_device_memory(int device, int64_t* out) {
 // Starts the allocator's peaks on accelerator `device` again from its current figures.
 char* spes_ext_reset_peak_memory(int device) {
   return guarded([&] {
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
     c10::getDeviceAllocator(c10::DeviceType::CUDA)
         ->resetPeakStats(static_cast<c10::DeviceIndex>(device));
   });

@@ -153,6 +153,8 @@ pub struct Coordinator {
     leases: BTreeMap<usize, Lease>,
     /// Who was heard and who made progress: whom the open round waits for besides the leases.
     hearing: Hearing,
+    /// The server's silent seconds when the open round opened ([`Coordinator::deadline`]).
+    silent_at_open: f64,
     joining: BTreeSet<usize>,
     /// Evicted peers; one that comes back is admitted again like a joiner.
     gone: BTreeSet<usize>,
@@ -263,6 +265,7 @@ impl Coordinator {
             opened_at: now,
             leases,
             hearing: Hearing::new(now),
+            silent_at_open: 0.0,
             joining: BTreeSet::new(),
             gone,
         }
@@ -654,9 +657,11 @@ impl Coordinator {
         self.last_delta.as_ref()
     }
 
-    /// When the open round closes by timeout (if anyone uploaded by then).
-    pub fn deadline(&self) -> f64 {
-        self.opened_at + self.cfg.round_timeout_s
+    /// When the open round closes by timeout (if anyone uploaded by then), as of `now`: the
+    /// server's own silences since the round opened do not count.
+    pub fn deadline(&self, now: f64) -> f64 {
+        let silent = self.hearing.silent_s(now, &self.cfg) - self.silent_at_open;
+        self.opened_at + self.cfg.round_timeout_s + silent
     }
 
     /// Whether the round can close: someone uploaded, and every member it waits for did
@@ -664,11 +669,14 @@ impl Coordinator {
     /// in it), when it closes with nothing trained so the next round splits under the caps.
     pub fn ready(&self, now: f64) -> bool {
         let uploaded = self.uploaded();
-        let waited = self.waited(now);
         if uploaded.is_empty() {
-            return waited.is_empty() && !self.sitting_out.is_empty();
+            // Closing with nothing trained is for members that cannot train the round, not for
+            // members that are slow to show it.
+            let mut training = self.presumed_live(now);
+            training.retain(|p| !self.sitting_out.contains(p));
+            return training.is_empty() && !self.sitting_out.is_empty();
         }
-        waited.is_subset(uploaded) || now >= self.deadline()
+        self.waited(now).is_subset(uploaded) || now >= self.deadline(now)
     }
 
     /// The members the open round waits for: live (or presumed live through the server's own
@@ -742,10 +750,14 @@ impl Coordinator {
             self.outer.commit(momenta);
         }
 
+        // Never for the server's own silence: a member it presumes live stays.
+        let presumed = self.presumed_live(now);
         let expired = |p: &usize| {
-            self.leases
-                .get(p)
-                .is_none_or(|l| now - l.renewed >= self.cfg.lease_s + self.cfg.evict_after_s)
+            !presumed.contains(p)
+                && self
+                    .leases
+                    .get(p)
+                    .is_none_or(|l| now - l.renewed >= self.cfg.lease_s + self.cfg.evict_after_s)
         };
         let mut evicted: Vec<usize> = members.iter().filter(|p| expired(p)).copied().collect();
         if evicted.len() == members.len() {
@@ -822,6 +834,7 @@ impl Coordinator {
         };
         self.round += 1;
         self.opened_at = now;
+        self.silent_at_open = self.hearing.silent_s(now, &self.cfg);
         report
     }
 }

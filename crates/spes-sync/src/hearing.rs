@@ -7,9 +7,11 @@
 //! [`SyncConfig::stall_after_s`] is not waited for: the round closes once the others are in.
 //!
 //! The server itself can go deaf (its process paused, its link cut): every lease then runs out
-//! at once, and the server cannot tell its own outage from the nodes'. After hearing nobody for a
-//! whole lease it keeps waiting for the members that were live when the silence began, until a
-//! lease after it hears again, so the first node back does not close the round alone.
+//! at once, and the server cannot tell its own outage from the nodes'. Live nodes heartbeat
+//! every `lease_s / 4`, so hearing nobody for half a lease is a silence of the server's: it
+//! then keeps waiting for the members whose leases were current when the silence began, until
+//! a lease after it hears again, so the first node back does not close the round alone; the
+//! silence does not count toward the round's timeout.
 
 use crate::config::SyncConfig;
 use std::collections::BTreeMap;
@@ -26,8 +28,11 @@ struct Progress {
 pub(crate) struct Hearing {
     /// When any node was last heard (a join, heartbeat or upload).
     last: f64,
-    /// The newest silence of at least a lease: when it began and when a node was heard again.
+    /// The newest silence ([`Hearing::silent_after`]): when it began and when a node was heard
+    /// again.
     silence: Option<(f64, f64)>,
+    /// The seconds of every silence that ended so far.
+    silent_s: f64,
     progress: BTreeMap<usize, Progress>,
 }
 
@@ -37,16 +42,34 @@ impl Hearing {
         Hearing {
             last: now,
             silence: None,
+            silent_s: 0.0,
             progress: BTreeMap::new(),
         }
     }
 
+    /// How long hearing nobody is a silence of the server's own: two heartbeat intervals.
+    fn silent_after(cfg: &SyncConfig) -> f64 {
+        cfg.lease_s / 2.0
+    }
+
     /// A node was heard at `now`.
     pub fn heard(&mut self, now: f64, cfg: &SyncConfig) {
-        if now - self.last >= cfg.lease_s {
+        if now - self.last >= Self::silent_after(cfg) {
             self.silence = Some((self.last, now));
+            self.silent_s += now - self.last;
         }
         self.last = self.last.max(now);
+    }
+
+    /// The seconds the server has been silent (deaf) up to `now`, the ongoing silence
+    /// included.
+    pub fn silent_s(&self, now: f64, cfg: &SyncConfig) -> f64 {
+        let ongoing = if self.deaf(now, cfg) {
+            now - self.last
+        } else {
+            0.0
+        };
+        self.silent_s + ongoing
     }
 
     /// `peer` reported its activity counter; a new value is progress (a restarted node's
@@ -72,9 +95,9 @@ impl Hearing {
         self.progress.remove(&peer);
     }
 
-    /// Whether the server has heard nobody for a whole lease up to `now`.
-    fn deaf(&self, now: f64, cfg: &SyncConfig) -> bool {
-        now - self.last >= cfg.lease_s
+    /// Whether the server has heard nobody for [`Hearing::silent_after`] up to `now`.
+    pub fn deaf(&self, now: f64, cfg: &SyncConfig) -> bool {
+        now - self.last >= Self::silent_after(cfg)
     }
 
     /// Whether a member whose lease was last renewed at `renewed` counts as live for the open
@@ -145,8 +168,7 @@ mod tests {
     #[test]
     fn a_deaf_server_keeps_waiting_for_the_members_live_when_it_went_deaf() {
         let c = cfg();
-        let mut h = Hearing::new(0.0);
-        h.heard(10.0, &c);
+        let mut h = Hearing::new(10.0);
         // Member A renewed at 10, B at 2 (already expired when the silence began at 10).
         let (a, b) = (10.0, 2.0);
         for now in [16.0, 20.0, 25.0] {
@@ -156,16 +178,35 @@ mod tests {
         }
         // The server hears again at 25 (from someone else): A keeps its place for a lease.
         h.heard(25.0, &c);
+        assert_eq!(h.silent_s(25.0, &c), 15.0);
+        for t in 26..=29 {
+            h.heard(t as f64, &c);
+        }
         assert!(h.presumed_live(a, 29.9, &c));
+        h.heard(30.0, &c);
         assert!(!h.presumed_live(a, 30.0, &c), "a lease after hearing again");
-        for t in 26..=45 {
+        for t in 31..=45 {
             h.heard(t as f64, &c);
         }
         assert!(h.progressing(0, 0.0, 44.9, &c), "stall counts from 25");
         assert!(!h.progressing(0, 0.0, 45.0, &c));
-        // Short gaps are no silence.
+        // Gaps shorter than two heartbeats are no silence.
         let mut h = Hearing::new(0.0);
-        h.heard(4.9, &c);
-        assert!(!h.presumed_live(0.0, 6.0, &c));
+        h.heard(2.4, &c);
+        h.heard(4.0, &c);
+        assert!(
+            !h.presumed_live(0.0, 5.0, &c),
+            "others were heard: its lease ran out"
+        );
+        assert_eq!(h.silent_s(5.0, &c), 0.0);
+        // A member whose lease runs out just before the server notices its silence: its last
+        // heartbeat came a quarter lease before the last word the server heard, and the server
+        // is deaf half a lease after that, before the member's lease ends.
+        let mut h = Hearing::new(0.0);
+        h.heard(10.0, &c);
+        let b = 10.0 - c.lease_s / 4.0;
+        for now in [12.0, 12.5, 13.75, 14.0] {
+            assert!(h.presumed_live(b, now, &c), "at {now}");
+        }
     }
 }

@@ -329,6 +329,10 @@ fn coordinator_closes_on_all_live_peers_or_timeout_and_rejects_stale_rounds() {
     c.join(1, 101, false, None, 100.0).unwrap();
     up(&mut c, &layout, 0, 1.0, 101.0).unwrap();
     c.join(1, 101, false, None, 102.0).unwrap();
+    // Node 0 heartbeats on (a server that hears nobody for half a lease presumes itself cut off).
+    for t in [103.2, 104.4] {
+        c.join(0, 100, false, None, t).unwrap();
+    }
     assert!(!c.ready(104.9), "node 1 is live and has not uploaded");
     assert!(
         c.ready(105.0),
@@ -401,8 +405,11 @@ fn dead_nodes_are_evicted_and_their_experts_adopted_and_joiners_admitted() {
     let mut c = unmerged(&m, 2);
     c.join(0, 100, false, None, 0.0).unwrap();
     c.join(1, 101, false, None, 0.0).unwrap();
-    // Node 1 dies at t=0. Node 0 keeps uploading; at t=13 node 1's lease has been expired for
-    // 10 s, so the close evicts it and node 0 owns every expert from round 2.
+    // Node 1 dies at t=0. Node 0 heartbeats and keeps uploading; at t=13 node 1's lease has
+    // been expired for 10 s, so the close evicts it and node 0 owns every expert from round 2.
+    for t in 1..=13 {
+        c.join(0, 100, false, None, t as f64).unwrap();
+    }
     up(&mut c, &layout, 0, 1.0, 13.5).unwrap();
     let r = c.close(13.5);
     assert_eq!((r.evicted.clone(), r.missing.clone()), (vec![1], vec![1]));
@@ -496,12 +503,12 @@ fn a_live_member_that_makes_no_progress_does_not_hold_the_round() {
     for p in 0..3 {
         c.join(p, 100 + p as u64, false, None, 0.0).unwrap();
     }
-    // Node 0 uploads at once. Nodes 1 and 2 heartbeat every second; node 1 trains (its
-    // counter moves), node 2 is stuck (the same counter every time).
+    // Node 0 uploads at once. Every node heartbeats every second; node 1 trains (its counter
+    // moves), node 2 is stuck (the same counter every time).
     up(&mut c, &layout, 0, 1.0, 1.0).unwrap();
     for t in 1..=40 {
         let now = t as f64;
-        for p in [1, 2] {
+        for p in 0..3 {
             c.join(p, 100 + p as u64, false, None, now).unwrap();
         }
         c.report_activity(1, t, now);
@@ -520,7 +527,7 @@ fn a_live_member_that_makes_no_progress_does_not_hold_the_round() {
     c.join(2, 102, false, None, 40.5).unwrap();
     c.check_upload(2, 102, 1, 40.5).unwrap();
     assert!(!c.ready(41.0), "node 2's upload is on its way");
-    let r = c.close(60.0);
+    let r = c.close(41.0);
     assert_eq!(r.peers, vec![0, 1]);
     assert_eq!(r.missing, vec![2]);
     assert!(r.evicted.is_empty(), "live nodes are never evicted");
@@ -561,13 +568,29 @@ fn a_server_that_heard_nobody_keeps_waiting_for_the_nodes_live_when_it_went_deaf
         up(&mut c, &layout, p, 1.0, 28.0).unwrap();
     }
     assert!(!c.ready(28.0));
-    for p in 0..2 {
-        c.join(p, 100 + p as u64, false, None, 30.0).unwrap();
+    for t in [29.0, 30.0] {
+        for p in 0..2 {
+            c.join(p, 100 + p as u64, false, None, t).unwrap();
+        }
     }
     assert!(
         c.ready(31.0),
         "node 2's lease ran out with the server hearing the others"
     );
+
+    // A silence longer than the round's timeout and than eviction: the timeout does not count
+    // it, and the first node back evicts nobody.
+    let mut c = coordinator(&m, 2, common::cfg(), 0.0);
+    for p in 0..2 {
+        c.join(p, 100 + p as u64, false, None, 0.0).unwrap();
+    }
+    up(&mut c, &layout, 0, 1.0, 1.0).unwrap();
+    assert!(!c.ready(30.0), "deaf since 1: no close by timeout");
+    c.join(0, 100, false, None, 30.0).unwrap();
+    assert!(!c.ready(30.5), "node 1 keeps its place for a lease");
+    assert!(c.deadline(30.5) >= 34.0, "{}", c.deadline(30.5));
+    let r = c.close(30.5);
+    assert!(r.evicted.is_empty(), "{:?}", r.evicted);
 }
 
 #[test]

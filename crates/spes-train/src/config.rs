@@ -429,8 +429,11 @@ impl RunConfig {
     }
 
     /// The first run setting that differs between two [`RunConfig::run_settings`] texts, as
-    /// "`section.key` was A, is now B"; `None` when they agree.
+    /// "`section.key` was A, is now B"; `None` when they agree. The server's liveness timing
+    /// (`sync.lease_s`, `evict_after_s`, `stall_s`, `round_timeout_s`) may change between
+    /// restarts, and a key `before` lacks (a newer server's) is not a change of the run.
     pub fn changed_setting(before: &str, now: &str) -> Result<Option<String>> {
+        const TIMING: [&str; 4] = ["lease_s", "evict_after_s", "stall_s", "round_timeout_s"];
         let (a, b): (toml::Table, toml::Table) = (toml::from_str(before)?, toml::from_str(now)?);
         let keys = |t: &toml::Table| -> Vec<(String, String)> {
             t.iter()
@@ -444,9 +447,7 @@ impl RunConfig {
                 .collect()
         };
         let mut all = keys(&a);
-        all.extend(keys(&b));
-        all.sort();
-        all.dedup();
+        all.retain(|(s, k)| !(s == "sync" && TIMING.contains(&k.as_str())));
         let get = |t: &toml::Table, s: &str, k: &str| t.get(s).and_then(|v| v.get(k)).cloned();
         let shown = |v: Option<toml::Value>| v.map_or("nothing".into(), |v| v.to_string());
         Ok(all.into_iter().find_map(|(s, k)| {
@@ -760,6 +761,14 @@ mod tests {
         assert_eq!(c.train.lr, 1e-3);
         let c = RunConfig::parse(BASE, &["model.preset=1b".into()]).unwrap();
         assert_eq!(c.model.d_model, 768);
+        // The grouped kernel's alignment, held on every device.
+        let err = RunConfig::parse(BASE, &["model.d_model=100".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("model.d_model (100) must be a multiple of 8"),
+            "{err}"
+        );
         let spes: [String; 2] = ["sync.mode=spes".into(), "sync.ownership=[[0,1],[2]]".into()];
         let err = RunConfig::parse(BASE, &spes).unwrap_err().to_string();
         assert!(err.contains("multiple of sync.sync_steps"), "{err}");
@@ -845,15 +854,22 @@ mod tests {
             toml::to_string(&via_file).unwrap()
         );
         assert_eq!(via_settings.data.path, PathBuf::from("mine"));
-        let mut again = o[..2].to_vec();
-        again.push("sync.lease_s=7".into());
-        let changed = RunConfig::parse(BASE, &again)
-            .unwrap()
-            .run_settings()
-            .unwrap();
+        let settings_with = |set: &str| {
+            let mut again = o[..2].to_vec();
+            again.push(set.into());
+            RunConfig::parse(BASE, &again)
+                .unwrap()
+                .run_settings()
+                .unwrap()
+        };
         assert_eq!(
-            RunConfig::changed_setting(&settings, &changed).unwrap(),
-            Some("`sync.lease_s` was 30.0, is now 7.0".into())
+            RunConfig::changed_setting(&settings, &settings_with("train.lr=0.01")).unwrap(),
+            Some("`train.lr` was 0.0005, is now 0.01".into())
+        );
+        let timing = settings_with("sync.lease_s=7");
+        assert_eq!(
+            RunConfig::changed_setting(&settings, &timing).unwrap(),
+            None
         );
         assert_eq!(
             RunConfig::changed_setting(&settings, &settings).unwrap(),

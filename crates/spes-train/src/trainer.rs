@@ -103,9 +103,13 @@ pub fn moe_kernel(choice: MoeKernelChoice, device: Device, kind: Kind) -> MoeKer
 /// capability 9.x (H100, H200), as spes-ext's CUDA part reports it.
 pub fn grouped_kernel_native(device: Device, kind: Kind) -> bool {
     match device {
-        Device::Cuda(i) if kind == Kind::BFloat16 => {
-            spes_ext::nccl::cuda_device(i).is_ok_and(|d| d.major == 9)
-        }
+        Device::Cuda(i) if kind == Kind::BFloat16 => match spes_ext::nccl::cuda_device(i) {
+            Ok(d) => d.major == 9,
+            Err(e) => {
+                tracing::warn!("cannot tell CUDA device {i}'s compute capability ({e}): the MoE layers run the loop kernel");
+                false
+            }
+        },
         _ => false,
     }
 }

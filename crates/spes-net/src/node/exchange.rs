@@ -250,6 +250,9 @@ impl Node {
             false
         };
         if !kept_progress {
+            // What the node trained since its upload is gone with its weights: its next upload
+            // reports only what it trains from here.
+            self.work = Work::default();
             // Behind (a joiner, a restart from an older checkpoint): the data stream skips
             // the steps in between. Ahead (the server lost rounds): the step goes back.
             let step = header.round * h;
