@@ -30,36 +30,8 @@ fn chaos_crashes_restarts_a_departure_and_a_join() {
     let dir = tmp.path();
     let data = spes_data::testing::shakespeare(dir, 120000);
     let config = dir.join("chaos.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"
-[model]
-preset = "tiny"
-vocab_size = 512
-d_model = 32
-n_layers = 2
-n_heads = 2
-head_dim = 16
-n_kv_heads = 2
-n_experts = {EXPERTS}
-expert_hidden = 32
-context_length = 32
-
-[data]
-path = "{}"
-
-[train]
-max_steps = {MAX_STEPS}
-batch_size = 4
-seq_len = 32
-lr = 3e-3
-warmup_steps = 2
-log_every = 100
-eval_batches = 2
-
-[sync]
-mode = "spes"
+    let sync = format!(
+        r#"mode = "spes"
 nodes = {NODES}
 sync_steps = {SYNC_STEPS}
 round_by = "tokens"
@@ -70,9 +42,11 @@ merge_top_k = 2
 round_timeout_s = 60
 lease_s = 1.5
 evict_after_s = 1
-"#,
-            data.display()
-        ),
+"#
+    );
+    std::fs::write(
+        &config,
+        common::micro_config(&data, EXPERTS, MAX_STEPS, &sync),
     )
     .unwrap();
     // A budget between what owning one expert and owning two takes on this CPU.

@@ -205,36 +205,8 @@ impl Drop for Netns {
 
 fn micro_config(dir: &Path, data: &Path) -> PathBuf {
     let path = dir.join("silent.toml");
-    std::fs::write(
-        &path,
-        format!(
-            r#"
-[model]
-preset = "tiny"
-vocab_size = 512
-d_model = 32
-n_layers = 2
-n_heads = 2
-head_dim = 16
-n_kv_heads = 2
-n_experts = 8
-expert_hidden = 32
-context_length = 32
-
-[data]
-path = "{}"
-
-[train]
-max_steps = {}
-batch_size = 4
-seq_len = 32
-lr = 3e-3
-warmup_steps = 2
-log_every = 100
-eval_batches = 2
-
-[sync]
-mode = "spes"
+    let sync = format!(
+        r#"mode = "spes"
 nodes = {NODES}
 sync_steps = {MICRO_SYNC_STEPS}
 wire = "bf16_delta"
@@ -244,12 +216,10 @@ merge_every = 0
 round_timeout_s = 60
 lease_s = 2
 evict_after_s = 3
-"#,
-            data.display(),
-            MICRO_ROUNDS * MICRO_SYNC_STEPS
-        ),
-    )
-    .unwrap();
+"#
+    );
+    let steps = MICRO_ROUNDS * MICRO_SYNC_STEPS;
+    std::fs::write(&path, common::micro_config(data, 8, steps, &sync)).unwrap();
     path
 }
 

@@ -177,3 +177,40 @@ pub fn tensors(path: &Path) -> BTreeMap<String, tch::Tensor> {
         .into_iter()
         .collect()
 }
+
+/// A run config of a model that trains in milliseconds a step (the `tiny` preset shrunk:
+/// 2 layers of width 32, `experts` experts, 512-token vocabulary, windows of 32) on `data`,
+/// `max_steps` steps of 4 windows, followed by the `[sync]` section `sync` (its lines, no
+/// header).
+pub fn micro_config(data: &Path, experts: usize, max_steps: u64, sync: &str) -> String {
+    format!(
+        r#"
+[model]
+preset = "tiny"
+vocab_size = 512
+d_model = 32
+n_layers = 2
+n_heads = 2
+head_dim = 16
+n_kv_heads = 2
+n_experts = {experts}
+expert_hidden = 32
+context_length = 32
+
+[data]
+path = "{}"
+
+[train]
+max_steps = {max_steps}
+batch_size = 4
+seq_len = 32
+lr = 3e-3
+warmup_steps = 2
+log_every = 100
+eval_batches = 2
+
+[sync]
+{sync}"#,
+        data.display()
+    )
+}
