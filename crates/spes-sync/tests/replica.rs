@@ -138,6 +138,7 @@ fn wire_cfg(wire: Wire) -> SyncConfig {
 
 #[test]
 fn every_wire_keeps_every_node_bit_identical_to_the_server() {
+    let _draws = draws();
     let m = model(2, 4);
     for wire in [
         Wire::Fp32,
@@ -180,6 +181,7 @@ fn every_wire_keeps_every_node_bit_identical_to_the_server() {
 
 #[test]
 fn the_low_rank_wire_keeps_every_node_bit_identical_and_carries_what_it_left_out_over() {
+    let _draws = draws();
     let m = sized(2, 4, 32);
     let cfg = SyncConfig {
         rank: 2,
@@ -280,6 +282,7 @@ fn lossy_rounds(wire: Wire) -> (Vec<i64>, Vec<f64>) {
 
 #[test]
 fn lossy_wires_carry_what_they_left_out_over() {
+    let _draws = draws();
     let (moved, _) = lossy_rounds(Wire::SparseDelta);
     // Each round publishes at most a quarter of the entries, and what was held back reaches
     // the global model in later rounds.
@@ -305,6 +308,7 @@ fn lossy_wires_carry_what_they_left_out_over() {
 
 #[test]
 fn buffer_feedback_trains_from_the_global_model_and_sends_what_it_held_back_later() {
+    let _draws = draws();
     let m = model(2, 4);
     let cfg = SyncConfig {
         feedback: Feedback::Buffer,
@@ -369,6 +373,7 @@ fn buffer_feedback_trains_from_the_global_model_and_sends_what_it_held_back_late
 
 #[test]
 fn a_strided_wire_sends_each_value_every_stride_rounds_and_stays_bit_identical() {
+    let _draws = draws();
     let m = model(2, 4);
     let cfg = SyncConfig {
         stride: 4,
@@ -419,6 +424,7 @@ fn a_strided_wire_sends_each_value_every_stride_rounds_and_stays_bit_identical()
 
 #[test]
 fn overlap_keeps_the_progress_made_since_the_upload() {
+    let _draws = draws();
     let m = model(1, 4);
     let cfg = SyncConfig {
         overlap: true,
@@ -469,6 +475,7 @@ fn overlap_keeps_the_progress_made_since_the_upload() {
 
 #[test]
 fn an_expert_that_changes_owner_keeps_what_its_old_owner_had_not_sent() {
+    let _draws = draws();
     let m = model(2, 4);
     // 2-bit deltas leave much of each change in the owner's weights; ownership rotates after
     // every round, so each expert changes owner at every close.
@@ -551,6 +558,7 @@ fn an_expert_that_changes_owner_keeps_what_its_old_owner_had_not_sent() {
 /// token), its tensors travel as zeros.
 #[test]
 fn a_handover_carries_every_tensor_of_each_expert_it_names() {
+    let _draws = draws();
     let m = model(2, 4);
     let cfg = SyncConfig {
         rotate_every_rounds: 1,
@@ -613,6 +621,7 @@ fn a_handover_carries_every_tensor_of_each_expert_it_names() {
 
 #[test]
 fn an_ownership_change_trains_the_new_experts_and_resets_the_dropped_ones() {
+    let _draws = draws();
     let m = model(2, 4);
     // Lossy, so weights carry what was not sent, and ownership rotates after every round.
     let cfg = SyncConfig {
@@ -671,6 +680,7 @@ fn an_ownership_change_trains_the_new_experts_and_resets_the_dropped_ones() {
 
 #[test]
 fn a_node_that_rejoins_or_restores_its_state_stays_bit_identical() {
+    let _draws = draws();
     let m = model(1, 4);
     let cfg = SyncConfig {
         merge_every: 0,
@@ -785,6 +795,7 @@ fn move_and_upload(
 /// "tokens"` the shared tensors are the rows-weighted mean of the changes.
 #[test]
 fn a_round_by_tokens_gives_the_faster_node_more_rows_and_weighs_its_change_by_them() {
+    let _draws = draws();
     let m = model(2, 4);
     let cfg = SyncConfig {
         round_by: RoundBy::Tokens,

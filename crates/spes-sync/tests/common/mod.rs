@@ -7,6 +7,7 @@ use spes_sync::{
     Coordinator, Layout, Mode, Named, Ownership, RoundError, Scope, Start, SyncConfig, Wire, Work,
 };
 use std::collections::BTreeSet;
+use std::sync::{Mutex, MutexGuard};
 use tch::{Device, Kind, Tensor};
 
 pub fn model(n_layers: usize, n_experts: usize) -> MoeModel {
@@ -130,4 +131,12 @@ pub fn up(
     let u = upload(layout, c.scope(), peer, value);
     let round = c.round();
     c.upload(peer, 100 + peer as u64, round, u, Work::default(), now)
+}
+
+/// Held for the whole of every test that draws from libtorch's process-wide generator: a
+/// binary's tests run on parallel threads, and another test's draws (or a model's seeding)
+/// in the middle of a seeded sequence would change what a test measures from run to run.
+pub fn draws() -> MutexGuard<'static, ()> {
+    static DRAWS: Mutex<()> = Mutex::new(());
+    DRAWS.lock().unwrap_or_else(|e| e.into_inner())
 }
