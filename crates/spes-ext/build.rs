@@ -24,6 +24,8 @@ use std::process::Command;
 fn main() {
     for f in [
         "csrc/ext.cpp",
+        "csrc/count.cpp",
+        "csrc/grouped.cpp",
         "csrc/c10d.cpp",
         "csrc/guard.h",
         "csrc/nccl.cpp",
@@ -78,6 +80,8 @@ fn main() {
         .include(&gloo)
         .define("USE_C10D_GLOO", None)
         .file("csrc/ext.cpp")
+        .file("csrc/count.cpp")
+        .file("csrc/grouped.cpp")
         .file("csrc/c10d.cpp")
         .compile("spes_ext");
     let cuda = root.join("lib/libtorch_cuda.so").exists();

@@ -55,6 +55,10 @@ pub struct BenchArgs {
     /// apart they are (mixed precision).
     #[arg(long)]
     compare_step_paths: bool,
+    /// Also count the top-level ATen operator calls of the timed steps (libtorch's
+    /// RecordFunction; slows the steps) and print them per optimizer step and phase.
+    #[arg(long)]
+    count_ops: bool,
     /// Print the result as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -106,6 +110,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         },
         compare_moe_kernels: a.compare_moe_kernels,
         compare_step_paths: a.compare_step_paths,
+        count_ops: a.count_ops,
     };
     let r = bench(&o)?;
     if a.json {
@@ -136,6 +141,21 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         println!(
             "grouped vs loop MoE kernel on one batch: loss {:.2e} apart, gradients {:.2e} (relative)",
             d.loss_rel, d.grad_rel
+        );
+    }
+    if let Some(c) = &r.op_counts {
+        println!();
+        println!("| top-level ATen calls per optimizer step | forward | backward | optimizer | bookkeeping | other | outside forward and backward |");
+        println!("|---|---|---|---|---|---|---|");
+        println!(
+            "| {} steps | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
+            o.steps,
+            c.forward,
+            c.backward,
+            c.optimizer,
+            c.bookkeeping,
+            c.other,
+            c.outside_forward_backward()
         );
     }
     if let Some(d) = &r.step_paths {

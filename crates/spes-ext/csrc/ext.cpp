@@ -94,6 +94,15 @@ char* spes_ext_add_scalar(at::Tensor* const* ts, size_t n, double value) {
   });
 }
 
+// Adds others[i] to selves[i] in place, for every i.
+char* spes_ext_add_lists(at::Tensor* const* selves, at::Tensor* const* others, size_t n) {
+  return guarded([&] {
+    if (n == 0) return;
+    auto s = tensors(selves, n);
+    at::_foreach_add_(s, tensors(others, n));
+  });
+}
+
 // Sets every tensor to zero in place.
 char* spes_ext_zero(at::Tensor* const* ts, size_t n) {
   return guarded([&] {

@@ -3,14 +3,19 @@
 //!
 //! - [`fused_adamw`]: libtorch's `_fused_adamw_` (one pass per tensor instead of ~10 kernels).
 //! - [`clip_grad_norm`]: `_foreach_norm` and `_foreach_mul_`, no host sync.
-//! - [`zero`], [`add_scalar`]: `_foreach_zero_`, `_foreach_add_`.
+//! - [`zero`], [`add_scalar`], [`add_lists`]: `_foreach_zero_`, `_foreach_add_`.
+//! - [`grouped_mm_trained_first`]: `_grouped_mm` over a layer's experts whose backward
+//!   computes weight gradients for the trained experts only.
 //! - [`device_memory`], [`reset_peak_memory`], [`set_device`]: the CUDA caching allocator's
 //!   statistics and the current device (errors on a process without CUDA).
+//! - [`count`]: top-level ATen operator calls by phase of a training step (a RecordFunction
+//!   callback, installed only while counting).
 //! - [`dist`]: a torch.distributed (c10d) process group (Gloo, or NCCL through [`nccl`]) and
 //!   its collectives.
 //!
 //! Every function works on CPU and CUDA tensors alike. C++ exceptions come back as [`ExtError`].
 
+pub mod count;
 pub mod dist;
 pub mod nccl;
 
@@ -84,6 +89,18 @@ mod ffi {
             n: usize,
             norm: *const C_tensor,
             max_norm: f64,
+        ) -> *mut c_char;
+        pub fn spes_ext_add_lists(
+            selves: *const *const C_tensor,
+            others: *const *const C_tensor,
+            n: usize,
+        ) -> *mut c_char;
+        pub fn spes_ext_grouped_mm_trained_first(
+            x: *const C_tensor,
+            all: *const C_tensor,
+            trained: *const C_tensor,
+            offsets: *const C_tensor,
+            out: *mut *mut C_tensor,
         ) -> *mut c_char;
         pub fn spes_ext_zero(ts: *const *const C_tensor, n: usize) -> *mut c_char;
         pub fn spes_ext_add_scalar(ts: *const *const C_tensor, n: usize, value: f64)
@@ -254,4 +271,49 @@ pub fn add_scalar(ts: &[Tensor], value: f64) -> Result<(), ExtError> {
     check("add_scalar", unsafe {
         ffi::spes_ext_add_scalar(h.as_ptr(), h.len(), value)
     })
+}
+
+/// Adds `others[i]` to `selves[i]` in place for every i, in one multi-tensor call.
+pub fn add_lists(selves: &[Tensor], others: &[Tensor]) -> Result<(), ExtError> {
+    if selves.len() != others.len() {
+        return Err(ExtError {
+            op: "add_lists",
+            message: format!(
+                "{} tensors to add to, {} to add",
+                selves.len(),
+                others.len()
+            ),
+        });
+    }
+    let (s, o) = (handles(selves), handles(others));
+    // SAFETY: two arrays of n live handles borrowed for the call.
+    check("add_lists", unsafe {
+        ffi::spes_ext_add_lists(s.as_ptr(), o.as_ptr(), s.len())
+    })
+}
+
+/// `x @ all[g]ᵀ` for each row group g of `x` `[N, in]`, the groups given by their end
+/// `offsets` (int32, one per slot of `all` `[slots, out, in]`). `all` carries no gradient;
+/// `trained` holds the values of its first T slots, and the backward computes weight
+/// gradients for those T alone (and the gradient of `x` over every slot).
+pub fn grouped_mm_trained_first(
+    x: &Tensor,
+    all: &Tensor,
+    trained: &Tensor,
+    offsets: &Tensor,
+) -> Result<Tensor, ExtError> {
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: four live tensors borrowed for the call; on success the shim stores a new heap
+    // tensor in `out`.
+    check("grouped_mm_trained_first", unsafe {
+        ffi::spes_ext_grouped_mm_trained_first(
+            x.as_ptr(),
+            all.as_ptr(),
+            trained.as_ptr(),
+            offsets.as_ptr(),
+            &mut out,
+        )
+    })?;
+    // SAFETY: `out` is a fresh `at::Tensor*` we now own; tch frees it on drop.
+    Ok(unsafe { Tensor::from_ptr(out) })
 }

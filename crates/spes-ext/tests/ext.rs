@@ -1,7 +1,8 @@
 //! The shim's operations against plain tch arithmetic, and its error path.
 
 use spes_ext::{
-    add_scalar, clip_grad_norm, clip_to_norm, fused_adamw, sq_norm, zero, AdamWGroup, AdamWHyper,
+    add_lists, add_scalar, clip_grad_norm, clip_to_norm, fused_adamw, grouped_mm_trained_first,
+    sq_norm, zero, AdamWGroup, AdamWHyper,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -149,4 +150,63 @@ fn the_device_allocator_reports_peaks_on_cuda_and_is_a_clear_error_without() {
     );
     assert!(after.peak_reserved >= after.peak_allocated);
     drop(t);
+}
+
+#[test]
+fn add_lists_adds_each_tensor_to_its_partner() {
+    let selves = [
+        Tensor::from_slice(&[1.0f32, 2.0]),
+        Tensor::from_slice(&[3.0f32]),
+    ];
+    let others = [
+        Tensor::from_slice(&[0.5f32, 0.25]),
+        Tensor::from_slice(&[-3.0f32]),
+    ];
+    add_lists(&selves, &others).unwrap();
+    assert_eq!(Vec::<f32>::try_from(&selves[0]).unwrap(), vec![1.5, 2.25]);
+    assert_eq!(Vec::<f32>::try_from(&selves[1]).unwrap(), vec![0.0]);
+    let e = add_lists(&selves, &others[..1]).unwrap_err();
+    assert_eq!(e.op, "add_lists");
+}
+
+/// The trained-first grouped matmul computes what `_grouped_mm` over every slot with grad
+/// does: the same output and input gradient, and the same weight gradient for the trained
+/// slots, while the frozen slots' gradient is never computed (they carry no grad); a group
+/// with no rows and a layer with no trained slot work too.
+#[test]
+fn grouped_mm_trained_first_matches_grouped_mm_and_skips_frozen_weight_gradients() {
+    tch::manual_seed(3);
+    let (slots, din, dout) = (4i64, 8i64, 16i64);
+    // Rows per slot: slot 1 gets none.
+    let offsets = Tensor::from_slice(&[3i32, 3, 7, 10]);
+    let x0 = Tensor::randn([10, din], FLOAT);
+    let w0 = Tensor::randn([slots, dout, din], FLOAT);
+    let dy = Tensor::randn([10, dout], FLOAT);
+    // Reference: every slot's weight requires grad.
+    let x_ref = x0.copy().set_requires_grad(true);
+    let w_ref = w0.copy().set_requires_grad(true);
+    let y_ref = x_ref.internal_grouped_mm(
+        &w_ref.transpose(1, 2),
+        Some(&offsets),
+        None::<&Tensor>,
+        None::<Kind>,
+    );
+    (&y_ref * &dy).sum(Kind::Float).backward();
+    for trained_slots in [2i64, 0] {
+        let x = x0.copy().set_requires_grad(true);
+        let trained = w0
+            .narrow(0, 0, trained_slots)
+            .copy()
+            .set_requires_grad(true);
+        let y = grouped_mm_trained_first(&x, &w0, &trained, &offsets).unwrap();
+        assert!(y.allclose(&y_ref, 1e-6, 1e-6, false));
+        (&y * &dy).sum(Kind::Float).backward();
+        assert!(x.grad().allclose(&x_ref.grad(), 1e-6, 1e-6, false));
+        if trained_slots > 0 {
+            let want = w_ref.grad().narrow(0, 0, trained_slots);
+            assert!(trained.grad().allclose(&want, 1e-6, 1e-6, false));
+        }
+    }
+    let bad = grouped_mm_trained_first(&x0, &w0, &w0, &offsets.narrow(0, 0, 2)).unwrap_err();
+    assert_eq!(bad.op, "grouped_mm_trained_first");
 }

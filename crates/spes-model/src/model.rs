@@ -11,6 +11,7 @@
 
 use crate::config::{ModelConfig, NormPlacement, QkNorm};
 use anyhow::{bail, Context, Result};
+use spes_ext::count::{enter, Phase};
 use tch::{Device, Kind, Tensor};
 
 /// What a parameter is for SPES: shared by every node (φ), or one expert of one layer.
@@ -616,6 +617,7 @@ impl MoeModel {
         if checkpoint {
             return self.backward_in_stages(batch, w, scale, true, &mut |_| {});
         }
+        let forward = enter(Phase::Forward);
         let t = batch.size()[1] - 1;
         let inputs = batch.narrow(1, 0, t);
         let targets = batch.narrow(1, 1, t).reshape([-1]);
@@ -623,6 +625,7 @@ impl MoeModel {
         let h = h.view([-1, self.cfg.d_model as i64]);
         let head = self.head_losses(&h, &targets, w.z_loss, Some(scale));
         let objective = head.surrogate + (&aux.lb * w.lb + &aux.router_z * w.router_z) * scale;
+        drop(forward);
         run_backward(&objective);
         self.flush_grads(None);
         Losses::new(head.ce, head.z_loss, aux, w)
@@ -642,6 +645,7 @@ impl MoeModel {
         checkpoint: bool,
         ready: &mut dyn FnMut(Stage),
     ) -> Losses {
+        let forward = enter(Phase::Forward);
         let t = batch.size()[1] - 1;
         let inputs = batch.narrow(1, 0, t);
         let targets = batch.narrow(1, 1, t).reshape([-1]);
@@ -684,6 +688,8 @@ impl MoeModel {
         let x = x.set_requires_grad(true);
         let h = rms_norm(&x, &self.final_norm, self.cfg.norm_eps);
         let head = self.head_losses(&h.view([-1, d]), &targets, w.z_loss, Some(scale));
+        drop(forward);
+        let _backward = enter(Phase::Backward);
         run_backward(&head.surrogate);
         ready(Stage::Head);
         let mut g = x.grad();
@@ -713,6 +719,7 @@ impl MoeModel {
     /// The loss parts of a `[B, T+1]` window batch without any gradient (validation), with the
     /// same chunked head as [`MoeModel::backward`].
     pub fn loss_values(&self, batch: &Tensor, w: &LossWeights) -> Losses {
+        let _forward = enter(Phase::Forward);
         tch::no_grad(|| {
             let t = batch.size()[1] - 1;
             let (h, aux) = self.trunk(&batch.narrow(1, 0, t));
@@ -764,6 +771,7 @@ impl MoeModel {
                 if !(train_h || train_head) {
                     continue;
                 }
+                let _backward = enter(Phase::Backward);
                 // d(ce + z_weight·z)/d logits, times scale: softmax·(1 + 2·z_weight·lse) − onehot.
                 let coef = (&lse * (2.0 * z_weight) + 1.0) * (scale / n as f64);
                 let mut g = (logits - &lse).exp_() * coef;
@@ -892,6 +900,7 @@ impl MoeModel {
         if self.compute == Kind::Float {
             return;
         }
+        let _bookkeeping = enter(Phase::Bookkeeping);
         let kind = self.compute;
         // A copy of `ws` stacked by rows, a gradient-collecting leaf if any of them trains.
         let copy = |ws: &[&Tensor]| {
@@ -930,6 +939,7 @@ impl MoeModel {
 
     /// Ends the optimizer step: drops its compute copies (the masters are about to change).
     pub fn end_step(&self) {
+        let _bookkeeping = enter(Phase::Bookkeeping);
         *self.step.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
@@ -939,6 +949,7 @@ impl MoeModel {
         let Some(step) = self.step_copies() else {
             return;
         };
+        let _bookkeeping = enter(Phase::Bookkeeping);
         let add = |copy: &Tensor, masters: &[&Tensor]| {
             let g = copy.grad();
             if !copy.requires_grad() || !g.defined() {
@@ -1108,6 +1119,7 @@ impl MoeModel {
 /// Gives every tensor of `ts` that has none a zero gradient, with one backward of a zero
 /// objective, so its gradient can be added to, reduced or read like the others'.
 pub fn define_grads(ts: &[Tensor]) {
+    let _bookkeeping = enter(Phase::Bookkeeping);
     let missing: Vec<&Tensor> = ts.iter().filter(|t| !t.grad().defined()).collect();
     if !missing.is_empty() {
         let zero: Tensor = missing.iter().map(|t| (*t * 0.0).sum(Kind::Float)).sum();
@@ -1155,6 +1167,7 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
 
 /// Backward from `objective`, unless nothing that needs a gradient depends on it.
 fn run_backward(objective: &Tensor) {
+    let _backward = enter(Phase::Backward);
     if objective.requires_grad() {
         objective.backward();
     }

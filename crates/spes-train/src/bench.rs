@@ -33,6 +33,8 @@ pub struct BenchOptions {
     /// Before timing, run one batch with the step's compute copies and with per-matmul casts
     /// ([`MoeModel::begin_step`]) and report how far apart they are.
     pub compare_step_paths: bool,
+    /// Count the timed steps' top-level ATen operator calls by phase.
+    pub count_ops: bool,
 }
 
 /// One benchmark result row.
@@ -63,6 +65,27 @@ pub struct BenchResult {
     pub moe_kernels: Option<KernelDiff>,
     /// With `compare_step_paths`: the step's compute copies against per-matmul casts.
     pub step_paths: Option<KernelDiff>,
+    /// With `count_ops`: top-level ATen calls per optimizer step, by phase.
+    pub op_counts: Option<StepOps>,
+}
+
+/// Top-level ATen operator calls per optimizer step, by phase (`spes_ext::count`).
+#[derive(Clone, Debug, Serialize)]
+pub struct StepOps {
+    pub forward: f64,
+    pub backward: f64,
+    pub optimizer: f64,
+    /// Compute copies of the weights and moving their gradients to the masters.
+    pub bookkeeping: f64,
+    /// Unmarked: making the batch, reading the losses back.
+    pub other: f64,
+}
+
+impl StepOps {
+    /// Calls outside forward and backward: optimizer, bookkeeping and the rest.
+    pub fn outside_forward_backward(&self) -> f64 {
+        self.optimizer + self.bookkeeping + self.other
+    }
 }
 
 /// How far two ways of computing one batch are apart (b against a).
@@ -128,12 +151,30 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
         .transpose()?;
     let mut timed = Vec::new();
     for i in 0..o.warmup + o.steps {
+        if o.count_ops && i == o.warmup {
+            spes_ext::count::start()?;
+        }
         let batch = Tensor::randint(vocab, shape, (Kind::Int64, o.device));
         let s = step_on_batches(&model, &mut opt, &step, None, 1e-4, &[batch])?;
         if i >= o.warmup {
             timed.push(s.seconds);
         }
     }
+    let op_counts = if o.count_ops {
+        spes_ext::count::stop()?;
+        let c = spes_ext::count::counts();
+        let per_step = |p| c.of(p) as f64 / o.steps as f64;
+        use spes_ext::count::Phase;
+        Some(StepOps {
+            forward: per_step(Phase::Forward),
+            backward: per_step(Phase::Backward),
+            optimizer: per_step(Phase::Optimizer),
+            bookkeeping: per_step(Phase::Bookkeeping),
+            other: per_step(Phase::Other),
+        })
+    } else {
+        None
+    };
     let median = median(timed);
     let optimizer_ms = 1e3 * optimizer_seconds(&model, &mut opt, &step.weights, o)?;
     let tokens = (o.batch_size * o.seq_len) as u64;
@@ -160,6 +201,7 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
         device_peak_reserved_mb: device.map(|d| mb(d.peak_reserved)),
         moe_kernels,
         step_paths,
+        op_counts,
     })
 }
 

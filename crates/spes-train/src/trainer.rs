@@ -582,6 +582,7 @@ pub fn step_on_batches(
     }
     model.end_step();
     let mut sums = sums.expect("at least one batch");
+    let optimizer = spes_ext::count::enter(spes_ext::count::Phase::Optimizer);
     let grad_norm = match dp {
         None => {
             let norm = opt.clip_grad_norm(o.grad_clip)?;
@@ -609,6 +610,7 @@ pub fn step_on_batches(
             norm
         }
     };
+    drop(optimizer);
     let read = Tensor::cat(&[sums, grad_norm.reshape([1])], 0);
     let v = Vec::<f64>::try_from(&read.to_kind(Kind::Double).to_device(Device::Cpu))
         .expect("six scalars");
