@@ -65,7 +65,7 @@ def node_step "1b SPES node step: all experts, the node's 4, checkpointing" 45 "
 def frozen_memory "frozen experts in bf16 vs fp32 and the planner" 30 "2(S+B) + 2·3t + 2 plan-memory ≈ 17 s"
 def vs_pytorch "spes vs PyTorch eager and fused" 60 "(S+B) + 2(P+B) + 3·7t ≈ 31 s"
 def kernels "MoE kernels: grouped vs loop" 35 "3(S+B) + 2 batches + 2·7t ≈ 27 s"
-def step_paths "compute copies and fused projections" 20 "(S+B) + 2 batches ≈ 9 s"
+def step_paths "compute copies, fused projections and head accumulation vs their twins; op counts" 25 "(S+B) + 4 batches ≈ 12 s"
 def device_precision "device and precision" 20 "2S + 8 tiny steps ≈ 10 s"
 def demo_bf16 "bf16-delta demo: bit-identity" 45 "T + D + 300d + 6 rounds ≈ 35 s"
 def demo_int4 "int4 demo" 20 "D + 100d + 20 rounds ≈ 17 s"
@@ -335,15 +335,24 @@ PY
 }
 
 s_step_paths() {
-  # The step's two CUDA paths made once per optimizer step (bf16 compute copies of the trained
-  # weights, fused q/k/v and gate/up) against the per-micro-batch casts they replace.
+  # The step's CUDA paths against their CPU twins: the compute copies made once per optimizer
+  # step (bf16 copies of the trained weights, fused q/k/v and gate/up) against per-micro-batch
+  # casts; the LM head's gradient accumulated in fp32 inside its product (addmm with an fp32
+  # output, CUDA only) against each chunk's bf16 product added. Then the top-level ATen calls
+  # of one step by phase (what launches cost on the host).
   local d
-  d=$("$bin" bench --preset "$big" --device "$dev" --precision bf16 $big_tokens $own --steps 1 --warmup 0 --compare-step-paths --json | tail -n 1)
+  d=$("$bin" bench --preset "$big" --device "$dev" --precision bf16 $big_tokens $own --steps 1 --warmup 0 --compare-step-paths --compare-head --count-ops --json | tail -n 1)
   python3 - "$d" <<'PY' | tee -a "$md"
 import json, sys
-d = json.loads(sys.argv[1])["step_paths"]
+r = json.loads(sys.argv[1])
+d = r["step_paths"]
 print(f"- compute copies + fused projections vs per-micro-batch casts: loss {d['loss_rel']:.2e}, gradients {d['grad_rel']:.2e} apart (relative)")
+h = r["head_paths"]
+print(f"- LM head gradient accumulated in fp32 vs bf16 product then add: loss {h['loss_rel']:.2e}, gradients {h['grad_rel']:.2e} apart (relative)")
+c = r["op_counts"]
+print(f"- top-level ATen calls in one step: forward {c['forward']:.0f}, backward {c['backward']:.0f}, optimizer {c['optimizer']:.0f}, bookkeeping {c['bookkeeping']:.0f}, other {c['other']:.0f}")
 assert d["loss_rel"] < 1e-2 and d["grad_rel"] < 5e-2, "the once-per-step compute copies must match the casts"
+assert h["loss_rel"] < 1e-6 and h["grad_rel"] < 5e-2, "the fused head accumulation must match its twin within bf16 rounding"
 PY
 }
 

@@ -74,6 +74,9 @@ fn main() {
         .include(root.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        // As libtorch itself is built: headers whose debug-only members and checks depend on
+        // NDEBUG (RecordFunction's) must see the release layout.
+        .define("NDEBUG", None)
         .flag("-DGLOG_USE_GLOG_EXPORT");
     let nccl_build = build.clone();
     build

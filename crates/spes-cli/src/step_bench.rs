@@ -55,6 +55,11 @@ pub struct BenchArgs {
     /// apart they are (mixed precision).
     #[arg(long)]
     compare_step_paths: bool,
+    /// First run one batch with the LM head's gradient accumulated in fp32 inside its product
+    /// (CUDA, bf16) and as its CPU twin does (each chunk's product added), and report how far
+    /// apart they are.
+    #[arg(long)]
+    compare_head: bool,
     /// Also count the top-level ATen operator calls of the timed steps (libtorch's
     /// RecordFunction; slows the steps) and print them per optimizer step and phase.
     #[arg(long)]
@@ -111,6 +116,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         compare_moe_kernels: a.compare_moe_kernels,
         compare_step_paths: a.compare_step_paths,
         count_ops: a.count_ops,
+        compare_head: a.compare_head,
     };
     let r = bench(&o)?;
     if a.json {
@@ -140,6 +146,12 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     if let Some(d) = &r.moe_kernels {
         println!(
             "grouped vs loop MoE kernel on one batch: loss {:.2e} apart, gradients {:.2e} (relative)",
+            d.loss_rel, d.grad_rel
+        );
+    }
+    if let Some(d) = &r.head_paths {
+        println!(
+            "LM head gradient accumulated in fp32 in its product vs product then add on one batch: loss {:.2e} apart, gradients {:.2e} (relative)",
             d.loss_rel, d.grad_rel
         );
     }

@@ -12,8 +12,11 @@
 
 #include <array>
 #include <atomic>
+#include <cstring>
 #include <mutex>
 #include <optional>
+#include <sstream>
+#include <string>
 
 namespace {
 
@@ -32,6 +35,31 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction&) {
 }
 
 void on_end(const at::RecordFunction&, at::ObserverContext*) { --t_depth; }
+
+// Watching one operator: the sizes of the tensor arguments of each of its calls, at any depth,
+// as text ("2x3,4x5" per call, calls separated by ';').
+std::mutex g_watch_lock;
+std::string g_watch_name;
+std::string g_watched;
+std::optional<at::CallbackHandle> g_watch_handle;
+
+std::unique_ptr<at::ObserverContext> on_watched(const at::RecordFunction& fn) {
+  std::lock_guard<std::mutex> lock(g_watch_lock);
+  if (g_watch_name != fn.name()) return nullptr;
+  std::ostringstream call;
+  if (fn.inputs().empty()) call << '?';
+  bool first = true;
+  for (const auto& input : fn.inputs()) {
+    if (!input.isTensor()) continue;
+    if (!first) call << ',';
+    first = false;
+    auto sizes = input.toTensor().sizes();
+    for (size_t i = 0; i < sizes.size(); ++i) call << (i ? "x" : "") << sizes[i];
+  }
+  if (!g_watched.empty()) g_watched += ';';
+  g_watched += call.str();
+  return nullptr;
+}
 
 }  // namespace
 
@@ -56,6 +84,33 @@ char* spes_ext_count_ops(bool on) {
 int spes_ext_set_op_phase(int phase) {
   if (phase < 0 || phase >= kPhases) phase = 0;
   return g_phase.exchange(phase, std::memory_order_relaxed);
+}
+
+// Starts recording the tensor argument sizes of every call of operator `name` (e.g.
+// "aten::_grouped_mm"), forgetting earlier records; a NULL name stops recording.
+char* spes_ext_watch_op(const char* name) {
+  return spes_ext::guarded([&] {
+    std::lock_guard<std::mutex> install(g_install);
+    if (g_watch_handle) {
+      at::removeCallback(*g_watch_handle);
+      g_watch_handle.reset();
+    }
+    if (name == nullptr) return;
+    {
+      std::lock_guard<std::mutex> lock(g_watch_lock);
+      g_watch_name = name;
+      g_watched.clear();
+    }
+    g_watch_handle = at::addGlobalCallback(at::RecordFunctionCallback(on_watched)
+                                               .needsInputs(true)
+                                               .scopes({at::RecordScope::FUNCTION}));
+  });
+}
+
+// What the watch recorded, as a malloc'd string the caller frees with spes_ext_free_error.
+char* spes_ext_watched() {
+  std::lock_guard<std::mutex> lock(g_watch_lock);
+  return spes_ext::copy_message(g_watched.c_str());
 }
 
 // The counts so far, one per phase, into out[0..8].

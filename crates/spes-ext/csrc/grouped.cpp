@@ -32,7 +32,8 @@ struct GroupedTrainedFirst : public torch::autograd::Function<GroupedTrainedFirs
     const auto& all = saved[1];
     const auto& offsets = saved[2];
     auto t = ctx->saved_data["trained"].toInt();
-    const auto& dy = grads[0];
+    // A gradient may arrive expanded (the backward of a sum); the kernel needs real strides.
+    auto dy = grads[0].contiguous();
     at::Tensor dx, dtrained;
     if (ctx->needs_input_grad(0)) dx = at::_grouped_mm(dy, all, offsets);
     if (ctx->needs_input_grad(2) && t > 0) {

@@ -46,6 +46,9 @@ mod ffi {
         pub fn spes_ext_count_ops(on: bool) -> *mut c_char;
         pub fn spes_ext_set_op_phase(phase: i32) -> i32;
         pub fn spes_ext_op_counts(out: *mut u64);
+        pub fn spes_ext_watch_op(name: *const c_char) -> *mut c_char;
+        pub fn spes_ext_watched() -> *mut c_char;
+        pub fn spes_ext_free_error(message: *mut c_char);
     }
 }
 
@@ -89,4 +92,47 @@ pub fn enter(phase: Phase) -> PhaseGuard {
     // SAFETY: an atomic exchange in the shim.
     let previous = unsafe { ffi::spes_ext_set_op_phase(phase as i32) };
     PhaseGuard { previous }
+}
+
+/// Starts recording the sizes of the tensor arguments of every call of operator `op` (as
+/// libtorch names it, e.g. `aten::_grouped_mm`), at any depth, forgetting earlier records.
+pub fn watch(op: &str) -> Result<(), ExtError> {
+    let name = std::ffi::CString::new(op).map_err(|_| ExtError {
+        op: "watch_op",
+        message: format!("operator name {op:?} holds a NUL"),
+    })?;
+    // SAFETY: a NUL-terminated name borrowed for the call (the shim copies it).
+    check("watch_op", unsafe { ffi::spes_ext_watch_op(name.as_ptr()) })
+}
+
+/// Stops recording; [`watched`] still returns what was recorded.
+pub fn unwatch() -> Result<(), ExtError> {
+    // SAFETY: NULL asks the shim to stop.
+    check("watch_op", unsafe {
+        ffi::spes_ext_watch_op(std::ptr::null())
+    })
+}
+
+/// The calls [`watch`] recorded, in order: for each, its tensor arguments' sizes.
+pub fn watched() -> Vec<Vec<Vec<i64>>> {
+    // SAFETY: the shim returns a malloc'd NUL-terminated string, freed once here.
+    let text = unsafe {
+        let p = ffi::spes_ext_watched();
+        if p.is_null() {
+            return Vec::new();
+        }
+        let s = std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned();
+        ffi::spes_ext_free_error(p);
+        s
+    };
+    let dims = |t: &str| -> Vec<i64> {
+        t.split('x')
+            .filter(|d| !d.is_empty())
+            .map(|d| d.parse().expect("the shim writes integers"))
+            .collect()
+    };
+    text.split(';')
+        .filter(|c| !c.is_empty())
+        .map(|call| call.split(',').map(dims).collect())
+        .collect()
 }

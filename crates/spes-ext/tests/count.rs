@@ -1,5 +1,5 @@
 //! The op counter counts top-level ATen calls (not the calls inside them), by phase, on every
-//! thread, and only while started. One test in its own binary: the counter is process-wide.
+//! thread, and only while started; a watch records one operator's argument sizes. One test in its own binary: the counter is process-wide.
 
 use spes_ext::count::{self, Phase};
 use tch::{Device, Kind, Tensor};

@@ -45,62 +45,77 @@ struct Expert {
     gate: Tensor, // W1 [hidden, d]
     up: Tensor,   // V1 [hidden, d]
     down: Tensor, // W2 [d, hidden]
-    /// While the expert is frozen and frozen experts are resident in bf16: gate and up stacked
-    /// `[2·hidden, d]`, and down, in bf16 on the compute device; the fp32 masters above then
-    /// live in host memory.
-    resident: Option<[Tensor; 2]>,
 }
 
 /// One expert's matrices as the forward pass multiplies by them.
 enum ExpertMats<'a> {
-    /// Gate and up stacked `[2·hidden, d]` (one matmul for both), and down.
-    Fused(&'a Tensor, &'a Tensor),
+    /// Gate and up stacked `[2·hidden, d]` (one matmul for both), and down: views of a
+    /// layer's stacked copies.
+    Fused(Tensor, Tensor),
     /// The masters: gate, up and down.
     Split(&'a Tensor, &'a Tensor, &'a Tensor),
 }
 
 impl Expert {
-    /// The weights the forward pass multiplies by when no step copy is made: the resident
-    /// bf16 copies, or the masters.
-    fn compute(&self) -> ExpertMats<'_> {
-        match &self.resident {
-            Some([gu, d]) => ExpertMats::Fused(gu, d),
-            None => ExpertMats::Split(&self.gate, &self.up, &self.down),
-        }
-    }
-
-    /// Puts the expert where a trained or a frozen one belongs: trained, its fp32 masters on
-    /// `device` with gradients; frozen with `bf16`, the masters in host memory and bf16
-    /// copies on `device`. A master that moves is a new leaf tensor.
-    fn place(&mut self, train: bool, bf16: bool, device: Device) {
-        let resident = bf16 && !train;
-        let home = if resident { Device::Cpu } else { device };
+    /// Puts the masters where a trained or a frozen expert keeps them: on `device` with
+    /// gradients when trained; when frozen, in host memory if `resident` (bf16 copies on the
+    /// device serve the forward pass), else on `device`. A master that moves is a new leaf.
+    fn place(&mut self, train: bool, resident: bool, device: Device) {
+        let home = if resident && !train {
+            Device::Cpu
+        } else {
+            device
+        };
         for w in [&mut self.gate, &mut self.up, &mut self.down] {
             if w.device() != home {
                 *w = w.detach().to_device(home);
             }
             let _ = w.set_requires_grad(train);
         }
-        self.resident = resident.then(|| {
-            tch::no_grad(|| {
-                let to = |w: &Tensor| w.to_device(device).to_kind(Kind::BFloat16);
-                [
-                    Tensor::cat(&[to(&self.gate), to(&self.up)], 0),
-                    to(&self.down),
-                ]
-            })
-        });
     }
+}
 
-    /// Copies the masters into the bf16 copies (after the masters changed).
-    fn refresh(&self) {
-        if let Some([gu, d]) = &self.resident {
-            let h = self.gate.size()[0];
-            tch::no_grad(|| {
-                gu.narrow(0, 0, h).copy_(&self.gate);
-                gu.narrow(0, h, h).copy_(&self.up);
-                d.shallow_clone().copy_(&self.down);
-            });
+/// A layer's experts in the order its kernels stack them: the trained ones first, then the
+/// frozen, so that one grouped matmul computes weight gradients for a prefix of the stack
+/// alone. Made by [`MoeModel::set_trainable`], the one place that changes which experts train.
+struct Slots {
+    /// The expert in each slot.
+    expert_of: Vec<usize>,
+    /// The slot of each expert.
+    slot_of: Vec<usize>,
+    /// The first `trained` slots hold the trained experts.
+    trained: usize,
+    /// `slot_of` and `expert_of` as int64 tensors on the model's device.
+    slot_of_t: Tensor,
+    expert_of_t: Tensor,
+    /// With frozen experts resident in bf16: every slot's gate and up stacked `[E, 2·hidden,
+    /// d]` and down `[E, d, hidden]`, bf16 on the device. The frozen slots hold the resident
+    /// copies; each step's compute copies fill the trained slots.
+    resident: Option<[Tensor; 2]>,
+}
+
+impl Slots {
+    /// Slots for experts of which `trains[e]` says which train.
+    fn new(trains: &[bool], device: Device) -> Self {
+        let n = trains.len();
+        let mut expert_of: Vec<usize> = (0..n).filter(|&e| trains[e]).collect();
+        let trained = expert_of.len();
+        expert_of.extend((0..n).filter(|&e| !trains[e]));
+        let mut slot_of = vec![0; n];
+        for (s, &e) in expert_of.iter().enumerate() {
+            slot_of[e] = s;
+        }
+        let on_device = |v: &[usize]| {
+            let v: Vec<i64> = v.iter().map(|&x| x as i64).collect();
+            Tensor::from_slice(&v).to_device(device)
+        };
+        Slots {
+            slot_of_t: on_device(&slot_of),
+            expert_of_t: on_device(&expert_of),
+            expert_of,
+            slot_of,
+            trained,
+            resident: None,
         }
     }
 }
@@ -119,14 +134,41 @@ struct Layer {
     ffn_norm: Tensor,
     router: Tensor, // [E, d]
     experts: Vec<Expert>,
+    slots: Slots,
+}
+
+impl Layer {
+    /// Copies the frozen experts' masters into their resident slots (after the masters
+    /// changed; once per round, not per step).
+    fn refresh_resident(&self) {
+        let Some([gate_up, down]) = &self.slots.resident else {
+            return;
+        };
+        tch::no_grad(|| {
+            for (s, &e) in self
+                .slots
+                .expert_of
+                .iter()
+                .enumerate()
+                .skip(self.slots.trained)
+            {
+                let (ex, s) = (&self.experts[e], s as i64);
+                let h = ex.gate.size()[0];
+                gate_up.get(s).narrow(0, 0, h).copy_(&ex.gate);
+                gate_up.get(s).narrow(0, h, h).copy_(&ex.up);
+                down.get(s).copy_(&ex.down);
+            }
+        });
+    }
 }
 
 /// The weights one optimizer step's micro-batches multiply by in mixed precision, made once
 /// per step from the fp32 masters ([`MoeModel::begin_step`]) instead of cast at every matmul of
-/// every micro-batch: q, k and v stacked into one matrix, and each expert's gate and up, so
-/// each is one matmul over the input. The copies of trained weights are leaves that collect
-/// gradients, which are added to the masters' (in fp32) after every backward; the stored
-/// tensors, the checkpoints and the Hugging Face export keep their own layout.
+/// every micro-batch: q, k and v stacked into one matrix, and every expert of a layer in one
+/// stack, each expert's gate and up fused so each is one matmul over the input. The copies of
+/// trained weights are leaves that collect gradients, which are added to the masters' (in
+/// fp32) after every backward; the stored tensors, the checkpoints and the Hugging Face export
+/// keep their own layout.
 struct StepCopies {
     layers: Vec<LayerCopies>,
     /// The LM head (its gradient is computed by hand, straight into the master).
@@ -137,9 +179,25 @@ struct LayerCopies {
     /// q, k and v stacked `[q + 2·kv, d]`.
     qkv: Tensor,
     o: Tensor,
-    /// Each expert's gate and up stacked `[2·hidden, d]` and down; `None` for an expert whose
-    /// resident bf16 copies serve instead (frozen, [`MoeModel::set_frozen_experts_bf16`]).
-    experts: Vec<Option<[Tensor; 2]>>,
+    /// Every expert's gate and up `[E, 2·hidden, d]` and down `[E, d, hidden]`, in the layer's
+    /// slot order, without gradient (the frozen slots are the resident copies where there are).
+    experts: [Tensor; 2],
+    /// The trained slots of `experts` (the first T, same storage): leaves that collect the
+    /// trained experts' gradients.
+    trained: [Tensor; 2],
+}
+
+impl LayerCopies {
+    /// The same copies (sharing their storage).
+    fn share(&self) -> Self {
+        let two = |[a, b]: &[Tensor; 2]| [a.shallow_clone(), b.shallow_clone()];
+        LayerCopies {
+            qkv: self.qkv.shallow_clone(),
+            o: self.o.shallow_clone(),
+            experts: two(&self.experts),
+            trained: two(&self.trained),
+        }
+    }
 }
 
 /// How a MoE layer runs its experts on the tokens routed to them.
@@ -168,6 +226,9 @@ pub struct MoeModel {
     lb_count_scale: Option<Tensor>,
     /// Logits elements per chunk of the LM-head loss ([`MoeModel::set_logits_chunk`]).
     logits_chunk: i64,
+    /// On CUDA in bf16, the head's gradient accumulates in fp32 inside its product
+    /// ([`MoeModel::set_fused_head_accumulate`]).
+    fused_head_accumulate: bool,
     /// RoPE tables, built once for the longest sequence seen (each forward used to rebuild them).
     rope_cache: std::sync::Mutex<Option<RopeTables>>,
     /// The current optimizer step's compute copies, between [`MoeModel::begin_step`] and
@@ -264,8 +325,9 @@ impl Losses {
 struct HeadLosses {
     ce: Tensor,
     z_loss: Tensor,
-    /// A scalar whose gradient with respect to the hidden states and the head is the scaled
-    /// gradient of the head's losses; its value means nothing.
+    /// A scalar whose gradient with respect to the hidden states is the scaled gradient of
+    /// the head's losses (the head's own is added to its `.grad` directly); its value means
+    /// nothing.
     surrogate: Tensor,
 }
 
@@ -324,9 +386,9 @@ impl MoeModel {
                         gate: w(&[h, d]),
                         up: w(&[h, d]),
                         down: w(&[d, h]),
-                        resident: None,
                     })
                     .collect(),
+                slots: Slots::new(&vec![false; cfg.n_experts], device),
             })
             .collect();
         Ok(MoeModel {
@@ -337,6 +399,7 @@ impl MoeModel {
             frozen_bf16: false,
             device,
             logits_chunk: LOGITS_CHUNK_ELEMENTS,
+            fused_head_accumulate: true,
             rope_cache: std::sync::Mutex::new(None),
             step: std::sync::Mutex::new(None),
             embed: w(&[v, d]),
@@ -483,7 +546,13 @@ impl MoeModel {
         // tokens in that order (whose backward is one scatter, not one per expert); then each
         // expert runs on its contiguous slice, and one scatter-add combines the outputs.
         let flat_experts = experts.view([-1]);
-        let (_, order) = flat_experts.sort_stable(true, 0, false);
+        // The grouped kernel takes the experts in slot order (trained first); the loop runs
+        // them in index order.
+        let key = match self.moe_kernel {
+            MoeKernel::Loop => flat_experts.shallow_clone(),
+            MoeKernel::Grouped => layer.slots.slot_of_t.index_select(0, &flat_experts),
+        };
+        let (_, order) = key.sort_stable(true, 0, false);
         // Not `bincount`, which reads the range back to the host on CUDA.
         let counts = Tensor::zeros([e], (Kind::Int64, x.device())).scatter_add(
             0,
@@ -532,46 +601,55 @@ impl MoeModel {
     ) -> Tensor {
         let host_counts = Vec::<i64>::try_from(&counts.to_device(Device::Cpu)).unwrap();
         let mut outputs = Vec::with_capacity(layer.experts.len());
-        for (e, ((ex, &n), xe)) in layer
-            .experts
+        for (e, (&n, xe)) in host_counts
             .iter()
-            .zip(&host_counts)
             .zip(grouped.split_with_sizes(&host_counts, 0))
             .enumerate()
         {
             if n > 0 {
-                let hidden = match self.expert_mats(ex, copies, e) {
+                let hidden = match self.expert_mats(layer, copies, e) {
                     ExpertMats::Fused(gate_up, down) => {
-                        let gu = self.linear(&xe, gate_up).chunk(2, -1);
+                        let gu = self.linear(&xe, &gate_up).chunk(2, -1);
                         (gu[0].silu() * &gu[1], down)
                     }
-                    ExpertMats::Split(gate, up, down) => {
-                        (self.linear(&xe, gate).silu() * self.linear(&xe, up), down)
-                    }
+                    ExpertMats::Split(gate, up, down) => (
+                        self.linear(&xe, gate).silu() * self.linear(&xe, up),
+                        down.shallow_clone(),
+                    ),
                 };
-                outputs.push(self.linear(&hidden.0, hidden.1));
+                outputs.push(self.linear(&hidden.0, &hidden.1));
             }
         }
         Tensor::cat(&outputs, 0)
     }
 
-    /// Expert `e`'s matrices: the step's copies, its resident copies, or its masters.
+    /// Expert `e`'s matrices: its slot of the step's copies (the trained copy if it trains),
+    /// its resident copy, or its masters.
     fn expert_mats<'a>(
         &self,
-        ex: &'a Expert,
-        copies: Option<&'a LayerCopies>,
+        layer: &'a Layer,
+        copies: Option<&LayerCopies>,
         e: usize,
     ) -> ExpertMats<'a> {
-        match copies.and_then(|c| c.experts[e].as_ref()) {
-            Some([gu, d]) => ExpertMats::Fused(gu, d),
-            None => ex.compute(),
+        let s = layer.slots.slot_of[e];
+        let trained = s < layer.slots.trained;
+        let at = |[gu, d]: &[Tensor; 2]| ExpertMats::Fused(gu.get(s as i64), d.get(s as i64));
+        match (copies, &layer.slots.resident) {
+            (Some(c), _) if trained => at(&c.trained),
+            (Some(c), _) => at(&c.experts),
+            (None, Some(r)) if !trained => at(r),
+            _ => {
+                let ex = &layer.experts[e];
+                ExpertMats::Split(&ex.gate, &ex.up, &ex.down)
+            }
         }
     }
 
-    /// [`MoeModel::experts_loop`] as three grouped matmuls over the experts' stacked
-    /// weights, the slices given by their end offsets on the device. The stack copies each
-    /// weight once per call (as the loop's casts to bf16 do); its backward hands every
-    /// expert its own gradient, so frozen experts still get none.
+    /// [`MoeModel::experts_loop`] as two grouped matmuls over the experts stacked in slot
+    /// order (trained first), the tokens grouped by slot and the groups given by their end
+    /// offsets on the device. Weight gradients are computed for the trained slots only
+    /// ([`spes_ext::grouped_mm_trained_first`]). With the step's copies nothing is copied;
+    /// without (fp32, evaluation) the stacks are made here.
     fn experts_grouped(
         &self,
         layer: &Layer,
@@ -579,27 +657,51 @@ impl MoeModel {
         grouped: &Tensor,
         counts: &Tensor,
     ) -> Tensor {
-        let offsets = counts.cumsum(0, Kind::Int);
-        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
-        for (e, ex) in layer.experts.iter().enumerate() {
-            let (gu, d) = match self.expert_mats(ex, copies, e) {
-                ExpertMats::Fused(gu, d) => (gu.to_kind(self.compute), d.to_kind(self.compute)),
-                ExpertMats::Split(g, u, d) => (
-                    Tensor::cat(&[g.to_kind(self.compute), u.to_kind(self.compute)], 0),
-                    d.to_kind(self.compute),
-                ),
-            };
-            gate_up.push(gu);
-            down.push(d);
-        }
-        // [E, in, out]: each expert's weight transposed, as `x @ Wᵀ` needs.
-        let stacked = |ws: &[Tensor]| Tensor::stack(ws, 0).transpose(1, 2);
-        let mm = |x: &Tensor, w: &Tensor| {
-            x.internal_grouped_mm(w, Some(&offsets), None::<&Tensor>, None::<Kind>)
+        let offsets = counts
+            .index_select(0, &layer.slots.expert_of_t)
+            .cumsum(0, Kind::Int);
+        let ([gate_up, down], [trained_gate_up, trained_down]) = match copies {
+            Some(c) => (c.share().experts, c.share().trained),
+            None => self.expert_stacks(layer),
+        };
+        let mm = |x: &Tensor, all: &Tensor, trained: &Tensor| {
+            spes_ext::grouped_mm_trained_first(x, all, trained, &offsets)
+                .expect("grouped matmul over a layer's experts")
         };
         let x = grouped.to_kind(self.compute);
-        let gu = mm(&x, &stacked(&gate_up)).chunk(2, -1);
-        mm(&(gu[0].silu() * &gu[1]), &stacked(&down))
+        let gu = mm(&x, &gate_up, &trained_gate_up).chunk(2, -1);
+        mm(&(gu[0].silu() * &gu[1]), &down, &trained_down)
+    }
+
+    /// Without step copies: every slot's gate and up `[E, 2·hidden, d]` and down stacked in
+    /// the compute precision without gradient, and the trained slots' stacked from their
+    /// masters with it.
+    fn expert_stacks(&self, layer: &Layer) -> ([Tensor; 2], [Tensor; 2]) {
+        let kind = self.compute;
+        let stack = |slots: &[usize]| {
+            let mut gate_up = Vec::with_capacity(slots.len());
+            let mut down = Vec::with_capacity(slots.len());
+            for &e in slots {
+                match self.expert_mats(layer, None, e) {
+                    ExpertMats::Fused(gu, d) => {
+                        gate_up.push(gu.to_kind(kind));
+                        down.push(d.to_kind(kind));
+                    }
+                    ExpertMats::Split(g, u, d) => {
+                        gate_up.push(Tensor::cat(&[g.to_kind(kind), u.to_kind(kind)], 0));
+                        down.push(d.to_kind(kind));
+                    }
+                }
+            }
+            [Tensor::stack(&gate_up, 0), Tensor::stack(&down, 0)]
+        };
+        let slots = &layer.slots;
+        let all = tch::no_grad(|| stack(&slots.expert_of));
+        let trained = match slots.trained {
+            0 => [all[0].narrow(0, 0, 0), all[1].narrow(0, 0, 0)],
+            t => stack(&slots.expert_of[..t]),
+        };
+        (all, trained)
     }
 
     /// Forward and backward of one `[B, T+1]` window batch: adds `scale` times the gradient of
@@ -731,14 +833,21 @@ impl MoeModel {
     }
 
     /// Cross-entropy and z-loss of the LM head on final hidden states `h` `[N, d]` against
-    /// `targets` `[N]`, plus a surrogate whose gradient is `scale ×` that of
-    /// `ce + z_weight·z_loss` with respect to `h` and the head.
+    /// `targets` `[N]`; with `scale`, adds `scale ×` the head's gradient of
+    /// `ce + z_weight·z_loss` to its `.grad` and returns a surrogate whose gradient with
+    /// respect to `h` is that of `h`.
     ///
     /// The head runs over row chunks: each chunk's logits give its loss and, right away, its
-    /// gradient (`softmax·(1 + 2·z_weight·lse) − onehot`, over N), which is folded into the
-    /// gradients of `h` and of the head. So no fp32 logits tensor of the whole batch is ever
-    /// held, for forward or backward: with a 151k vocabulary that is ~5 GB per 8k tokens.
-    /// With `scale` `None`, only the losses (the surrogate is a constant).
+    /// gradient, which is folded into the gradients of `h` and of the head. So no fp32 logits
+    /// tensor of the whole batch is ever held: with a 151k vocabulary that is ~5 GB per 8k
+    /// tokens. Per chunk, the passes over its `[rows, V]` logits are: the product; one
+    /// log-softmax (fp32 out), whose exponential is written once in the compute precision;
+    /// and the two products of the gradient. Row `r` of the gradient with respect to the
+    /// logits is `c_r·(p_r − onehot_r/u_r)` with `u_r = 1 + 2·z_weight·lse_r` and `c_r =
+    /// scale·u_r/N`: the matrix `G` holds `p` with `p_t − 1/u` at each target, and `c` scales
+    /// rows of the products instead of a pass over `G`. On CUDA in bf16 the head's gradient
+    /// accumulates in fp32 inside the product (`addmm` with an fp32 output); elsewhere each
+    /// chunk's product, in the compute precision, is added to it.
     fn head_losses(
         &self,
         h: &Tensor,
@@ -750,55 +859,67 @@ impl MoeModel {
         let rows = (self.logits_chunk / v).max(1);
         let train_head = scale.is_some() && self.head.requires_grad();
         let train_h = scale.is_some() && h.requires_grad();
-        let scale = scale.unwrap_or(0.0);
-        let (ce, z_loss, grad_h, grad_head) = tch::no_grad(|| {
+        let a = scale.unwrap_or(0.0) / n as f64;
+        if train_head {
+            define_grads(&[self.head.shallow_clone()]);
+        }
+        let (ce, z_loss, grad_h) = tch::no_grad(|| {
             let step = self.step.lock().unwrap_or_else(|e| e.into_inner());
             let head = match step.as_ref() {
                 Some(s) => s.head.shallow_clone(),
                 None => self.head.to_kind(self.compute),
             };
             drop(step);
-            let mut grad_head = train_head.then(|| self.head.zeros_like());
+            let mut head_grad = train_head.then(|| self.head.grad());
+            let fused_accumulate = self.fused_head_accumulate
+                && self.compute != Kind::Float
+                && head.device().is_cuda();
             let (mut ce, mut z) = (Vec::new(), Vec::new());
             let mut grad_h = Vec::new();
             for (hc, tc) in h.split(rows, 0).iter().zip(targets.split(rows, 0)) {
                 let hc = hc.to_kind(self.compute);
-                let logits = hc.matmul(&head.tr()).to_kind(Kind::Float);
-                let lse = logits.logsumexp([-1], true);
+                let logits = hc.matmul(&head.tr());
+                let mut logp = logits.log_softmax(-1, Kind::Float);
                 let tc = tc.unsqueeze(1);
-                ce.push((&lse - logits.gather(1, &tc, false)).sum(Kind::Float));
+                let logp_t = logp.gather(1, &tc, false);
+                let lse = logits.gather(1, &tc, false).to_kind(Kind::Float) - &logp_t;
+                ce.push(-logp_t.sum(Kind::Float));
                 z.push(lse.square().sum(Kind::Float));
                 if !(train_h || train_head) {
                     continue;
                 }
                 let _backward = enter(Phase::Backward);
-                // d(ce + z_weight·z)/d logits, times scale: softmax·(1 + 2·z_weight·lse) − onehot.
-                let coef = (&lse * (2.0 * z_weight) + 1.0) * (scale / n as f64);
-                let mut g = (logits - &lse).exp_() * coef;
-                let onehot = Tensor::full(tc.size(), -scale / n as f64, (Kind::Float, g.device()));
-                let _ = g.scatter_add_(1, &tc, &onehot);
-                let g = g.to_kind(self.compute);
-                grad_h.push(g.matmul(&head).to_kind(Kind::Float));
-                if let Some(acc) = &mut grad_head {
-                    // The product in the compute precision, accumulated over chunks in fp32
-                    // (an fp32 `addmm_` cannot take bf16 operands).
-                    if g.kind() == Kind::Float {
-                        let _ = acc.addmm_(&g.tr(), &hc);
+                let u = &lse * (2.0 * z_weight) + 1.0;
+                let mut g = if self.compute == Kind::Float {
+                    logp.exp_()
+                } else {
+                    logp.exp_out(&logits)
+                };
+                let at_target = logp_t.exp() - u.reciprocal();
+                let _ = g.scatter_(1, &tc, &at_target.to_kind(g.kind()));
+                let c = u * a;
+                if train_h {
+                    grad_h.push(g.matmul(&head).to_kind(Kind::Float) * &c);
+                }
+                if let Some(acc) = &mut head_grad {
+                    let hs = (hc.to_kind(Kind::Float) * &c).to_kind(self.compute);
+                    if self.compute == Kind::Float {
+                        let _ = acc.addmm_(&g.tr(), &hs);
+                    } else if fused_accumulate {
+                        let _ = acc.addmm_dtype_out(acc, &g.tr(), &hs, Kind::Float);
                     } else {
-                        let _ = acc.g_add_(&g.tr().matmul(&hc));
+                        let _ = acc.g_add_(&g.tr().matmul(&hs));
                     }
                 }
             }
             let sum = |xs: Vec<Tensor>| Tensor::stack(&xs, 0).sum(Kind::Float) / n as f64;
             let grad_h = train_h.then(|| Tensor::cat(&grad_h, 0));
-            (sum(ce), sum(z), grad_h, grad_head)
+            (sum(ce), sum(z), grad_h)
         });
-        let terms = [
-            grad_h.map(|g| (h * g).sum(Kind::Float)),
-            grad_head.map(|g| (&self.head * g).sum(Kind::Float)),
-        ];
-        let zero = Tensor::zeros([], (Kind::Float, h.device()));
-        let surrogate = terms.into_iter().flatten().fold(zero, |a, b| a + b);
+        let surrogate = match grad_h {
+            Some(g) => (h * g).sum(Kind::Float),
+            None => Tensor::zeros([], (Kind::Float, h.device())),
+        };
         HeadLosses {
             ce,
             z_loss,
@@ -843,6 +964,13 @@ impl MoeModel {
         self.logits_chunk = elements.max(1);
     }
 
+    /// On CUDA in bf16, accumulates the LM head's gradient in fp32 inside its product (`addmm`
+    /// with an fp32 output, on by default) or, off, as elsewhere: each chunk's bf16 product
+    /// added to it (what `spes bench --compare-head` compares).
+    pub fn set_fused_head_accumulate(&mut self, on: bool) {
+        self.fused_head_accumulate = on;
+    }
+
     /// RoPE cos and sin tables for the positions of `tokens` `[B, T]`.
     fn rope(&self, tokens: &Tensor) -> (Tensor, Tensor) {
         let (t, device) = (tokens.size()[1], tokens.device());
@@ -873,22 +1001,7 @@ impl MoeModel {
     fn step_copies(&self) -> Option<StepCopies> {
         let step = self.step.lock().unwrap_or_else(|e| e.into_inner());
         step.as_ref().map(|s| StepCopies {
-            layers: s
-                .layers
-                .iter()
-                .map(|l| LayerCopies {
-                    qkv: l.qkv.shallow_clone(),
-                    o: l.o.shallow_clone(),
-                    experts: l
-                        .experts
-                        .iter()
-                        .map(|e| {
-                            e.as_ref()
-                                .map(|[a, b]| [a.shallow_clone(), b.shallow_clone()])
-                        })
-                        .collect(),
-                })
-                .collect(),
+            layers: s.layers.iter().map(LayerCopies::share).collect(),
             head: s.head.shallow_clone(),
         })
     }
@@ -901,13 +1014,6 @@ impl MoeModel {
             return;
         }
         let _bookkeeping = enter(Phase::Bookkeeping);
-        let kind = self.compute;
-        // A copy of `ws` stacked by rows, a gradient-collecting leaf if any of them trains.
-        let copy = |ws: &[&Tensor]| {
-            let train = ws.iter().any(|w| w.requires_grad());
-            let parts: Vec<Tensor> = ws.iter().map(|w| w.detach().to_kind(kind)).collect();
-            Tensor::cat(&parts, 0).set_requires_grad(train)
-        };
         // The masters' gradients must exist to take the copies' in place (once: the
         // optimizer zeroes them, never drops them).
         let trained: Vec<Tensor> = self
@@ -916,25 +1022,61 @@ impl MoeModel {
             .map(|p| p.tensor)
             .collect();
         define_grads(&trained);
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| LayerCopies {
-                qkv: copy(&[&l.q_proj, &l.k_proj, &l.v_proj]),
-                o: copy(&[&l.o_proj]),
-                experts: l
-                    .experts
-                    .iter()
-                    .map(|ex| {
-                        ex.resident
-                            .is_none()
-                            .then(|| [copy(&[&ex.gate, &ex.up]), copy(&[&ex.down])])
-                    })
-                    .collect(),
-            })
-            .collect();
-        let head = tch::no_grad(|| self.head.to_kind(kind));
+        let (layers, head) = tch::no_grad(|| {
+            let layers = self.layers.iter().map(|l| self.layer_copies(l)).collect();
+            (layers, self.head.to_kind(self.compute))
+        });
         *self.step.lock().unwrap_or_else(|e| e.into_inner()) = Some(StepCopies { layers, head });
+    }
+
+    /// One layer's compute copies, one cast per group of weights: q, k and v into one
+    /// matrix; every expert not already resident into its slot of the layer's stacks.
+    fn layer_copies(&self, l: &Layer) -> LayerCopies {
+        let (kind, device) = (self.compute, self.device);
+        let rows = |ws: &[&Tensor]| ws.iter().map(|w| w.size()[0]).sum::<i64>();
+        let qkv_masters = [&l.q_proj, &l.k_proj, &l.v_proj];
+        let qkv = Tensor::empty([rows(&qkv_masters), l.q_proj.size()[1]], (kind, device));
+        let _ = Tensor::cat_out(&qkv, &qkv_masters, 0);
+        let trains = |ws: &[&Tensor]| ws.iter().any(|w| w.requires_grad());
+        let qkv = qkv.set_requires_grad(trains(&qkv_masters));
+        let o = l
+            .o_proj
+            .to_kind(kind)
+            .set_requires_grad(l.o_proj.requires_grad());
+        let e = l.experts.len() as i64;
+        let (h, d) = l.experts[0].gate.size2().expect("an expert matrix is 2-D");
+        let [gate_up, down] = match &l.slots.resident {
+            Some([gu, dn]) => [gu.shallow_clone(), dn.shallow_clone()],
+            None => [
+                Tensor::empty([e, 2 * h, d], (kind, device)),
+                Tensor::empty([e, d, h], (kind, device)),
+            ],
+        };
+        // Resident copies hold the frozen slots already; the trained ones (and without
+        // residents, every slot) are cast from their masters here.
+        let fill = match l.slots.resident {
+            Some(_) => l.slots.trained,
+            None => l.experts.len(),
+        };
+        if fill > 0 {
+            let masters: Vec<&Expert> = l.slots.expert_of[..fill]
+                .iter()
+                .map(|&x| &l.experts[x])
+                .collect();
+            let gu: Vec<&Tensor> = masters.iter().flat_map(|x| [&x.gate, &x.up]).collect();
+            let n = fill as i64;
+            let _ = Tensor::cat_out(&gate_up.narrow(0, 0, n).view([n * 2 * h, d]), &gu, 0);
+            let dn: Vec<&Tensor> = masters.iter().map(|x| &x.down).collect();
+            let _ = Tensor::stack_out(&down.narrow(0, 0, n), &dn, 0);
+        }
+        let t = l.slots.trained as i64;
+        let leaf = |all: &Tensor| all.narrow(0, 0, t).detach().set_requires_grad(t > 0);
+        LayerCopies {
+            qkv,
+            o,
+            trained: [leaf(&gate_up), leaf(&down)],
+            experts: [gate_up, down],
+        }
     }
 
     /// Ends the optimizer step: drops its compute copies (the masters are about to change).
@@ -944,41 +1086,54 @@ impl MoeModel {
     }
 
     /// Adds what the step copies of layer `layer` (all layers: `None`) collected in the last
-    /// backward to their masters' gradients, in fp32, and clears theirs.
+    /// backward to their masters' gradients, in fp32, and clears theirs: one multi-tensor add
+    /// and one multi-tensor zero over views of the copies' gradients.
     fn flush_grads(&self, layer: Option<usize>) {
         let Some(step) = self.step_copies() else {
             return;
         };
         let _bookkeeping = enter(Phase::Bookkeeping);
-        let add = |copy: &Tensor, masters: &[&Tensor]| {
-            let g = copy.grad();
-            if !copy.requires_grad() || !g.defined() {
-                return;
-            }
-            let mut at = 0;
-            for m in masters {
-                let rows = m.size()[0];
-                if m.requires_grad() {
-                    let _ = m.grad().g_add_(&g.narrow(0, at, rows));
+        let (mut to, mut from, mut used) = (Vec::new(), Vec::new(), Vec::new());
+        // `parts` are views of `copy`'s gradient, one per master in order.
+        let mut collect =
+            |copy: &Tensor, parts: &dyn Fn(&Tensor) -> Vec<Tensor>, masters: &[&Tensor]| {
+                let g = copy.grad();
+                if !copy.requires_grad() || !g.defined() {
+                    return;
                 }
-                at += rows;
-            }
-            let _ = g.shallow_clone().zero_();
-        };
-        tch::no_grad(|| {
-            for (l, (layer_w, c)) in self.layers.iter().zip(&step.layers).enumerate() {
-                if layer.is_some_and(|want| want != l) {
-                    continue;
-                }
-                add(&c.qkv, &[&layer_w.q_proj, &layer_w.k_proj, &layer_w.v_proj]);
-                add(&c.o, &[&layer_w.o_proj]);
-                for (ex, copies) in layer_w.experts.iter().zip(&c.experts) {
-                    if let Some([gu, d]) = copies {
-                        add(gu, &[&ex.gate, &ex.up]);
-                        add(d, &[&ex.down]);
+                for (m, part) in masters.iter().zip(parts(&g)) {
+                    if m.requires_grad() {
+                        to.push(m.grad());
+                        from.push(part);
                     }
                 }
+                used.push(g);
+            };
+        for (l, (w, c)) in self.layers.iter().zip(&step.layers).enumerate() {
+            if layer.is_some_and(|want| want != l) {
+                continue;
             }
+            let qkv = [&w.q_proj, &w.k_proj, &w.v_proj];
+            let sizes: Vec<i64> = qkv.iter().map(|m| m.size()[0]).collect();
+            collect(&c.qkv, &|g| g.split_with_sizes(&sizes, 0), &qkv);
+            collect(&c.o, &|g| vec![g.shallow_clone()], &[&w.o_proj]);
+            let trained: Vec<&Expert> = w.slots.expert_of[..w.slots.trained]
+                .iter()
+                .map(|&e| &w.experts[e])
+                .collect();
+            let gate_up: Vec<&Tensor> = trained.iter().flat_map(|x| [&x.gate, &x.up]).collect();
+            let h = w.experts[0].gate.size()[0];
+            collect(
+                &c.trained[0],
+                &|g| g.reshape([-1, h, g.size()[2]]).unbind(0),
+                &gate_up,
+            );
+            let down: Vec<&Tensor> = trained.iter().map(|x| &x.down).collect();
+            collect(&c.trained[1], &|g| g.unbind(0), &down);
+        }
+        tch::no_grad(|| {
+            spes_ext::add_lists(&to, &from).expect("adding the copies' gradients to the masters'");
+            spes_ext::zero(&used).expect("zeroing the copies' gradients");
         });
     }
 
@@ -1057,8 +1212,21 @@ impl MoeModel {
         }
         let (bf16, device) = (self.frozen_bf16, self.device);
         for (l, layer) in self.layers.iter_mut().enumerate() {
-            for (e, ex) in layer.experts.iter_mut().enumerate() {
-                ex.place(trainable(Role::Expert { layer: l, index: e }), bf16, device);
+            let trains: Vec<bool> = (0..layer.experts.len())
+                .map(|e| trainable(Role::Expert { layer: l, index: e }))
+                .collect();
+            for (ex, &train) in layer.experts.iter_mut().zip(&trains) {
+                ex.place(train, bf16, device);
+            }
+            layer.slots = Slots::new(&trains, device);
+            if bf16 {
+                let (e, (h, d)) = (trains.len() as i64, layer.experts[0].gate.size2().unwrap());
+                let kind = (Kind::BFloat16, device);
+                layer.slots.resident = Some([
+                    Tensor::empty([e, 2 * h, d], kind),
+                    Tensor::empty([e, d, h], kind),
+                ]);
+                layer.refresh_resident();
             }
         }
     }
@@ -1109,9 +1277,7 @@ impl MoeModel {
     /// place (a delta applied to [`MoeModel::params`]); [`MoeModel::load`] does it itself.
     pub fn refresh_resident(&self) {
         for layer in &self.layers {
-            for ex in &layer.experts {
-                ex.refresh();
-            }
+            layer.refresh_resident();
         }
     }
 }

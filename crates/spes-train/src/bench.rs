@@ -35,6 +35,10 @@ pub struct BenchOptions {
     pub compare_step_paths: bool,
     /// Count the timed steps' top-level ATen operator calls by phase.
     pub count_ops: bool,
+    /// Before timing, run one batch with the LM head's gradient accumulated inside its
+    /// product (fp32 output, CUDA bf16) and as each chunk's product added, and report how far
+    /// apart they are.
+    pub compare_head: bool,
 }
 
 /// One benchmark result row.
@@ -65,6 +69,8 @@ pub struct BenchResult {
     pub moe_kernels: Option<KernelDiff>,
     /// With `compare_step_paths`: the step's compute copies against per-matmul casts.
     pub step_paths: Option<KernelDiff>,
+    /// With `compare_head`: the head's fused fp32 accumulation against its CPU twin's.
+    pub head_paths: Option<KernelDiff>,
     /// With `count_ops`: top-level ATen calls per optimizer step, by phase.
     pub op_counts: Option<StepOps>,
 }
@@ -149,6 +155,19 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
             compare_step_paths(&model, &batch, &step.weights)
         })
         .transpose()?;
+    let head_paths = o
+        .compare_head
+        .then(|| {
+            let batch = Tensor::randint(vocab, shape, (Kind::Int64, o.device));
+            model.set_fused_head_accumulate(false);
+            model.begin_step();
+            let (a, ga) = loss_and_grads(&model, &batch, &step.weights);
+            model.set_fused_head_accumulate(true);
+            let (b, gb) = loss_and_grads(&model, &batch, &step.weights);
+            model.end_step();
+            diff(a, &ga, b, &gb, "a head path")
+        })
+        .transpose()?;
     let mut timed = Vec::new();
     for i in 0..o.warmup + o.steps {
         if o.count_ops && i == o.warmup {
@@ -201,6 +220,7 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
         device_peak_reserved_mb: device.map(|d| mb(d.peak_reserved)),
         moe_kernels,
         step_paths,
+        head_paths,
         op_counts,
     })
 }

@@ -196,19 +196,20 @@ pub fn plan(i: &MemoryInput) -> MemoryPlan {
     let tokens = (i.micro_batch * i.seq_len) as u64;
     let (d, v, c) = (m.d_model as u64, m.vocab_size as u64, i.compute_bytes);
     let per_layer = layer_activation_bytes(m, c) * tokens;
-    // bf16: every matmul weight is cast once per use and kept until its backward, but for
-    // frozen experts already in bf16 under the loop; the grouped kernel keeps a stack of
-    // every expert's matrices.
-    let cast_experts = if i.frozen_bf16 && !i.grouped_experts {
+    // bf16: the step's compute copies of every layer's weights, made once per step (frozen
+    // experts already resident in bf16 are not copied again, under either kernel).
+    let cast_experts = if i.frozen_bf16 {
         own
     } else {
         m.n_experts as u64
     };
     let layer_weights = (shared - counts.embeddings) / layers.max(1) + cast_experts * expert;
+    // fp32: the grouped kernel stacks every expert's matrices at each forward and keeps the
+    // stack until the block's backward; the loop multiplies by the masters.
     let copies = |n_layers: u64| match (c, i.grouped_experts) {
         (4, false) => 0,
         (4, true) => 4 * n_layers * m.n_experts as u64 * expert,
-        _ => 2 * n_layers * layer_weights,
+        _ => 2 * layers * layer_weights,
     };
     let (activations, weight_copies) = if i.activation_checkpointing {
         // Every block's input, plus one block recomputed with its graph.
@@ -216,10 +217,11 @@ pub fn plan(i: &MemoryInput) -> MemoryPlan {
     } else {
         (layers * per_layer, copies(layers))
     };
-    // The head: logits, their shifted exponentials and the gradient, fp32, per chunk of
-    // rows, and its weight cast; then the hidden states' gradient.
+    // The head, per chunk of rows: the logits in the compute precision and their fp32
+    // log-softmax (the gradient is written over one of them), and in bf16 its weight's cast
+    // and one chunk's product for its gradient; then the hidden states' gradient.
     let rows = (i.logits_chunk / v).clamp(1, tokens.max(1));
-    let head = 3 * 4 * rows * v + c * v * d * u64::from(c != 4) + 2 * 4 * tokens * d;
+    let head = (c + 4) * rows * v + 2 * c * v * d * u64::from(c != 4) + 2 * 4 * tokens * d;
     let mut p = MemoryPlan {
         frozen_weights: if i.frozen_bf16 { 2 } else { 4 } * frozen,
         trainable_weights: 4 * trainable,
@@ -352,11 +354,17 @@ mod tests {
             grouped_experts: false,
             ..i.clone()
         });
-        // Under the loop, frozen bf16 experts need no cast copies: 12 of 16 experts less.
+        // Frozen bf16 experts need no cast copies: 12 of 16 experts less, under either
+        // kernel (the grouped one multiplies by the resident stack).
         assert_eq!(
             cast.weight_copies - bf16.weight_copies,
             2 * 12 * 12 * c.per_expert
         );
+        let bf16_grouped = plan(&MemoryInput {
+            frozen_bf16: true,
+            ..i.clone()
+        });
+        assert_eq!(bf16_grouped.weight_copies, bf16.weight_copies);
         assert_eq!(p.gradients, p.trainable_weights);
         assert_eq!(p.adamw_moments, 2 * p.trainable_weights);
         let two = plan(&MemoryInput {
@@ -384,7 +392,8 @@ mod tests {
             }),
         );
         assert!(ckpt.activations * 4 < plain.activations);
-        assert!(ckpt.weight_copies * 8 < plain.weight_copies);
+        // The step's bf16 copies live through the whole step, checkpointed or not.
+        assert_eq!(ckpt.weight_copies, plain.weight_copies);
         let fp32 = plan(&MemoryInput {
             compute_bytes: 4,
             ..i.clone()
