@@ -601,13 +601,14 @@ impl MoeModel {
     ) -> Tensor {
         let host_counts = Vec::<i64>::try_from(&counts.to_device(Device::Cpu)).unwrap();
         let mut outputs = Vec::with_capacity(layer.experts.len());
-        for (e, (&n, xe)) in host_counts
+        let mats = self.expert_mats(layer, copies);
+        for ((&n, xe), mats) in host_counts
             .iter()
             .zip(grouped.split_with_sizes(&host_counts, 0))
-            .enumerate()
+            .zip(mats)
         {
             if n > 0 {
-                let hidden = match self.expert_mats(layer, copies, e) {
+                let hidden = match mats {
                     ExpertMats::Fused(gate_up, down) => {
                         let gu = self.linear(&xe, &gate_up).chunk(2, -1);
                         (gu[0].silu() * &gu[1], down)
@@ -623,26 +624,35 @@ impl MoeModel {
         Tensor::cat(&outputs, 0)
     }
 
-    /// Expert `e`'s matrices: its slot of the step's copies (the trained copy if it trains),
-    /// its resident copy, or its masters.
+    /// Every expert's matrices, by expert index: its slot of the step's copies (the trained
+    /// copy if it trains), its resident copy, or its masters. Each stack is split into views
+    /// once per layer (one `unbind`, whose backward stacks the slots' gradients once).
     fn expert_mats<'a>(
         &self,
         layer: &'a Layer,
         copies: Option<&LayerCopies>,
-        e: usize,
-    ) -> ExpertMats<'a> {
-        let s = layer.slots.slot_of[e];
-        let trained = s < layer.slots.trained;
-        let at = |[gu, d]: &[Tensor; 2]| ExpertMats::Fused(gu.get(s as i64), d.get(s as i64));
-        match (copies, &layer.slots.resident) {
-            (Some(c), _) if trained => at(&c.trained),
-            (Some(c), _) => at(&c.experts),
-            (None, Some(r)) if !trained => at(r),
-            _ => {
-                let ex = &layer.experts[e];
-                ExpertMats::Split(&ex.gate, &ex.up, &ex.down)
-            }
-        }
+    ) -> Vec<ExpertMats<'a>> {
+        let s = &layer.slots;
+        let views = |[gu, d]: &[Tensor; 2]| (gu.unbind(0), d.unbind(0));
+        let (trained, frozen) = match copies {
+            Some(c) => (Some(views(&c.trained)), Some(views(&c.experts))),
+            None => (None, s.resident.as_ref().map(views)),
+        };
+        (0..layer.experts.len())
+            .map(|e| {
+                let slot = s.slot_of[e];
+                let stacked = if slot < s.trained { &trained } else { &frozen };
+                match stacked {
+                    Some((gu, d)) => {
+                        ExpertMats::Fused(gu[slot].shallow_clone(), d[slot].shallow_clone())
+                    }
+                    None => {
+                        let ex = &layer.experts[e];
+                        ExpertMats::Split(&ex.gate, &ex.up, &ex.down)
+                    }
+                }
+            })
+            .collect()
     }
 
     /// [`MoeModel::experts_loop`] as two grouped matmuls over the experts stacked in slot
@@ -678,11 +688,12 @@ impl MoeModel {
     /// masters with it.
     fn expert_stacks(&self, layer: &Layer) -> ([Tensor; 2], [Tensor; 2]) {
         let kind = self.compute;
+        let mats = self.expert_mats(layer, None);
         let stack = |slots: &[usize]| {
             let mut gate_up = Vec::with_capacity(slots.len());
             let mut down = Vec::with_capacity(slots.len());
             for &e in slots {
-                match self.expert_mats(layer, None, e) {
+                match &mats[e] {
                     ExpertMats::Fused(gu, d) => {
                         gate_up.push(gu.to_kind(kind));
                         down.push(d.to_kind(kind));
