@@ -171,7 +171,7 @@ pub fn run(a: Args) -> Result<()> {
         ("AdamW moments", |p| p.adamw_moments),
         ("gradients", |p| p.gradients),
         (
-            "weight copies kept for backward (bf16 casts, expert stacks)",
+            "weight copies (the step's bf16 copies; fp32 grouped: expert stacks)",
             |p| p.weight_copies,
         ),
         ("activations of a micro-batch", |p| p.activations),
