@@ -28,7 +28,7 @@ const SECRET: &str = "chaos-test-secret";
 fn chaos_crashes_restarts_a_departure_and_a_join() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let data = spes_data::testing::shakespeare(dir, 120000);
+    let data = spes_data::testing::small_corpus(dir, 120000);
     let config = dir.join("chaos.toml");
     let sync = format!(
         r#"mode = "spes"

@@ -7,12 +7,16 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-fn shared(rel: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared")
-        .join(rel)
-        .display()
-        .to_string()
+/// `fixtures/<rel>` of the repository, as an argument.
+fn fixture(rel: &str) -> String {
+    spes_data::testing::fixture(rel).display().to_string()
+}
+
+/// The first 1.1 MB of the tests' corpus as one text file in `dir`, as an argument.
+fn corpus_txt(dir: &Path) -> String {
+    let path = dir.join("corpus.txt");
+    std::fs::write(&path, spes_data::testing::corpus_text(1_100_000)).unwrap();
+    path.display().to_string()
 }
 
 #[test]
@@ -22,7 +26,7 @@ fn tokenize_and_train_through_the_cli() {
     let o = spes(&[
         "tokenize",
         "--input",
-        &shared("data/tinyshakespeare.txt"),
+        &corpus_txt(tmp.path()),
         "--out",
         data.to_str().unwrap(),
         "--train-tokenizer",
@@ -41,7 +45,7 @@ fn tokenize_and_train_through_the_cli() {
         "cpu",
     ];
     let data_set = format!("data.path={}", data.display());
-    let tasks_set = format!("train.eval_tasks=[\"{}\"]", shared("eval/arc_easy"));
+    let tasks_set = format!("train.eval_tasks=[\"{}\"]", fixture("eval/arc_easy"));
     args.extend([
         "--set",
         &data_set,
@@ -134,7 +138,7 @@ fn tokenize_and_train_through_the_cli() {
     // Evaluation and export of the trained checkpoint, as a user runs them.
     let ck = out.join("checkpoints/step-30");
     let sample = tmp.path().join("sample.txt");
-    let wiki = std::fs::read_to_string(shared("data/wikitext-2/valid.txt")).unwrap();
+    let wiki = std::fs::read_to_string(fixture("text/wikitext-2-valid-head.txt")).unwrap();
     std::fs::write(&sample, &wiki[..5000]).unwrap();
     let o = spes(&[
         "eval",
@@ -154,7 +158,7 @@ fn tokenize_and_train_through_the_cli() {
         "--checkpoint",
         ck.to_str().unwrap(),
         "--tasks",
-        &shared("eval/piqa"),
+        &fixture("eval/piqa"),
         "--limit",
         "8",
         "--device",
@@ -430,9 +434,10 @@ fn experiment_runs_variants_and_writes_the_table_and_plot() {
         .filter(|a| **a != "--set")
         .map(|a| format!("{a:?}"))
         .collect();
-    let wiki = std::fs::read_to_string(shared("data/wikitext-2/valid.txt")).unwrap();
+    let wiki = std::fs::read_to_string(fixture("text/wikitext-2-valid-head.txt")).unwrap();
     let held_out = tmp.path().join("held-out.txt");
-    std::fs::write(&held_out, wiki.chars().take(20_000).collect::<String>()).unwrap();
+    std::fs::write(&held_out, wiki).unwrap();
+    let corpus = corpus_txt(tmp.path());
     let spec = |centralized_steps: u32| {
         format!(
             r#"config = {config:?}
@@ -452,7 +457,7 @@ set = ["sync.mode=spes", "sync.outer_lr=0.7", "sync.outer_momentum=0.9"]
 "#,
             config = config.display().to_string(),
             small = small.join(", "),
-            text = shared("data/tinyshakespeare.txt"),
+            text = corpus,
             held_out = held_out.display().to_string(),
         )
     };

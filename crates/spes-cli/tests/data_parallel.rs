@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 const STEPS: u64 = 10;
 
-/// A small model on the first 200 kB of Shakespeare, `STEPS` steps, metrics every step.
+/// A small model on the first 200 kB of the tests' corpus, `STEPS` steps, metrics every step.
 fn train_args(data: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/tiny.toml");
     let mut args: Vec<String> = [
@@ -118,7 +118,7 @@ fn optimizer_bytes(o: &Output) -> u64 {
 #[test]
 fn two_ranks_equal_one_process_with_twice_the_batch() {
     let tmp = tempfile::tempdir().unwrap();
-    let data = spes_data::testing::shakespeare(tmp.path(), 200_000);
+    let data = spes_data::testing::small_corpus(tmp.path(), 200_000);
     let no_lb = ["--set", "train.lb_loss_weight=0"];
     assert_equivalent(
         &data,
@@ -165,7 +165,7 @@ fn children_of(pid: u32) -> Vec<u32> {
 #[test]
 fn a_killed_rank_stops_the_node_which_then_resumes() {
     let tmp = tempfile::tempdir().unwrap();
-    let data = spes_data::testing::shakespeare(tmp.path(), 200_000);
+    let data = spes_data::testing::small_corpus(tmp.path(), 200_000);
     let run = tmp.path().join("run");
     let mut args = train_args(&data, &run, &["--set", "train.batch_size=2"]);
     let long = [
@@ -261,7 +261,7 @@ fn a_spes_node_of_two_ranks_ends_on_the_published_model() {
     const H: u64 = 2;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let data = spes_data::testing::shakespeare(dir, 120_000);
+    let data = spes_data::testing::small_corpus(dir, 120_000);
     let config = dir.join("spes.toml");
     let toml = format!(
         r#"

@@ -21,7 +21,7 @@ fn tensors(path: &Path) -> std::collections::BTreeMap<String, tch::Tensor> {
 fn thirty_two_nodes_close_every_round_with_every_upload() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let data = spes_data::testing::shakespeare(dir, 60000);
+    let data = spes_data::testing::small_corpus(dir, 60000);
     let config = dir.join("load.toml");
     std::fs::write(
         &config,

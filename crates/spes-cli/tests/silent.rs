@@ -26,7 +26,7 @@ const MICRO_ROUNDS: u64 = 16;
 /// A run and its faults. CI runs the micro one; `SPES_SILENT_SCENARIO=issue` runs the one
 /// issue 43 measured (configs/spes-tiny.toml with bf16 deltas, 20 steps a round, 14 rounds,
 /// 5 s leases, eviction 12 s after; node 1 silent for 30 s, the server for 15 s; vocabulary
-/// 512 on the tests' Shakespeare) and `issue-undisturbed` the same without faults, for the
+/// 512 on the tests' corpus) and `issue-undisturbed` the same without faults, for the
 /// wall-time ratio.
 struct Scenario {
     /// The server's config; nodes take the run's settings from the server.
@@ -52,7 +52,7 @@ struct Scenario {
 impl Scenario {
     fn of_env(dir: &Path) -> Scenario {
         let which = std::env::var("SPES_SILENT_SCENARIO").unwrap_or_default();
-        let data = spes_data::testing::shakespeare(dir, 120000);
+        let data = spes_data::testing::small_corpus(dir, 120000);
         if which.is_empty() {
             return Scenario {
                 config: micro_config(dir, &data),

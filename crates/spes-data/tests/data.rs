@@ -4,13 +4,9 @@ use spes_data::{
 use std::path::{Path, PathBuf};
 
 fn corpus(dir: &Path) -> PathBuf {
-    // Real English: the first 120 kB of Shakespeare from ../shared, as paragraphs.
-    let shared =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tinyshakespeare.txt");
-    let text = std::fs::read_to_string(&shared)
-        .unwrap_or_else(|e| panic!("tests need {}: {e}", shared.display()));
+    // Real English: the first 120 kB of the repository's corpus, as paragraphs.
     let path = dir.join("corpus.txt");
-    std::fs::write(&path, &text[..120_000]).unwrap();
+    std::fs::write(&path, spes_data::testing::corpus_text(120_000)).unwrap();
     path
 }
 
@@ -70,12 +66,11 @@ fn tokenize_writes_shards_manifest_and_a_reusable_tokenizer() {
 fn a_large_vocabulary_gets_uint32_shards() {
     let tmp = tempfile::tempdir().unwrap();
     let input = corpus(tmp.path());
-    let shared_tok = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/tokenizers/gpt-neox-olmo-dolma-v1_5.json");
+    let neox = spes_data::testing::neox_tokenizer(tmp.path());
     let mut opts = TokenizeOptions::new(
         vec![input.display().to_string()],
         tmp.path().join("tok"),
-        TokenizerSource::File(shared_tok),
+        TokenizerSource::File(neox),
     );
     opts.progress = false;
     let m = tokenize(&opts).unwrap().manifest;

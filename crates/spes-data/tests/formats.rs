@@ -12,26 +12,17 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// The fixtures' GPT-NeoX tokenizer, unpacked once into this test binary's temp directory.
 fn shared_tokenizer() -> PathBuf {
-    spes_data_test_shared("tokenizers/gpt-neox-olmo-dolma-v1_5.json")
+    spes_data::testing::neox_tokenizer(Path::new(env!("CARGO_TARGET_TMPDIR")))
 }
 
-fn spes_data_test_shared(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared")
-        .join(rel)
-}
-
-/// Paragraphs of Shakespeare as documents.
+/// The first `n` documents of the repository's corpus (one paragraph each).
 fn documents(n: usize) -> Vec<String> {
-    let path = spes_data_test_shared("data/tinyshakespeare.txt");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("tests need {}: {e}", path.display()));
-    text.split("\n\n")
-        .map(|d| d.trim().to_owned())
-        .filter(|d| !d.is_empty())
-        .take(n)
-        .collect()
+    let mut docs = spes_data::testing::corpus_documents();
+    assert!(docs.len() >= n, "the corpus has {} documents", docs.len());
+    docs.truncate(n);
+    docs
 }
 
 fn jsonl(docs: &[String]) -> Vec<u8> {

@@ -27,7 +27,7 @@ fn reference(args: &[&str]) {
 }
 
 fn data(dir: &Path) -> PathBuf {
-    spes_data::testing::shakespeare(dir, 100000)
+    spes_data::testing::small_corpus(dir, 100000)
 }
 
 /// A briefly trained small model's checkpoint (weights away from their init).
@@ -242,13 +242,16 @@ fn task_and_text_loglikelihoods_match_transformers() {
     .unwrap();
     let model = spes_model(&ck);
     let tok = tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();
-    let task = spes_eval::load_task(&root().join("../shared/eval/arc_easy")).unwrap();
+    let task = spes_eval::load_task(&spes_data::testing::fixture("eval/arc_easy")).unwrap();
     let mut pairs: Vec<(Vec<u32>, Vec<u32>)> = task.requests[..60]
         .iter()
         .map(|r| spes_eval::encode_pair(&tok, &r.context, &r.continuation).unwrap())
         .collect();
     // Text NLL is the same computation: each window's first token is the context.
-    let text = std::fs::read_to_string(root().join("../shared/data/wikitext-2/valid.txt")).unwrap();
+    let text = std::fs::read_to_string(spes_data::testing::fixture(
+        "text/wikitext-2-valid-head.txt",
+    ))
+    .unwrap();
     let text = &text[..3000];
     let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
     for w in ids.chunks(64) {

@@ -213,7 +213,7 @@ fn spes_rounds_with_two_and_four_nodes() {
 fn diloco_runs_through_the_same_harness_and_averages_experts() {
     let tmp = tempfile::tempdir().unwrap();
     let data = data(tmp.path());
-    let arc = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/eval/arc_easy");
+    let arc = spes_data::testing::fixture("eval/arc_easy");
     let tasks = format!("train.eval_tasks=[\"{}\"]", arc.display());
     let extra = [
         "train.max_steps=4",

@@ -9,12 +9,12 @@ use spes_data::{tokenize, Part, TokenizeOptions, TokenizerSource};
 use spes_train::metrics::RoundRecord;
 use std::path::{Path, PathBuf};
 
-/// Shakespeare cut into four files; the whole list tokenized for the server, and parts 0/2 and
-/// 1/2 of the same list with its tokenizer, each in its own directory as on its own machine.
+/// 160 kB of the tests' corpus cut into four files; the whole list tokenized for the server,
+/// and parts 0/2 and 1/2 of the same list with its tokenizer, each in its own directory as on
+/// its own machine.
 fn corpus(dir: &Path) -> (PathBuf, [PathBuf; 2]) {
-    let src = spes_data::testing::shared("data/tinyshakespeare.txt");
-    let text = std::fs::read_to_string(&src).unwrap();
-    let text = &text[..160_000];
+    let text = spes_data::testing::corpus_text(160_000);
+    assert!(text.is_ascii(), "byte chunks cut no character");
     let mut inputs = Vec::new();
     for (i, chunk) in text.as_bytes().chunks(40_000).enumerate() {
         let path = dir.join(format!("in/{i}.txt"));

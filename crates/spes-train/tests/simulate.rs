@@ -49,7 +49,7 @@ merge_alpha = 0.05
 #[test]
 fn a_simulated_run_is_reproducible_and_the_low_rank_wire_sends_less() {
     let dir = tempfile::tempdir().unwrap();
-    let data = spes_data::testing::shakespeare(dir.path(), 60_000);
+    let data = spes_data::testing::small_corpus(dir.path(), 60_000);
     let run = |extra: &[&str], delay| {
         simulate(
             &config(&data, extra),

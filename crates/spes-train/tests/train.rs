@@ -3,9 +3,9 @@ use spes_train::{checkpoint, RunConfig, Trainer};
 use std::path::{Path, PathBuf};
 use tch::{Device, Tensor};
 
-/// A small tokenized slice of Shakespeare from ../shared.
+/// A small tokenized slice of the repository's corpus.
 fn data(dir: &Path) -> PathBuf {
-    spes_data::testing::shakespeare(dir, 150000)
+    spes_data::testing::small_corpus(dir, 150000)
 }
 
 fn config(data: &Path, extra: &[&str]) -> RunConfig {

@@ -23,7 +23,7 @@ pub fn cred(peer: usize) -> String {
 }
 
 pub fn data(dir: &Path) -> PathBuf {
-    spes_data::testing::shakespeare(dir, 120000)
+    spes_data::testing::small_corpus(dir, 120000)
 }
 
 pub fn config(data: &Path, mode: &str, nodes: usize, extra: &[&str]) -> RunConfig {
