@@ -7,6 +7,8 @@ mod demo;
 mod device;
 #[cfg(test)]
 mod doc_commands;
+#[cfg(test)]
+mod doc_names;
 mod experiment;
 mod hf;
 mod link_bench;
