@@ -108,6 +108,9 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
+# An option after OUT_DIR would otherwise be taken for the binary, or dropped, and the whole
+# check run: on a lent GPU that spends the budget on sections nobody asked for.
+[ $# -le 2 ] && [[ ${2:-} != -* ]] || { echo "options go before OUT_DIR: $usage" >&2; exit 2; }
 for list in "$only" "$skip"; do
   IFS=, read -ra given <<<"$list"
   for id in "${given[@]}"; do

@@ -21,6 +21,36 @@ fn data_rows(md: &str) -> usize {
         .count()
 }
 
+/// An option after the output directory is refused at once, not taken for the binary or
+/// dropped (which ran every section).
+#[test]
+fn an_option_after_the_output_directory_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    for args in [
+        vec![out.display().to_string(), "--only".into(), "env".into()],
+        vec![
+            out.display().to_string(),
+            "target/release/spes".into(),
+            "--only".into(),
+            "env".into(),
+        ],
+    ] {
+        let o = Command::new("bash")
+            .arg(root().join("scripts/gpu-check.sh"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
+        assert!(
+            text(&o).contains("options go before OUT_DIR"),
+            "{}",
+            text(&o)
+        );
+        assert!(!out.join("results.md").exists(), "{args:?}: a section ran");
+    }
+}
+
 #[test]
 fn a_binary_without_its_nccl_part_is_refused_before_any_section() {
     let tmp = tempfile::tempdir().unwrap();
