@@ -85,7 +85,7 @@ fn exists(cited: &Cited, root: &Path, rust: &[(PathBuf, String)]) -> bool {
             let implements = text.lines().any(|l| {
                 let l = l.trim_start();
                 l.starts_with("impl")
-                    && l.split(|c: char| !is_ident(&c.to_string()))
+                    && l.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
                         .any(|w| w == ty)
             });
             let defines = [format!("fn {name}("), format!("fn {name}<")]

@@ -670,10 +670,11 @@ impl MoeModel {
         let offsets = counts
             .index_select(0, &layer.slots.expert_of_t)
             .cumsum(0, Kind::Int);
-        let ([gate_up, down], [trained_gate_up, trained_down]) = match copies {
-            Some(c) => (c.share().experts, c.share().trained),
-            None => self.expert_stacks(layer),
-        };
+        let ([gate_up, down], [trained_gate_up, trained_down]) =
+            match copies.map(LayerCopies::share) {
+                Some(c) => (c.experts, c.trained),
+                None => self.expert_stacks(layer),
+            };
         let mm = |x: &Tensor, all: &Tensor, trained: &Tensor| {
             spes_ext::grouped_mm_trained_first(x, all, trained, &offsets)
                 .expect("grouped matmul over a layer's experts")
@@ -1100,7 +1101,9 @@ impl MoeModel {
     /// backward to their masters' gradients, in fp32, and clears theirs: one multi-tensor add
     /// and one multi-tensor zero over views of the copies' gradients.
     fn flush_grads(&self, layer: Option<usize>) {
-        let Some(step) = self.step_copies() else {
+        // Borrowed under the lock: this runs after every stage of a staged backward.
+        let step = self.step.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(step) = step.as_ref() else {
             return;
         };
         let _bookkeeping = enter(Phase::Bookkeeping);

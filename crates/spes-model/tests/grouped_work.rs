@@ -1,14 +1,11 @@
 //! What the grouped MoE kernel computes, watched at the operator: in a binary of its own,
 //! since the watch sees every thread of the process.
 
-use spes_model::{LossWeights, ModelConfig, MoeKernel, MoeModel, NormPlacement, QkNorm, Role};
-use tch::{Device, Kind, Tensor};
+mod common;
 
-const W: LossWeights = LossWeights {
-    z_loss: 1e-4,
-    lb: 0.01,
-    router_z: 0.001,
-};
+use common::{small, W};
+use spes_model::{MoeKernel, MoeModel, QkNorm, Role};
+use tch::{Device, Kind, Tensor};
 
 /// The grouped kernel computes weight gradients for the trained experts alone: each
 /// weight-gradient `_grouped_mm` (both operands 2-D) covers as many groups as the layer has
@@ -16,26 +13,7 @@ const W: LossWeights = LossWeights {
 /// the trained ones again (dW for every expert) fails this test.
 #[test]
 fn the_grouped_kernel_computes_no_weight_gradient_for_frozen_experts() {
-    let cfg = ModelConfig {
-        vocab_size: 97,
-        d_model: 32,
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 8,
-        n_experts: 6,
-        top_k: 2,
-        expert_hidden: 24,
-        context_length: 16,
-        rope_theta: 10_000.0,
-        qk_norm: QkNorm::Full,
-        normalize_topk: false,
-        norm_eps: 1e-6,
-        init_std: 0.02,
-        norm_placement: NormPlacement::Pre,
-        qkv_bias: false,
-    };
-    let mut m = MoeModel::seeded(&cfg, Device::Cpu, 13).unwrap();
+    let mut m = MoeModel::seeded(&small(QkNorm::Full, 2, false), Device::Cpu, 13).unwrap();
     m.set_moe_kernel(MoeKernel::Grouped);
     // Layer 0 trains experts 0, 2 and 5 of 6; layer 1 none.
     m.set_trainable(|r| match r {

@@ -1,36 +1,11 @@
+mod common;
+
+use common::{small, W};
 use spes_model::{
     load_balancing_loss, LossWeights, ModelConfig, MoeKernel, MoeModel, NormPlacement, QkNorm,
     Role, Stage,
 };
 use tch::{Device, Kind, Tensor};
-
-fn small(qk_norm: QkNorm, n_kv_heads: usize, normalize_topk: bool) -> ModelConfig {
-    ModelConfig {
-        vocab_size: 97,
-        d_model: 32,
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads,
-        head_dim: 8,
-        n_experts: 6,
-        top_k: 2,
-        expert_hidden: 24,
-        context_length: 16,
-        rope_theta: 10_000.0,
-        qk_norm,
-        normalize_topk,
-        norm_eps: 1e-6,
-        init_std: 0.02,
-        norm_placement: NormPlacement::Pre,
-        qkv_bias: false,
-    }
-}
-
-const W: LossWeights = LossWeights {
-    z_loss: 1e-4,
-    lb: 0.01,
-    router_z: 0.001,
-};
 
 #[test]
 fn actual_tensors_match_analytic_counts() {
@@ -364,6 +339,20 @@ fn take_grads(m: &MoeModel) -> Vec<(String, Tensor)> {
         .collect()
 }
 
+/// Top-1 routing that gives expert 5 no token: its logit is 0 while expert 0's or 1's is
+/// |x·r₀| > 0.
+fn starve_expert_5(m: &MoeModel) {
+    tch::no_grad(|| {
+        for p in m.params() {
+            if p.name.ends_with("mlp.gate.weight") {
+                let r = p.tensor;
+                r.get(1).copy_(&-r.get(0));
+                let _ = r.get(5).zero_();
+            }
+        }
+    });
+}
+
 fn assert_close(a: &[(String, Tensor)], b: &[(String, Tensor)], rel: f64, what: &str) {
     for ((name, x), (_, y)) in a.iter().zip(b) {
         let scale = y.abs().max().double_value(&[]).max(1e-12);
@@ -482,16 +471,7 @@ fn grouped_experts_match_the_loop() {
             m.set_compute_kind(kind);
             m.set_trainable(|r| !matches!(r, Role::Expert { index: 4.., .. }));
             if top_k == 1 {
-                // Expert 5's logit is 0 while expert 0's or 1's is |x·r₀| > 0: it gets nothing.
-                tch::no_grad(|| {
-                    for p in m.params() {
-                        if p.name.ends_with("mlp.gate.weight") {
-                            let r = p.tensor;
-                            r.get(1).copy_(&-r.get(0));
-                            let _ = r.get(5).zero_();
-                        }
-                    }
-                });
+                starve_expert_5(&m);
             }
             let batch = Tensor::randint(97, [3, 13], (Kind::Int64, device));
             let looped = m.backward(&batch, &W, 1.0, false);
@@ -692,16 +672,7 @@ fn grouped_kernel_with_scattered_ownership_matches_the_loop() {
             m.set_frozen_experts_bf16(resident);
             m.set_trainable(owned);
             if top_k == 1 {
-                // Expert 5's logit is 0 while expert 0's or 1's is |x·r₀| > 0: it gets nothing.
-                tch::no_grad(|| {
-                    for p in m.params() {
-                        if p.name.ends_with("mlp.gate.weight") {
-                            let r = p.tensor;
-                            r.get(1).copy_(&-r.get(0));
-                            let _ = r.get(5).zero_();
-                        }
-                    }
-                });
+                starve_expert_5(&m);
             }
             let batches: Vec<Tensor> = (0..2)
                 .map(|_| Tensor::randint(97, [2, 14], (Kind::Int64, Device::Cpu)))
