@@ -1,5 +1,5 @@
 """spes's model and training step written in plain PyTorch: the other side of
-`spes bench-vs-pytorch`, which runs this script alternately with `spes bench` and prints one table.
+`spes bench vs-pytorch`, which runs this script alternately with `spes bench step` and prints one table.
 
 Same shapes (any preset: `--model` takes spes's ModelConfig as JSON), same decoder (pre-norm
 blocks, QK-norm over the projection or per head, RoPE, grouped-query attention, dropless top-k
@@ -188,7 +188,7 @@ print(json.dumps({
     "step_ms": median * 1e3,
     "tokens_per_s": tokens / median,
     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    # As `spes bench` reports it: the caching allocator's own peaks on CUDA, RSS on CPU.
+    # As `spes bench step` reports it: the caching allocator's own peaks on CUDA, RSS on CPU.
     "device_memory_source": "cuda_caching_allocator" if dev.type == "cuda" else "rss",
     "device_peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else None,
     "device_peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20 if dev.type == "cuda" else None,

@@ -2,7 +2,7 @@
 # GPU check: runs a spes binary built elsewhere against the GPU machine's own PyTorch (no
 # network) and checks every CUDA path once, the most valuable figures first, each section under
 # its own time budget, writing each figure as it goes. A section that fails or runs over its
-# budget keeps what it wrote (bench-vs-pytorch's finished runs included) and the next one runs.
+# budget keeps what it wrote (bench vs-pytorch's finished runs included) and the next one runs.
 #
 #   scripts/gpu-check.sh [--cpu] [--quick] [--only ID,..] [--skip ID,..] OUT_DIR [path/to/spes]
 #
@@ -62,7 +62,7 @@ declare -A title gpu_budget estimate budget
 def() { ids+=("$1"); title[$1]=$2; gpu_budget[$1]=$3; estimate[$1]=$4; }
 def env "environment" 15 "import torch + nvidia-smi + spes --version ≈ 6 s"
 def node_step "1b SPES node step: all experts, the node's 4, checkpointing" 45 "3(S+B) + 3·7t ≈ 27 s"
-def frozen_memory "frozen experts in bf16 vs fp32 and the planner" 30 "2(S+B) + 2·3t + 2 plan-memory ≈ 17 s"
+def frozen_memory "frozen experts in bf16 vs fp32 and the planner" 30 "2(S+B) + 2·3t + 2 plan memory ≈ 17 s"
 def vs_pytorch "spes vs PyTorch eager and fused" 60 "(S+B) + 2(P+B) + 3·7t ≈ 31 s"
 def kernels "MoE kernels: grouped vs loop" 35 "3(S+B) + 2 batches + 2·7t ≈ 27 s"
 def step_paths "compute copies, fused projections and head accumulation vs their twins; op counts" 25 "(S+B) + 4 batches ≈ 12 s"
@@ -261,11 +261,11 @@ s_env() {
   "$bin" --version | tee -a "$md"
 }
 
-# tokens/s, step time and peak memory of one `spes bench --json` run, as a results line.
+# tokens/s, step time and peak memory of one `spes bench step --json` run, as a results line.
 bench_line() {
   local label=$1; shift
   local r
-  r=$("$bin" bench "$@" --json | tail -n 1)
+  r=$("$bin" bench step "$@" --json | tail -n 1)
   python3 - "$label" "$r" <<'PY' | tee -a "$md"
 import json, sys
 label, r = sys.argv[1], json.loads(sys.argv[2])
@@ -290,8 +290,8 @@ s_frozen_memory() {
   # both (the planner counts tensors: compared with the allocator's peak allocated bytes).
   for frozen in bf16 fp32; do
     local m p
-    m=$("$bin" bench --preset "$big" --device "$dev" --precision "$prec" $big_tokens $own --steps 2 --warmup 1 --frozen-experts $frozen --json | tail -n 1)
-    p=$("$bin" plan-memory --preset "$big" --nodes 4 --micro-batch 4 --seq-len 2048 --gpu-mem 140 \
+    m=$("$bin" bench step --preset "$big" --device "$dev" --precision "$prec" $big_tokens $own --steps 2 --warmup 1 --frozen-experts $frozen --json | tail -n 1)
+    p=$("$bin" plan memory --preset "$big" --nodes 4 --micro-batch 4 --seq-len 2048 --gpu-mem 140 \
       --frozen-experts $frozen --slack 0 --json)
     python3 - "$m" "$p" $frozen <<'PY' | tee -a "$md"
 import json, sys
@@ -304,10 +304,10 @@ PY
   done
 }
 
-# bench-vs-pytorch for section $1 with variants $2; each run's row lands in rows-$1.md as it
+# bench vs-pytorch for section $1 with variants $2; each run's row lands in rows-$1.md as it
 # finishes, which `section` copies into results.md even when the section runs out of time.
 vs_pytorch_run() {
-  "$bin" bench-vs-pytorch --preset "$big" --device "$dev" --precision "$prec" $vs_shape $own \
+  "$bin" bench vs-pytorch --preset "$big" --device "$dev" --precision "$prec" $vs_shape $own \
     --repeats "$repeats" --variants "$2" --python "$py" --rows "$work/rows-$1.md" | tee -a "$md"
 }
 
@@ -324,7 +324,7 @@ s_compile() {
 s_kernels() {
   # The grouped kernel (_grouped_mm) must match the loop within rounding.
   local d
-  d=$("$bin" bench --preset "$big" --device "$dev" --precision "$prec" $big_tokens $own --steps 1 --warmup 0 --compare-moe-kernels --json | tail -n 1)
+  d=$("$bin" bench step --preset "$big" --device "$dev" --precision "$prec" $big_tokens $own --steps 1 --warmup 0 --compare-moe-kernels --json | tail -n 1)
   python3 - "$d" <<'PY' | tee -a "$md"
 import json, sys
 d = json.loads(sys.argv[1])["moe_kernels"]
@@ -344,7 +344,7 @@ s_step_paths() {
   # output, CUDA only) against each chunk's bf16 product added. Then the top-level ATen calls
   # of one step by phase (what launches cost on the host).
   local d
-  d=$("$bin" bench --preset "$big" --device "$dev" --precision bf16 $big_tokens $own --steps 1 --warmup 0 --compare-step-paths --compare-head --count-ops --json | tail -n 1)
+  d=$("$bin" bench step --preset "$big" --device "$dev" --precision bf16 $big_tokens $own --steps 1 --warmup 0 --compare-step-paths --compare-head --count-ops --json | tail -n 1)
   python3 - "$d" <<'PY' | tee -a "$md"
 import json, sys
 r = json.loads(sys.argv[1])

@@ -148,7 +148,7 @@ pub fn prepare_parts(
 fn secret_files(out: &Path, nodes: usize) -> Result<(PathBuf, Vec<PathBuf>)> {
     let path = out.join("secret");
     if !path.exists() {
-        spes_data::shard::write_secret(&path, crate::secrets::new_secret().as_bytes())?;
+        spes_data::shard::write_secret(&path, crate::auth::new_secret().as_bytes())?;
     }
     let secret = spes_net::auth::read_token(&path)?;
     let credentials = (0..nodes)

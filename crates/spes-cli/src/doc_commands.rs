@@ -1,9 +1,10 @@
 //! Every `spes` command the docs show runs as written: each line of a ```sh block in README.md,
 //! ARCHITECTURE.md and docs/ that starts with `spes` or `./spes` must parse with the real
-//! argument parser.
+//! argument parser. The scripts' calls (`"$bin" …` in scripts/*.sh), whose values are often
+//! shell variables, must name a real command and only options it has.
 
 use super::Cli;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use std::path::{Path, PathBuf};
 
 /// The repository's Markdown files a user reads.
@@ -139,4 +140,125 @@ fn the_shell_reading_keeps_quotes_and_drops_comments() {
         ])
     );
     assert_eq!(spes_args("python3 x.py"), None);
+}
+
+/// The `spes` calls of a shell script: the words after `"$bin"` or `"$spes"` (how the scripts
+/// name the binary) up to the first pipe, redirection or end of a substitution, each with its line
+/// (continuation lines joined; comment lines skipped).
+fn script_calls(text: &str) -> Vec<(usize, Vec<String>)> {
+    let (mut out, mut pending) = (Vec::new(), None::<(usize, String)>);
+    for (i, line) in text.lines().enumerate() {
+        let (start, mut joined) = pending.take().unwrap_or((i + 1, String::new()));
+        if line.trim_start().starts_with('#') {
+            continue;
+        }
+        match line.trim_end().strip_suffix('\\') {
+            Some(head) => {
+                joined.push_str(head);
+                joined.push(' ');
+                pending = Some((start, joined));
+                continue;
+            }
+            None => joined.push_str(line),
+        }
+        let at = ["\"$bin\" ", "\"$spes\" "]
+            .iter()
+            .filter_map(|m| joined.find(m).map(|p| p + m.len()))
+            .min();
+        if let Some(at) = at {
+            let rest = &joined[at..];
+            let end = rest
+                .find(['|', '>', '<', ')', ';', '&'])
+                .unwrap_or(rest.len());
+            out.push((start, words(&rest[..end])));
+        }
+    }
+    out
+}
+
+/// Whether `args` (after the binary) name a real command and only long options it takes;
+/// words from shell variables (`$…`) are taken on trust. The reason when not.
+fn check_call(args: &[String]) -> Result<(), String> {
+    let mut cmd = Cli::command();
+    cmd.build();
+    let mut path = vec!["spes".to_string()];
+    let mut words = args.iter().peekable();
+    while let Some(w) = words.peek() {
+        if w.starts_with('-') || w.starts_with('$') || !cmd.has_subcommands() {
+            break;
+        }
+        match cmd.find_subcommand(w.as_str()) {
+            Some(sub) => {
+                path.push(w.to_string());
+                cmd = sub.clone();
+                words.next();
+            }
+            None => return Err(format!("`{}` has no command `{w}`", path.join(" "))),
+        }
+    }
+    if cmd.has_subcommands() && words.peek().is_none_or(|w| w.starts_with('-')) {
+        let asked = words.peek().map(|w| w.as_str());
+        if !matches!(asked, Some("--help" | "--version" | "-V" | "-h")) {
+            return Err(format!("`{}` needs a command", path.join(" ")));
+        }
+    }
+    let global = Cli::command();
+    for w in words.filter_map(|w| w.strip_prefix("--")) {
+        let name = w.split('=').next().unwrap_or(w);
+        let known = |c: &clap::Command| c.get_arguments().any(|a| a.get_long() == Some(name));
+        if !(known(&cmd) || known(&global) || matches!(name, "help" | "version")) {
+            return Err(format!("`{}` has no option --{name}", path.join(" ")));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn every_spes_call_of_the_scripts_names_real_commands_and_options() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let (mut checked, mut failures) = (0, Vec::new());
+    for e in std::fs::read_dir(root.join("scripts")).unwrap().flatten() {
+        let p = e.path();
+        if p.extension().is_none_or(|x| x != "sh") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&p).unwrap();
+        for (line, args) in script_calls(&text) {
+            checked += 1;
+            if let Err(why) = check_call(&args) {
+                let name = p.file_name().unwrap().to_string_lossy();
+                failures.push(format!("scripts/{name}:{line}: {why}"));
+            }
+        }
+    }
+    assert!(checked >= 10, "only {checked} calls found in scripts/");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn a_script_call_of_a_missing_command_or_option_is_caught() {
+    let calls = script_calls(
+        "# \"$bin\" nope\nr=$(\"$bin\" bench step \"$@\" --json | tail)\n  \"$bin\" plan \\\n    memory --bogus 1 >x\n",
+    );
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert_eq!(
+        calls[0],
+        (
+            2,
+            vec!["bench".into(), "step".into(), "$@".into(), "--json".into()]
+        )
+    );
+    assert!(check_call(&calls[0].1).is_ok());
+    assert_eq!(calls[1].0, 3);
+    let why = check_call(&calls[1].1).unwrap_err();
+    assert!(why.contains("--bogus"), "{why}");
+    let args = |s: &str| s.split(' ').map(String::from).collect::<Vec<_>>();
+    assert!(check_call(&args("bench --json"))
+        .unwrap_err()
+        .contains("needs a command"));
+    assert!(check_call(&args("bench-sync"))
+        .unwrap_err()
+        .contains("no command"));
+    assert!(check_call(&args("--version")).is_ok());
+    assert!(check_call(&args("train $x --out y")).is_ok());
 }

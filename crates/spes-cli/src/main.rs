@@ -2,6 +2,8 @@
 //! module that implements it, next to the flags it takes.
 
 mod args;
+mod auth;
+mod bench;
 mod capabilities;
 mod demo;
 mod device;
@@ -11,25 +13,17 @@ mod doc_commands;
 mod doc_names;
 mod experiment;
 mod hf;
-mod link_bench;
-mod load_bench;
 mod local_ranks;
 mod logging;
 mod node_cmd;
-mod plan_memory;
-mod plan_sync;
+mod plan;
 mod report;
 mod score;
-mod secrets;
 mod serve;
 mod simulate;
-mod soak;
 mod status;
-mod step_bench;
-mod sync_bench;
 mod tokenize_cmd;
 mod train_cmd;
-mod view_bench;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -75,23 +69,13 @@ enum Command {
     /// Run one node of a decentralized run: trains the shared parameters and its own experts.
     /// Its config's data.path is used; model, sync and training keys must match the server's.
     Node(node_cmd::Args),
-    /// Write a new random run secret (owner-only) for `spes server --secret-file`.
-    GenSecret(secrets::GenSecretArgs),
-    /// Derive node credentials from the run secret: each authorizes exactly one peer id.
-    /// Prints them, or writes DIR/node-<peer>.credential (owner-only) with --out.
-    Credential(secrets::CredentialArgs),
-    /// Write a self-signed TLS certificate and key (cert.pem, key.pem) for `spes server`.
-    GenCert(secrets::GenCertArgs),
-    /// Measure tokens/s and peak memory of training steps of a preset (random tokens).
-    Bench(step_bench::BenchArgs),
-    /// The same steps side by side with the model written in plain PyTorch
-    /// (scripts/bench_pytorch.py, eager, fused AdamW and torch.compile), alternated over
-    /// several rounds: tokens/s, spes's ratio, peak memory and MFU in one table.
-    BenchVsPytorch(step_bench::VsPytorchArgs),
-    /// Per-node memory and traffic of SPES vs DiLoCo for presets, the server's measured
-    /// aggregation throughput (bytes of uploads per second, on the first preset), and measured
-    /// peak RSS of a SPES node vs a DiLoCo node training `tiny` (each in its own process).
-    BenchSync(sync_bench::Args),
+    /// Run secrets, node credentials and TLS certificates: `secret`, `credential`, `cert`.
+    #[command(subcommand)]
+    Auth(auth::Auth),
+    /// Benchmarks that print tables: `step`, `vs-pytorch`, `sync`, `link`, `load`, `soak`,
+    /// `view`.
+    #[command(subcommand)]
+    Bench(bench::Bench),
     /// Print the parameter counts of the built-in model presets.
     Presets,
     /// What this binary was built with and can do here: CUDA, the NCCL part, the grouped MoE
@@ -107,24 +91,10 @@ enum Command {
     /// A whole decentralized run in this process (the server's coordinator and every node,
     /// stepped in turn, no network): try a recipe, a wire or an overlap delay on one machine.
     Simulate(simulate::Args),
-    /// What a round costs on given links, for every wire option: a discrete-event model of
-    /// compute, uploads and downloads over per-node links and the server's shared link.
-    PlanSync(plan_sync::Args),
-    /// What one rank of a node needs in device memory, by category, with and without
-    /// activation checkpointing; whether it fits, and the largest micro-batch that does.
-    PlanMemory(plan_memory::Args),
-    /// Measures sync on `tiny` over shaped loopback links for every wire option (server and 4
-    /// nodes as processes) and prints it next to the planner's prediction.
-    BenchLink(link_bench::Args),
-    /// One server process driven by many virtual peers (16 to 128 and more) over loopback:
-    /// round latency, uploads per second and the server's peak RSS against node count.
-    BenchLoad(load_bench::Args),
-    /// A server and 4 nodes of a micro model for 1,000+ rounds, sampled every 100: memory,
-    /// disk, growing files and round latency, to show nothing grows with a run's length.
-    BenchSoak(soak::Args),
-    /// The live run page on a long run (10,000 rounds by default): payload, server time and
-    /// headless Chromium's render time.
-    BenchView(view_bench::Args),
+    /// What a run will cost before it starts: `sync` (a round on given links, every wire)
+    /// and `memory` (one rank's device memory, whether it fits).
+    #[command(subcommand)]
+    Plan(plan::Plan),
 }
 
 fn main() {
@@ -148,23 +118,14 @@ fn run(cli: Cli) -> Result<()> {
         Command::Server(a) => serve::run(a),
         Command::Node(a) => node_cmd::run(a),
         Command::Status(a) => status::run(a),
-        Command::GenSecret(a) => secrets::gen_secret(a),
-        Command::Credential(a) => secrets::credentials(a),
-        Command::GenCert(a) => secrets::gen_cert(a),
-        Command::Bench(a) => step_bench::run_bench(&a),
-        Command::BenchVsPytorch(a) => step_bench::run_vs_pytorch(&a),
-        Command::BenchSync(a) => sync_bench::run(a),
+        Command::Auth(a) => auth::run(a),
+        Command::Bench(a) => bench::run(a),
         Command::Presets => presets(),
         Command::Capabilities(a) => capabilities::run(a),
         Command::Demo(a) => demo::run(a).context("demo failed"),
         Command::Experiment(a) => experiment::command(a),
         Command::Simulate(a) => simulate::run(a),
-        Command::PlanSync(a) => plan_sync::run(a),
-        Command::PlanMemory(a) => plan_memory::run(a),
-        Command::BenchLink(a) => link_bench::run(a),
-        Command::BenchLoad(a) => load_bench::run(a),
-        Command::BenchSoak(a) => soak::run(a),
-        Command::BenchView(a) => view_bench::run(a),
+        Command::Plan(a) => plan::run(a),
     }
 }
 

@@ -2,8 +2,8 @@
 //! several data-parallel ranks (the others train beside it).
 
 use crate::args::{rank_setup, ConfigArgs, RanksArgs, RuntimeArgs};
+use crate::auth::secret_from;
 use crate::local_ranks;
-use crate::secrets::secret_from;
 use anyhow::{bail, Result};
 use spes_train::RunConfig;
 use std::path::{Path, PathBuf};
@@ -41,7 +41,7 @@ pub struct Args {
     /// Output directory: metrics.jsonl, checkpoints/, summary.json.
     #[arg(long)]
     pub out: PathBuf,
-    /// File holding this node's credential (`spes credential`; else the SPES_CREDENTIAL
+    /// File holding this node's credential (`spes auth credential`; else the SPES_CREDENTIAL
     /// environment variable).
     #[arg(long)]
     pub credential_file: Option<PathBuf>,

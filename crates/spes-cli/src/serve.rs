@@ -2,7 +2,7 @@
 //! checks that keep credentials and models off the network in plaintext.
 
 use crate::args::{ConfigArgs, RuntimeArgs};
-use crate::secrets::secret_from;
+use crate::auth::secret_from;
 use anyhow::{Context, Result};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -20,7 +20,7 @@ pub struct Args {
     #[arg(long)]
     pub out: PathBuf,
     /// File whose first line is the run secret that node credentials derive from
-    /// (`spes gen-secret`; else the SPES_SECRET environment variable).
+    /// (`spes auth secret`; else the SPES_SECRET environment variable).
     #[arg(long)]
     pub secret_file: Option<PathBuf>,
     /// Accept calls without a credential (only on a network you trust).
@@ -53,7 +53,7 @@ pub struct Args {
     pub shard: (usize, usize),
     /// Serve the operator's view over HTTP here: the live run page at `/`, `/api/run` and
     /// Prometheus `/metrics`. Loopback is open to the machine; any other address needs TLS
-    /// (--tls-cert) and the viewer credential (`spes credential --viewer`) on every request.
+    /// (--tls-cert) and the viewer credential (`spes auth credential --viewer`) on every request.
     #[arg(long)]
     pub http: Option<SocketAddr>,
     #[command(flatten)]
@@ -83,7 +83,7 @@ pub fn run(a: Args) -> Result<()> {
     let secret = secret_from(secret_file.as_deref(), "SPES_SECRET")?;
     if secret.is_none() && !no_auth {
         anyhow::bail!(
-            "the server needs the run secret: --secret-file FILE (spes gen-secret makes \
+            "the server needs the run secret: --secret-file FILE (spes auth secret makes \
                  one) or SPES_SECRET (or --no-auth to accept anyone)"
         );
     }
@@ -97,7 +97,7 @@ pub fn run(a: Args) -> Result<()> {
     if tls.is_none() && !listen.ip().is_loopback() && !insecure {
         anyhow::bail!(
             "refusing to serve {listen} in plaintext: credentials and models would cross \
-                 the network unencrypted. Give --tls-cert/--tls-key (spes gen-cert makes \
+                 the network unencrypted. Give --tls-cert/--tls-key (spes auth cert makes \
                  them), listen on 127.0.0.1, or pass --insecure on a network you trust"
         );
     }

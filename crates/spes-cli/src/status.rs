@@ -10,7 +10,7 @@ pub struct Args {
     /// `http://host:port` or `https://host:port` of the server (shard 0 for a sharded run).
     #[arg(long)]
     pub server: String,
-    /// A credential of the run: the viewer's (`spes credential --viewer`) or a node's (else
+    /// A credential of the run: the viewer's (`spes auth credential --viewer`) or a node's (else
     /// the SPES_CREDENTIAL environment variable; none for a server run with --no-auth).
     #[arg(long)]
     pub credential_file: Option<PathBuf>,
@@ -30,7 +30,7 @@ pub struct Args {
 
 /// `spes status`.
 pub fn run(a: Args) -> Result<()> {
-    let credential = crate::secrets::secret_from(a.credential_file.as_deref(), "SPES_CREDENTIAL")?;
+    let credential = crate::auth::secret_from(a.credential_file.as_deref(), "SPES_CREDENTIAL")?;
     let tls_ca = a
         .tls_ca
         .map(|p| spes_net::auth::read_pem(&p, "TLS CA certificate"))

@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{rounds_logged, tensors, Proc};
+use common::{rounds_logged, tensors, Loopback, Proc};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -56,67 +56,27 @@ evict_after_s = 1
         spes_train::memory_plan::plan(&i).total() as f64 / (1u64 << 30) as f64
     };
     let one_expert = format!("train.memory_gib={:.9}", (need(1) + need(2)) / 2.0);
-    let secret = dir.join("secret");
-    std::fs::write(&secret, SECRET).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("http://127.0.0.1:{port}");
-    let server_out = dir.join("server");
-    let common = |role: &str| -> Vec<String> {
-        let mut a = vec![
-            role.to_string(),
-            "--config".into(),
-            config.display().to_string(),
-        ];
-        a.extend(["--device", "cpu", "--threads", "1"].map(String::from));
-        a
-    };
+    let run = Loopback::new(dir, Some(SECRET));
+    let server_out = run.server_out();
+    let config_args = ["--config".to_string(), config.display().to_string()];
     let node =
         |peer: usize, fault: Option<&'static str>, restart: bool, join: bool, sets: &[&str]| {
-            let cred = dir.join(format!("node-{peer}.credential"));
-            std::fs::write(&cred, spes_net::auth::credential(SECRET, peer)).unwrap();
-            let mut args = common("node");
-            args.extend([
-                "--server".into(),
-                url.clone(),
-                "--out".into(),
-                dir.join(format!("node-{peer}")).display().to_string(),
-                "--credential-file".into(),
-                cred.display().to_string(),
-                "--progress".into(),
-                "quiet".into(),
-            ]);
+            let mut args = config_args.to_vec();
             if join {
                 args.push("--join".into());
             }
             for set in sets {
                 args.extend(["--set".to_string(), set.to_string()]);
             }
-            let mut p = Proc::new(
-                format!("node {peer}"),
-                args,
-                dir.join(format!("node-{peer}.log")),
-            );
+            let mut p = run.node(peer, &args);
             (p.fault, p.restart) = (fault, restart);
             p
         };
-    let mut server_args = common("server");
-    server_args.extend([
-        "--listen".into(),
-        format!("127.0.0.1:{port}"),
-        "--out".into(),
-        server_out.display().to_string(),
-        "--secret-file".into(),
-        secret.display().to_string(),
-        "--linger-s".into(),
-        "20".into(),
-    ]);
+    let mut server_args = config_args.to_vec();
+    server_args.extend(["--linger-s".into(), "20".into()]);
     let mut procs = vec![
         {
-            let mut p = Proc::new("server".into(), server_args, dir.join("server.log"));
+            let mut p = run.server(&server_args);
             (p.fault, p.restart) = (Some("publish@4"), true);
             p
         },

@@ -219,11 +219,12 @@ fn safe_defaults_refuse_plaintext_and_missing_secrets() {
 
     // Secrets and keys are owner-only from their creation.
     let secret = tmp.path().join("secret");
-    assert!(run(&["gen-secret", "--out", secret.to_str().unwrap()])
+    assert!(run(&["auth", "secret", "--out", secret.to_str().unwrap()])
         .status
         .success());
     let creds = tmp.path().join("creds");
     let o = run(&[
+        "auth",
         "credential",
         "--secret-file",
         secret.to_str().unwrap(),
@@ -235,7 +236,7 @@ fn safe_defaults_refuse_plaintext_and_missing_secrets() {
     ]);
     assert!(o.status.success(), "{}", text(&o));
     let tls = tmp.path().join("tls");
-    assert!(run(&["gen-cert", "--out", tls.to_str().unwrap()])
+    assert!(run(&["auth", "cert", "--out", tls.to_str().unwrap()])
         .status
         .success());
     for f in [
@@ -510,7 +511,7 @@ set = ["sync.mode=spes", "sync.outer_lr=0.7", "sync.outer_momentum=0.9"]
     );
 }
 
-/// `spes plan-memory` against the peak memory `spes bench` measures on this CPU, within 15 %:
+/// `spes plan memory` against the peak memory `spes bench step` measures on this CPU, within 15 %:
 /// `tiny` plain and with activation checkpointing, and `small`, as 4-node SPES nodes in
 /// fp32. glibc is told to return every large block at once (a fixed mmap threshold), so the
 /// peak follows the live tensors rather than the allocator's reuse (which adds 0–15 % here,
@@ -525,6 +526,7 @@ fn memory_plan_matches_measured_peak() {
     for (preset, batch, extra) in cases {
         let mut args = vec![
             "bench",
+            "step",
             "--preset",
             preset,
             "--own-experts",
@@ -558,7 +560,8 @@ fn memory_plan_matches_measured_peak() {
         let measured = r["peak_rss_mb"].as_f64().unwrap();
         let runtime_gb = r["runtime_rss_mb"].as_f64().unwrap() / 1024.0;
         let plan_args = vec![
-            "plan-memory".to_string(),
+            "plan".to_string(),
+            "memory".to_string(),
             "--preset".into(),
             preset.into(),
             "--nodes".into(),
@@ -604,7 +607,8 @@ fn bench_vs_pytorch_compares_the_same_model() {
     );
     let o = Command::new(env!("CARGO_BIN_EXE_spes"))
         .args([
-            "bench-vs-pytorch",
+            "bench",
+            "vs-pytorch",
             "--preset",
             "tiny",
             "--own-experts",

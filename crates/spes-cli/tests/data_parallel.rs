@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{spes, text, SMALL};
+use common::{spes, text, Loopback, Proc, SMALL};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -266,16 +266,8 @@ fn a_spes_node_of_two_ranks_ends_on_the_published_model() {
     let toml = format!(
         r#"
 [model]
-preset = "tiny"
-vocab_size = 512
-d_model = 32
-n_layers = 2
-n_heads = 2
-head_dim = 16
-n_kv_heads = 2
+preset = "micro"
 n_experts = 6
-expert_hidden = 32
-context_length = 32
 
 [data]
 path = "{}"
@@ -302,87 +294,31 @@ rotate_every_rounds = 2
         data.display()
     );
     std::fs::write(&config, toml).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("http://127.0.0.1:{port}");
-    let spawn = |args: Vec<String>, log: &str| {
-        let log = std::fs::File::create(dir.join(log)).unwrap();
-        Command::new(env!("CARGO_BIN_EXE_spes"))
-            .args(&args)
-            .args(["--device", "cpu", "--threads", "1"])
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap()
-    };
-    let s = |v: &[&str]| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
-    let server_out = dir.join("server");
-    let mut server = spawn(
-        s(&[
-            "server",
-            "--config",
-            config.to_str().unwrap(),
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--out",
-            server_out.to_str().unwrap(),
-            "--no-auth",
-            "--linger-s",
-            "20",
-        ]),
-        "server.log",
-    );
-    let mut nodes: Vec<_> = (0..NODES)
+    let run = Loopback::new(dir, None);
+    let config = ["--config".to_string(), config.display().to_string()];
+    let server_out = run.server_out();
+    let mut server_args = config.to_vec();
+    server_args.extend(["--linger-s".into(), "20".into()]);
+    let mut server = run.server(&server_args);
+    server.spawn();
+    let mut nodes: Vec<Proc> = (0..NODES)
         .map(|peer| {
-            let out = dir.join(format!("node-{peer}"));
-            let mut args = s(&[
-                "node",
-                "--config",
-                config.to_str().unwrap(),
-                "--server",
-                &url,
-                "--peer",
-                &peer.to_string(),
-                "--out",
-                out.to_str().unwrap(),
-                "--progress",
-                "quiet",
-                "--dist-timeout",
-                "60",
-            ]);
+            let mut args = config.to_vec();
+            args.extend(["--dist-timeout".into(), "60".into()]);
             if peer == 0 {
-                args.extend(s(&["--local-ranks", "2"]));
+                args.extend(["--local-ranks".into(), "2".into()]);
             }
-            spawn(args, &format!("node-{peer}.log"))
+            let mut node = run.node(peer, &args);
+            node.spawn();
+            node
         })
         .collect();
     let show = |log: &str| std::fs::read_to_string(dir.join(log)).unwrap_or_default();
-    let start = Instant::now();
-    for (peer, node) in nodes.iter_mut().enumerate() {
-        let status = loop {
-            if let Some(status) = node.try_wait().unwrap() {
-                break status;
-            }
-            if start.elapsed() > Duration::from_secs(240) {
-                let _ = server.kill();
-                panic!(
-                    "the run did not end within 240 s:\n{}",
-                    show(&format!("node-{peer}.log"))
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        };
-        assert!(
-            status.success(),
-            "node {peer}: {}",
-            show(&format!("node-{peer}.log"))
-        );
+    let deadline = Instant::now() + Duration::from_secs(240);
+    for node in &mut nodes {
+        node.finish_by(deadline);
     }
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
 
     let final_round = MAX / H;
     let global: BTreeMap<String, tch::Tensor> = tch::Tensor::read_safetensors(

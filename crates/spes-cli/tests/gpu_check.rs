@@ -14,7 +14,7 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// The data rows of bench-vs-pytorch tables in `md` (its `--rows` lines and its final table).
+/// The data rows of `bench vs-pytorch` tables in `md` (its `--rows` lines and its final table).
 fn data_rows(md: &str) -> usize {
     md.lines()
         .filter(|l| l.starts_with("| spes |") || l.starts_with("| PyTorch "))
@@ -103,7 +103,8 @@ fn a_vs_pytorch_section_that_times_out_keeps_its_finished_rows() {
     let start = Instant::now();
     let mut child = Command::new(env!("CARGO_BIN_EXE_spes"))
         .args([
-            "bench-vs-pytorch",
+            "bench",
+            "vs-pytorch",
             "--preset",
             "tiny",
             "--device",
@@ -139,7 +140,7 @@ fn a_vs_pytorch_section_that_times_out_keeps_its_finished_rows() {
             break start.elapsed();
         }
         if let Some(s) = child.try_wait().unwrap() {
-            panic!("bench-vs-pytorch exited ({s}) before its first row");
+            panic!("bench vs-pytorch exited ({s}) before its first row");
         }
         if start.elapsed() > limit {
             child.kill().unwrap();
@@ -154,11 +155,11 @@ fn a_vs_pytorch_section_that_times_out_keeps_its_finished_rows() {
         }
         if start.elapsed() > limit {
             child.kill().unwrap();
-            panic!("bench-vs-pytorch still running after {limit:?}");
+            panic!("bench vs-pytorch still running after {limit:?}");
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert!(status.success(), "bench-vs-pytorch: {status}");
+    assert!(status.success(), "bench vs-pytorch: {status}");
     let whole = start.elapsed();
 
     let budget = first.as_secs_f64().ceil() as u64 + 1;

@@ -3,19 +3,13 @@
 //! node is evicted, and every node ends bit-identical to the final published model. Bounded:
 //! the run must end within 170 s.
 
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use common::{tensors, Loopback, Proc};
 use std::time::{Duration, Instant};
 
 const NODES: usize = 32;
 const ROUNDS: u64 = 10;
-
-fn tensors(path: &Path) -> std::collections::BTreeMap<String, tch::Tensor> {
-    tch::Tensor::read_safetensors(path)
-        .unwrap()
-        .into_iter()
-        .collect()
-}
 
 #[test]
 fn thirty_two_nodes_close_every_round_with_every_upload() {
@@ -65,81 +59,26 @@ lease_s = 60
         ),
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let bin = env!("CARGO_BIN_EXE_spes");
-    let common = |role: &str| {
-        let mut c = Command::new(bin);
-        c.arg(role)
-            .arg("--config")
-            .arg(&config)
-            .args(["--device", "cpu", "--threads", "1"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null());
-        c
-    };
+    let run = Loopback::new(dir, None);
+    let config = ["--config".to_string(), config.display().to_string()];
     let started = Instant::now();
-    let server_out = dir.join("server");
-    let server_log = std::fs::File::create(dir.join("server.log")).unwrap();
-    let mut server = common("server")
-        .args(["--listen", &format!("127.0.0.1:{port}"), "--no-auth"])
-        .arg("--out")
-        .arg(&server_out)
-        .stderr(server_log)
-        .spawn()
-        .unwrap();
-    let url = format!("http://127.0.0.1:{port}");
-    let mut nodes: Vec<Child> = (0..NODES)
+    let server_out = run.server_out();
+    let mut server = run.server(&config);
+    server.spawn();
+    let mut nodes: Vec<Proc> = (0..NODES)
         .map(|p| {
-            let log = std::fs::File::create(dir.join(format!("node-{p}.log"))).unwrap();
-            common("node")
-                .args(["--server", &url, "--peer", &p.to_string()])
-                .arg("--out")
-                .arg(dir.join(format!("node-{p}")))
-                .args(["--progress", "quiet", "--patience-s", "120"])
-                .stderr(log)
-                .spawn()
-                .unwrap()
+            let mut args = config.to_vec();
+            args.extend(["--patience-s".into(), "120".into()]);
+            let mut node = run.node(p, &args);
+            node.spawn();
+            node
         })
         .collect();
     let deadline = started + Duration::from_secs(170);
-    let show =
-        |name: &str| std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default();
-    for (p, n) in nodes.iter_mut().enumerate() {
-        loop {
-            if let Some(status) = n.try_wait().unwrap() {
-                assert!(
-                    status.success(),
-                    "node {p} failed:\n{}",
-                    show(&format!("node-{p}"))
-                );
-                break;
-            }
-            if Instant::now() > deadline {
-                let _ = server.kill();
-                panic!(
-                    "node {p} did not finish in time:\n{}",
-                    show(&format!("node-{p}"))
-                );
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+    for node in &mut nodes {
+        node.finish_by(deadline);
     }
-    loop {
-        if let Some(status) = server.try_wait().unwrap() {
-            assert!(status.success(), "the server failed:\n{}", show("server"));
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the server did not finish:\n{}",
-            show("server")
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    server.finish_by(deadline);
     println!(
         "{NODES} nodes, {ROUNDS} rounds: {:.1} s",
         started.elapsed().as_secs_f64()

@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{rounds_logged, tensors, Proc};
+use common::{rounds_logged, tensors, Loopback, Proc};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -265,91 +265,38 @@ fn run_through_silent_faults(fault: Fault) {
     let dir = tmp.path();
     let sc = Scenario::of_env(dir);
     let config = &sc.config;
-    let tls = dir.join("tls");
-    let cert = common::spes(&[
-        "gen-cert",
-        "--out",
-        tls.to_str().unwrap(),
-        "--host",
-        &fault.host(0),
-    ]);
-    assert!(cert.status.success(), "{}", common::text(&cert));
-    std::fs::write(dir.join("secret"), SECRET).unwrap();
+    let run = Loopback::new(dir, Some(SECRET));
     let port = match fault {
-        Fault::Pause => std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port(),
+        Fault::Pause => run.port(),
         Fault::Cut(_) => 50051,
     };
-    let server_out = dir.join("server");
+    let run = run.tls(&fault.host(0), port);
+    let server_out = run.server_out();
     // The server reads the run's config; a node only names its data and the server.
-    let role = |role: &str, extra: Vec<String>| -> Vec<String> {
-        let own = match role {
-            "server" => ["--config".to_string(), config.display().to_string()],
-            _ => ["--set".into(), format!("data.path={}", sc.data.display())],
-        };
-        let mut a: Vec<String> = [role, "--device", "cpu", "--threads", "1"]
-            .into_iter()
-            .map(String::from)
-            .chain(own)
-            .collect();
+    let sets = |role: &str, mut a: Vec<String>| -> Vec<String> {
         if role == "node" {
+            a.extend([
+                "--set".to_string(),
+                format!("data.path={}", sc.data.display()),
+            ]);
             for set in &sc.node_sets {
                 a.extend(["--set".to_string(), set.clone()]);
             }
         }
-        a.extend(extra);
         for set in &sc.sets {
             a.extend(["--set".to_string(), set.clone()]);
         }
         a
     };
-    let mut procs = vec![Proc::new(
-        "server".into(),
-        role(
-            "server",
-            vec![
-                "--listen".into(),
-                format!("{}:{port}", fault.host(0)),
-                "--out".into(),
-                server_out.display().to_string(),
-                "--secret-file".into(),
-                dir.join("secret").display().to_string(),
-                "--tls-cert".into(),
-                tls.join("cert.pem").display().to_string(),
-                "--tls-key".into(),
-                tls.join("key.pem").display().to_string(),
-                "--linger-s".into(),
-                "30".into(),
-            ],
-        ),
-        dir.join("server.log"),
-    )];
+    let server_args = vec![
+        "--config".to_string(),
+        config.display().to_string(),
+        "--linger-s".into(),
+        "30".into(),
+    ];
+    let mut procs = vec![run.server(&sets("server", server_args))];
     for peer in 0..NODES {
-        let cred = dir.join(format!("node-{peer}.credential"));
-        std::fs::write(&cred, spes_net::auth::credential(SECRET, peer)).unwrap();
-        let args = role(
-            "node",
-            vec![
-                "--server".into(),
-                format!("https://{}:{port}", fault.host(0)),
-                "--tls-ca".into(),
-                tls.join("cert.pem").display().to_string(),
-                "--out".into(),
-                dir.join(format!("node-{peer}")).display().to_string(),
-                "--credential-file".into(),
-                cred.display().to_string(),
-                "--progress".into(),
-                "quiet".into(),
-            ],
-        );
-        procs.push(Proc::new(
-            format!("node {peer}"),
-            args,
-            dir.join(format!("node-{peer}.log")),
-        ));
+        procs.push(run.node(peer, &sets("node", Vec::new())));
     }
     for (i, p) in procs.iter_mut().enumerate() {
         if let Fault::Cut(net) = &fault {

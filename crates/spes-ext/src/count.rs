@@ -1,5 +1,5 @@
 //! Counts the process's top-level ATen operator calls (no operator call around them on their
-//! thread) by the phase of a training step that made them: what `spes bench --count-ops`
+//! thread) by the phase of a training step that made them: what `spes bench step --count-ops`
 //! prints. A libtorch RecordFunction callback, installed only between [`start`] and [`stop`];
 //! phases are marked with [`enter`] whether or not anything counts (an atomic store).
 

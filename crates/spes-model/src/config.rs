@@ -51,13 +51,14 @@ pub struct ModelConfig {
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const PRESETS: &[&str] = &["tiny", "small", "1b", "7b", "9b"];
+pub const PRESETS: &[&str] = &["micro", "tiny", "small", "1b", "7b", "9b"];
 
 /// The Qwen2.5 tokenizer's size, the vocabulary of the paper's runs.
 const QWEN_VOCAB: usize = 151_665;
 
 impl ModelConfig {
-    /// A built-in shape: `tiny` trains on two CPU cores in minutes, `small` (~0.12B) is the
+    /// A built-in shape: `micro` (~50k parameters) is what tests and harnesses run in seconds,
+    /// `tiny` trains on two CPU cores in minutes, `small` (~0.12B) is the
     /// largest meant for CPUs; `1b`, `7b`, `9b` are docs/design/algorithm.md §1.
     pub fn preset(name: &str) -> Result<Self> {
         let olmoe = |n_layers, d_model, n_heads, n_experts, top_k, expert_hidden| ModelConfig {
@@ -80,6 +81,13 @@ impl ModelConfig {
             qkv_bias: false,
         };
         Ok(match name {
+            // `tiny`'s form at the least size that still routes, merges and shards.
+            "micro" => ModelConfig {
+                vocab_size: 512,
+                context_length: 32,
+                rope_theta: 10_000.0,
+                ..olmoe(2, 32, 2, 8, 2, 32)
+            },
             "tiny" => ModelConfig {
                 vocab_size: 8192,
                 context_length: 256,

@@ -978,7 +978,7 @@ impl MoeModel {
 
     /// On CUDA in bf16, accumulates the LM head's gradient in fp32 inside its product (`addmm`
     /// with an fp32 output, on by default) or, off, as elsewhere: each chunk's bf16 product
-    /// added to it (what `spes bench --compare-head` compares).
+    /// added to it (what `spes bench step --compare-head` compares).
     pub fn set_fused_head_accumulate(&mut self, on: bool) {
         self.fused_head_accumulate = on;
     }

@@ -1,13 +1,13 @@
 //! Who may call the server, and TLS material (PEM files).
 //!
 //! The operator keeps one run secret. Each node gets a credential for exactly one peer id,
-//! `spes-peer-<id>-<hex HMAC-SHA256(secret, "spes peer credential v1/<id>")>` (`spes credential`).
+//! `spes-peer-<id>-<hex HMAC-SHA256(secret, "spes peer credential v1/<id>")>` (`spes auth credential`).
 //! The server recomputes the MAC on every call, so it stores nothing per node, and a leaked
 //! credential lets its holder act as that one peer only. Every request must name the peer its
 //! credential authorizes ([`authorize`]).
 //!
 //! The run also has one read-only *viewer* credential, `spes-viewer-<hex HMAC-SHA256(secret,
-//! "spes viewer credential v1")>` (`spes credential --viewer`), for watching a run: it may read
+//! "spes viewer credential v1")>` (`spes auth credential --viewer`), for watching a run: it may read
 //! the run's status (the `Status` call, the HTTP listener's `/metrics` and `/api/run`) and
 //! nothing else.
 

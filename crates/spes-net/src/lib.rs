@@ -7,6 +7,7 @@
 //! this crate only moves tensors and keeps time.
 
 pub mod auth;
+mod dial;
 pub mod fault;
 pub mod link;
 pub mod node;

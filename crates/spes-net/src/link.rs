@@ -2,7 +2,7 @@
 //! relay between a node and the server that limits bandwidth per direction, adds a round-trip
 //! delay and models packet loss. Traffic stays on 127.0.0.1; nothing needs root (`tc netem` is
 //! not in every kernel, and namespaces need privileges). `spes demo --link` and
-//! `spes bench-link` put one relay in front of every node.
+//! `spes bench link` put one relay in front of every node.
 //!
 //! The model per direction: bytes leave at the link's rate (every connection of a relay shares
 //! it, as they share a real uplink), arrive half the round trip later, and in order. A lost

@@ -1,4 +1,4 @@
-//! `spes plan-sync`: what a round costs on given links, before anyone rents a GPU. A
+//! `spes plan sync`: what a round costs on given links, before anyone rents a GPU. A
 //! discrete-event model of one round: every node computes `sync_steps` steps, uploads over its
 //! own link while the uploads share the server's link (max-min fair), the server folds the last
 //! upload in, closes and publishes the round, and every node downloads it over the same shared
@@ -7,12 +7,13 @@
 //! what the exchange takes beyond them.
 //!
 //! Byte counts come from the model's shapes and the wire (headers ignored); nodes own experts as
-//! the run's contiguous split gives them. `spes bench-link` checks the model against measured
+//! the run's contiguous split gives them. `spes bench link` checks the model against measured
 //! rounds on shaped loopback links.
 
 use crate::link::LinkSpec;
 use spes_model::ModelConfig;
-use spes_sync::delta::GROUP;
+use spes_sync::delta::Form;
+use spes_sync::{SyncConfig, Wire};
 
 /// The wire options the planner compares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,17 +71,17 @@ impl WireOption {
         }
     }
 
-    /// The `sync.wire` value of this option.
-    fn wire(self) -> &'static str {
+    /// The `sync.wire` of this option.
+    fn wire(self) -> Wire {
         match self {
-            WireOption::Fp32 => "fp32",
+            WireOption::Fp32 => Wire::Fp32,
             WireOption::Bf16Delta | WireOption::Bf16DeltaSkipOwn | WireOption::Overlap => {
-                "bf16_delta"
+                Wire::Bf16Delta
             }
-            WireOption::Int4Overlap => "int4_delta",
-            WireOption::Int2Overlap | WireOption::Int2StridedOverlap => "int2_delta",
-            WireOption::SparseOverlap => "sparse_delta",
-            WireOption::LowrankOverlap => "lowrank_delta",
+            WireOption::Int4Overlap => Wire::Int4Delta,
+            WireOption::Int2Overlap | WireOption::Int2StridedOverlap => Wire::Int2Delta,
+            WireOption::SparseOverlap => Wire::SparseDelta,
+            WireOption::LowrankOverlap => Wire::LowrankDelta,
         }
     }
 
@@ -92,7 +93,9 @@ impl WireOption {
     /// The `--set` overrides that select this option in a run (`stride`: of the strided one;
     /// the low-rank one keeps the run's `sync.rank`).
     pub fn overrides(self, stride: u64) -> Vec<String> {
-        let mut out = vec![format!("sync.wire={}", self.wire())];
+        // The key's own spelling, as a config file writes it.
+        let wire = serde_json::to_value(self.wire()).expect("a wire is a name");
+        let mut out = vec![format!("sync.wire={}", wire.as_str().expect("a name"))];
         if self != WireOption::Fp32 {
             out.push(format!("sync.skip_own_experts={}", self.skips_own()));
         }
@@ -108,51 +111,36 @@ impl WireOption {
         out
     }
 
-    /// Bytes on this wire of the shared tensors and of one expert (every layer of it).
+    /// The `[sync]` settings of this option that decide what its payloads take.
+    fn sync_config(self, input: &PlanInput) -> SyncConfig {
+        SyncConfig {
+            wire: self.wire(),
+            stride: if self == WireOption::Int2StridedOverlap {
+                input.stride
+            } else {
+                1
+            },
+            sparse_chunk: input.sparse_chunk,
+            sparse_k: input.sparse_k,
+            rank: input.rank,
+            ..Default::default()
+        }
+    }
+
+    /// Bytes on this wire of the shared tensors and of one expert (every layer of it), each
+    /// tensor in its form of the delta table ([`Form`]; a strided round's first slice).
     fn payload_bytes(self, input: &PlanInput) -> (f64, f64) {
+        let cfg = self.sync_config(input);
+        let bytes = |s: &[i64]| Form::of(&cfg, s, 0, false).bytes(s) as f64;
         let shapes = input.model.shapes();
-        let sum = |expert: bool, bytes: &dyn Fn(&[i64]) -> f64| {
+        let sum = |expert: bool| {
             shapes
                 .iter()
                 .filter(|(_, e)| *e == expert)
                 .map(|(s, _)| bytes(s))
                 .sum::<f64>()
         };
-        if self == WireOption::LowrankOverlap {
-            let cfg = spes_sync::SyncConfig {
-                wire: spes_sync::Wire::LowrankDelta,
-                rank: input.rank,
-                ..Default::default()
-            };
-            let bytes = |s: &[i64]| match spes_sync::delta::Factors::of(s, &cfg) {
-                Some(f) => f.bytes() as f64,
-                None => 2.0 * s.iter().product::<i64>() as f64,
-            };
-            return (sum(false, &bytes), sum(true, &bytes));
-        }
-        let b = self.bytes_per_value(input);
-        let bytes = |s: &[i64]| b * s.iter().product::<i64>() as f64;
-        (sum(false, &bytes), sum(true, &bytes))
-    }
-
-    fn bytes_per_value(self, input: &PlanInput) -> f64 {
-        match self {
-            WireOption::Fp32 => 4.0,
-            WireOption::SparseOverlap => {
-                let (chunk, k) = (input.sparse_chunk, input.sparse_k);
-                let one = spes_sync::delta::Chunking {
-                    numel: chunk,
-                    chunk,
-                    k,
-                };
-                one.bytes() as f64 / chunk as f64
-            }
-            // Codes plus one bf16 scale per group.
-            WireOption::Int4Overlap => 0.5 + 2.0 / GROUP as f64,
-            WireOption::Int2Overlap => 0.25 + 2.0 / GROUP as f64,
-            WireOption::Int2StridedOverlap => (0.25 + 2.0 / GROUP as f64) / input.stride as f64,
-            _ => 2.0,
-        }
+        (sum(false), sum(true))
     }
 
     fn lossy(self) -> bool {
@@ -176,7 +164,7 @@ impl WireOption {
 
 /// Billions of dense-equivalent values per second one 2-core server folds of low-rank uploads
 /// at rank 16, its sums in fp64 so that any order of arrival gives the same bits
-/// (`spes bench-sync --presets 1b --nodes 16`, release build: 1.12 and 1.30;
+/// (`spes bench sync --presets 1b --nodes 16`, release build: 1.12 and 1.30;
 /// docs/results/sync-cost.md).
 pub const LOWRANK_GVPS: f64 = 1.2;
 
@@ -207,7 +195,7 @@ pub struct PlanInput {
     pub sparse_chunk: i64,
     pub sparse_k: i64,
     /// Bytes of dense (fp32 or bf16) uploads the server folds in per second, and a node
-    /// applies a download at (`spes bench-sync` measures it).
+    /// applies a download at (`spes bench sync` measures it).
     pub aggregate_bytes_per_s: f64,
     /// Values per second the server decodes and folds of quantized uploads (each value of the
     /// tensors covered), and a node decodes a download at.
@@ -380,7 +368,7 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     } else {
         shared_bytes + e * expert_bytes
     };
-    // A lossy wire's close is dominated by encoding what it publishes (bench-sync's close).
+    // A lossy wire's close is dominated by encoding what it publishes (`spes bench sync`'s close).
     let close_s = if option.lossy() {
         total / input.encode_values_per_s
     } else {
@@ -575,7 +563,7 @@ mod tests {
 
     #[test]
     fn the_low_rank_wire_keeps_16_nodes_of_1b_training_on_one_server() {
-        // The folding and encoding rates bench-sync measured on 2 cores.
+        // The folding and encoding rates `spes bench sync` measured on 2 cores.
         let mut i = input(16);
         i.rank = 16;
         i.lowrank_values_per_s = LOWRANK_GVPS * 1e9;

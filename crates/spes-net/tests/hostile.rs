@@ -248,7 +248,7 @@ fn the_payload_decoder_and_validator_never_panic() {
         .into_iter()
         .map(|p| (p.name, p.tensor.detach()))
         .collect();
-    let scope = cfg.sync.scope(cfg.model.n_experts).unwrap();
+    let scope = spes_sync::Scope::of(&cfg.sync, cfg.model.n_experts).unwrap();
     // What the coordinator does with an upload's payload: decode the wire tensors, validate.
     let check = |bytes: &[u8]| {
         if let Ok(named) = payload::decode(bytes) {

@@ -9,10 +9,11 @@ mod common;
 
 use common::*;
 use spes_net::server::Limits;
+use spes_net::view::browser;
 use spes_net::view::http::HttpOptions;
 use spes_net::view::RunView;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Write;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 use std::sync::mpsc;
@@ -20,37 +21,8 @@ use std::time::{Duration, Instant};
 
 /// A GET over plain HTTP/1.1: status code and body.
 fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP reply");
-    let code = head.split(' ').nth(1).unwrap().parse().unwrap();
-    // Bodies here come whole or chunked; undo the chunking.
-    let body = if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        let mut out = String::new();
-        let mut rest = body;
-        while let Some((len, tail)) = rest.split_once("\r\n") {
-            let n = usize::from_str_radix(len.trim(), 16).unwrap();
-            if n == 0 {
-                break;
-            }
-            out.push_str(&tail[..n]);
-            rest = &tail[n + 2..];
-        }
-        out
-    } else {
-        body.to_owned()
-    };
-    (code, body)
+    let r = browser::get(addr, path).unwrap();
+    (r.code, r.text())
 }
 
 fn python() -> std::path::PathBuf {
@@ -112,28 +84,7 @@ fn view_until(addr: SocketAddr, what: &str, ok: impl Fn(&RunView) -> bool) -> Ru
 
 /// The page's DOM after headless Chromium ran its script.
 fn chromium_dom(url: &str, profile: &Path) -> String {
-    let bin = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
-    let o = Command::new(&bin)
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            &format!("--user-data-dir={}", profile.display()),
-            "--virtual-time-budget=5000",
-            "--dump-dom",
-            url,
-        ])
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run {bin} (scripts/setup.sh --tests installs chromium): {e}")
-        });
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    String::from_utf8(o.stdout).unwrap()
+    browser::headless_dom(&browser::chromium(), url, profile, Some(5000)).unwrap()
 }
 
 #[test]

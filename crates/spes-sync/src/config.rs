@@ -3,9 +3,6 @@
 //! [`SyncConfig`]), and the rules a round follows are read off it by the methods below.
 
 use crate::outer::{OuterRule, Source};
-use crate::ownership::Ownership;
-use crate::round::Scope;
-use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 /// How the run is distributed.
@@ -405,20 +402,6 @@ impl SyncConfig {
     /// Whether what a lossy wire leaves out stays in a buffer beside the weights.
     pub fn feeds_back_in_buffer(&self) -> bool {
         self.wire.is_lossy() && self.feedback == Feedback::Buffer
-    }
-
-    /// What nodes upload and how the server combines it at the start of a run: the initial
-    /// members are peers `0..nodes`.
-    pub fn scope(&self, n_experts: usize) -> Result<Scope> {
-        Ok(match self.mode {
-            Mode::Spes => Scope::Spes(Ownership::resolve(&self.ownership, n_experts, self.nodes)?),
-            Mode::Diloco => Scope::Diloco {
-                members: (0..self.nodes).collect(),
-            },
-            Mode::Centralized => bail!(
-                "sync.mode = \"centralized\" trains with `spes train`; set sync.mode = \"spes\" or \"diloco\""
-            ),
-        })
     }
 
     /// α of the expert-merging warm-up at sync step `s`, if `s` is a merge step with α > 0

@@ -10,7 +10,6 @@ pub mod budget;
 pub mod config;
 pub mod coordinator;
 pub mod delta;
-mod fold;
 mod hearing;
 pub mod named;
 pub mod outer;

@@ -5,7 +5,7 @@
 //! Uploads are folded into running sums as they arrive, so the server holds one model's worth of
 //! accumulators however many nodes there are.
 
-use crate::config::{AggregateRule, MergeSimilarity, SyncConfig};
+use crate::config::{AggregateRule, MergeSimilarity, Mode, SyncConfig};
 use crate::delta::{Delta, Deltas};
 use crate::named::{Layout, Named};
 use crate::ownership::{Claims, Ownership};
@@ -25,6 +25,20 @@ pub enum Scope {
 }
 
 impl Scope {
+    /// What nodes upload and how the server combines it at the start of a run of `cfg` with
+    /// `n_experts` experts a layer: the initial members are peers `0..cfg.nodes`.
+    pub fn of(cfg: &SyncConfig, n_experts: usize) -> anyhow::Result<Scope> {
+        Ok(match cfg.mode {
+            Mode::Spes => Scope::Spes(Ownership::resolve(&cfg.ownership, n_experts, cfg.nodes)?),
+            Mode::Diloco => Scope::Diloco {
+                members: (0..cfg.nodes).collect(),
+            },
+            Mode::Centralized => anyhow::bail!(
+                "sync.mode = \"centralized\" trains with `spes train`; set sync.mode = \"spes\" or \"diloco\""
+            ),
+        })
+    }
+
     /// The peers that train and upload in this round.
     pub fn members(&self) -> BTreeSet<usize> {
         match self {

@@ -1,7 +1,8 @@
-//! `spes bench`: tokens/s and peak memory of training steps of a preset on random tokens.
+//! `spes bench step`: tokens/s and peak memory of training steps of a preset on random tokens.
 
 use crate::config::{MoeKernelChoice, Precision, TrainConfig};
 use crate::optim::AdamW;
+use crate::process;
 use crate::trainer::{compute_kind, frozen_experts_bf16, moe_kernel, step_on_batches, StepOptions};
 use anyhow::Result;
 use serde::Serialize;
@@ -55,7 +56,7 @@ pub struct BenchResult {
     /// Peak resident set size of this process (VmHWM).
     pub peak_rss_mb: f64,
     /// Resident set size once libtorch's kernels have run (a miniature model's training step,
-    /// before this benchmark's tensors): what `spes plan-memory` calls the runtime on CPU.
+    /// before this benchmark's tensors): what `spes plan memory` calls the runtime on CPU.
     pub runtime_rss_mb: f64,
     /// Where the device memory figures come from: `"cuda_caching_allocator"` (the allocator's
     /// own statistics, peaks since the model was built) or `"rss"` (a CPU has no device
@@ -209,7 +210,7 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
         step_ms: median * 1e3,
         optimizer_ms,
         tokens_per_s: tokens as f64 / median,
-        peak_rss_mb: peak_rss_mb(),
+        peak_rss_mb: process::peak_rss_mb(),
         runtime_rss_mb,
         device_memory_source: if device.is_some() {
             "cuda_caching_allocator"
@@ -330,7 +331,7 @@ fn runtime_rss_mb(o: &BenchOptions) -> Result<f64> {
             &[batch],
         )?;
     }
-    Ok(rss_mb("VmRSS:"))
+    Ok(process::rss_mb("self"))
 }
 
 /// The middle value (the upper one of an even count).
@@ -389,42 +390,4 @@ pub fn matmul_peak_flops(device: Device, kind: Kind) -> f64 {
         best = best.min(start.elapsed().as_secs_f64());
     }
     2.0 * (n as f64).powi(3) / best
-}
-
-/// Peak resident set size of this process in MiB, from /proc (0 where unavailable).
-pub fn peak_rss_mb() -> f64 {
-    rss_mb("VmHWM:")
-}
-
-/// A memory line of `/proc/self/status` in MiB (0 where there is none).
-fn rss_mb(field: &str) -> f64 {
-    process_mb("self", field)
-}
-
-/// A memory line (`VmRSS:`, `VmHWM:`) of process `pid`'s `/proc/<pid>/status` in MiB (0 where
-/// there is none).
-pub fn process_mb(pid: &str, field: &str) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(field))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
-}
-
-/// Bytes this process has caused to be written to storage so far (`write_bytes` of
-/// `/proc/self/io`: what reaches the disk, not what stays in a pipe or socket; 0 where the
-/// kernel does not say).
-pub fn bytes_written() -> u64 {
-    std::fs::read_to_string("/proc/self/io")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("write_bytes:"))
-                .and_then(|v| v.trim().parse().ok())
-        })
-        .unwrap_or(0)
 }

@@ -6,11 +6,10 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data_parallel;
-pub mod lead;
 pub mod memory_plan;
 pub mod metrics;
 pub mod optim;
-pub mod rules;
+pub mod process;
 pub mod simulate;
 pub mod task_hook;
 pub mod tensorboard;
@@ -19,7 +18,7 @@ pub mod trainer;
 pub use config::{
     AggregateRule, Mode, MoeKernelChoice, Precision, RunConfig, SyncConfig, TrainConfig, Wire,
 };
-pub use lead::follow;
+pub use trainer::lead::follow;
 pub use trainer::{
     compute_kind, grouped_kernel_native, moe_kernel, run, validation_loss, validation_stats,
     RunSummary, StepOptions, StepStats, Trainer,

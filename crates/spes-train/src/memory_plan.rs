@@ -1,9 +1,9 @@
 //! What one rank of a node needs in memory to train, by category, before it runs
-//! (`spes plan-memory`): weights, AdamW moments, gradients, the bf16 weight copies and
+//! (`spes plan memory`): weights, AdamW moments, gradients, the bf16 weight copies and
 //! activations autograd keeps for backward, and the working set of the chunked LM head.
 //!
 //! Activations are counted tensor by tensor from what `spes-model`'s forward pass keeps for
-//! backward (see [`layer_activation_bytes`]); `spes bench` measures the real peak, and a test
+//! backward (see [`layer_activation_bytes`]); `spes bench step` measures the real peak, and a test
 //! holds the two within 15 % on CPU.
 
 use crate::config::RunConfig;
@@ -122,7 +122,7 @@ pub fn layer_activation_bytes(m: &ModelConfig, c: u64) -> u64 {
 impl MemoryInput {
     /// What a node of run `cfg` on `device` with `ranks` ranks plans for, owning `own_experts`
     /// experts per layer: its micro-batch, precision, kernel and frozen-expert residency as the
-    /// trainer resolves them, 1 GiB of runtime (`spes plan-memory`'s default) and 10 % headroom.
+    /// trainer resolves them, 1 GiB of runtime (`spes plan memory`'s default) and 10 % headroom.
     pub fn of_node(cfg: &RunConfig, device: Device, ranks: usize, own_experts: usize) -> Self {
         let t = &cfg.train;
         let bf16 = compute_kind(t.precision, device) == Kind::BFloat16;
@@ -175,7 +175,7 @@ pub fn node_cap(cfg: &RunConfig, device: Device, ranks: usize) -> anyhow::Result
         Ok(k) => Ok(Some(k)),
         Err(one) => anyhow::bail!(
             "train.memory_gib = {gib} GiB holds no expert: owning one expert per layer needs \
-             {:.2} GiB at micro-batch {} × {} tokens (spes plan-memory counts it); give at least \
+             {:.2} GiB at micro-batch {} × {} tokens (spes plan memory counts it); give at least \
              that, or lower train.micro_batch, or set train.activation_checkpointing = true",
             one as f64 / GIB,
             input.micro_batch,

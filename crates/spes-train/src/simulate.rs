@@ -101,7 +101,7 @@ pub fn simulate(cfg: &RunConfig, device: Device, opts: &SimOptions) -> Result<Si
     let started = Instant::now();
     let model0 = MoeModel::seeded(&cfg.model, device, cfg.train.seed)?;
     let layout = Layout::of(&model0);
-    let scope = sync.scope(cfg.model.n_experts)?;
+    let scope = spes_sync::Scope::of(sync, cfg.model.n_experts)?;
     let rounds = cfg.train.max_steps / h;
     let peak_lr = cfg.train.node_lr() * cfg.train.expert_lr_scale.max(1.0);
     let global0 = weights(&model0);

@@ -12,16 +12,8 @@ fn config(data: &Path, extra: &[&str]) -> RunConfig {
     let text = format!(
         r#"
 [model]
-preset = "tiny"
-vocab_size = 512
-d_model = 32
-n_layers = 2
-n_heads = 2
-head_dim = 16
-n_kv_heads = 2
+preset = "micro"
 n_experts = 4
-expert_hidden = 32
-context_length = 32
 
 [data]
 path = "{}"

@@ -25,26 +25,13 @@ pub fn text(o: &Output) -> String {
     )
 }
 
-/// `--set` overrides that shrink the `tiny` preset to a model that trains in seconds.
+/// `--set` overrides that make a config of any preset the `micro` model with 4 experts,
+/// trained on 4 windows of 32 tokens a step: seconds instead of minutes.
 pub const SMALL: &[&str] = &[
     "--set",
-    "model.vocab_size=512",
-    "--set",
-    "model.d_model=32",
-    "--set",
-    "model.n_layers=2",
-    "--set",
-    "model.n_heads=2",
-    "--set",
-    "model.n_kv_heads=2",
-    "--set",
-    "model.head_dim=16",
+    "model.preset=micro",
     "--set",
     "model.n_experts=4",
-    "--set",
-    "model.expert_hidden=32",
-    "--set",
-    "model.context_length=32",
     "--set",
     "train.seq_len=32",
     "--set",
@@ -146,6 +133,31 @@ impl Proc {
         assert!(ok, "kill -{signal} {pid} ({}) failed", self.name);
     }
 
+    /// Waits for it to end (restarting it after its crash point, as [`Proc::poll`] does) and
+    /// asserts it succeeded; panics with its log if it still runs at `deadline`.
+    pub fn finish_by(&mut self, deadline: std::time::Instant) {
+        loop {
+            self.poll();
+            if !self.running() {
+                let exit = self.exit.expect("a process that was started");
+                assert!(
+                    exit.success(),
+                    "{} failed ({exit}):\n{}",
+                    self.name,
+                    self.output()
+                );
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} did not finish in time:\n{}",
+                self.name,
+                self.output()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+
     /// Everything it logged so far.
     pub fn output(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
@@ -178,24 +190,16 @@ pub fn tensors(path: &Path) -> BTreeMap<String, tch::Tensor> {
         .collect()
 }
 
-/// A run config of a model that trains in milliseconds a step (the `tiny` preset shrunk:
-/// 2 layers of width 32, `experts` experts, 512-token vocabulary, windows of 32) on `data`,
+/// A run config of a model that trains in milliseconds a step (the `micro` preset with
+/// `experts` experts) on `data`,
 /// `max_steps` steps of 4 windows, followed by the `[sync]` section `sync` (its lines, no
 /// header).
 pub fn micro_config(data: &Path, experts: usize, max_steps: u64, sync: &str) -> String {
     format!(
         r#"
 [model]
-preset = "tiny"
-vocab_size = 512
-d_model = 32
-n_layers = 2
-n_heads = 2
-head_dim = 16
-n_kv_heads = 2
+preset = "micro"
 n_experts = {experts}
-expert_hidden = 32
-context_length = 32
 
 [data]
 path = "{}"
@@ -213,4 +217,127 @@ eval_batches = 2
 {sync}"#,
         data.display()
     )
+}
+
+/// One run's server and nodes as `spes` processes on one machine: what every multi-process
+/// test gives them (CPU with one thread, the listen address and URL, output folders, the run
+/// secret and each node's credential, TLS, quiet progress), so a test writes only its own
+/// arguments (`--config`, `--set`, faults).
+pub struct Loopback {
+    pub dir: PathBuf,
+    /// Where the server listens, `host:port`.
+    pub listen: String,
+    /// What nodes dial.
+    pub url: String,
+    /// The run secret; `None`: the server runs `--no-auth` and nodes name their `--peer`.
+    pub secret: Option<String>,
+    /// The folder of the server's TLS pair (`spes auth cert`), which nodes trust.
+    pub tls: Option<PathBuf>,
+}
+
+impl Loopback {
+    /// A run in `dir` on a free port of 127.0.0.1, plaintext, with `secret` (or none).
+    pub fn new(dir: &Path, secret: Option<&str>) -> Loopback {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if let Some(s) = secret {
+            std::fs::write(dir.join("secret"), s).unwrap();
+        }
+        Loopback {
+            dir: dir.to_owned(),
+            listen: format!("127.0.0.1:{port}"),
+            url: format!("http://127.0.0.1:{port}"),
+            secret: secret.map(str::to_owned),
+            tls: None,
+        }
+    }
+
+    /// The same run served over TLS on `host:port`, with a certificate for `host` made by
+    /// `spes auth cert`.
+    pub fn tls(self, host: &str, port: u16) -> Loopback {
+        let tls = self.dir.join("tls");
+        let o = spes(&[
+            "auth",
+            "cert",
+            "--out",
+            tls.to_str().unwrap(),
+            "--host",
+            host,
+        ]);
+        assert!(o.status.success(), "{}", text(&o));
+        Loopback {
+            listen: format!("{host}:{port}"),
+            url: format!("https://{host}:{port}"),
+            tls: Some(tls),
+            ..self
+        }
+    }
+
+    /// The port the server listens on.
+    pub fn port(&self) -> u16 {
+        self.listen.rsplit(':').next().unwrap().parse().unwrap()
+    }
+
+    /// The server's output folder.
+    pub fn server_out(&self) -> PathBuf {
+        self.dir.join("server")
+    }
+
+    /// Node `peer`'s output folder.
+    pub fn node_out(&self, peer: usize) -> PathBuf {
+        self.dir.join(format!("node-{peer}"))
+    }
+
+    /// The server, with `args` after the fixture's own (logging to `<dir>/server.log`).
+    pub fn server(&self, args: &[String]) -> Proc {
+        let mut a = role("server");
+        a.extend(["--listen".into(), self.listen.clone()]);
+        a.extend(["--out".into(), path(&self.server_out())]);
+        match &self.secret {
+            Some(_) => a.extend(["--secret-file".into(), path(&self.dir.join("secret"))]),
+            None => a.push("--no-auth".into()),
+        }
+        if let Some(tls) = &self.tls {
+            a.extend(["--tls-cert".into(), path(&tls.join("cert.pem"))]);
+            a.extend(["--tls-key".into(), path(&tls.join("key.pem"))]);
+        }
+        a.extend_from_slice(args);
+        Proc::new("server".into(), a, self.dir.join("server.log"))
+    }
+
+    /// Node `peer`, with `args` after the fixture's own (logging to `<dir>/node-<peer>.log`).
+    pub fn node(&self, peer: usize, args: &[String]) -> Proc {
+        let mut a = role("node");
+        a.extend(["--server".into(), self.url.clone()]);
+        a.extend(["--out".into(), path(&self.node_out(peer))]);
+        match &self.secret {
+            Some(secret) => {
+                let cred = self.dir.join(format!("node-{peer}.credential"));
+                std::fs::write(&cred, spes_net::auth::credential(secret, peer)).unwrap();
+                a.extend(["--credential-file".into(), path(&cred)]);
+            }
+            None => a.extend(["--peer".into(), peer.to_string()]),
+        }
+        if let Some(tls) = &self.tls {
+            a.extend(["--tls-ca".into(), path(&tls.join("cert.pem"))]);
+        }
+        a.extend(["--progress".into(), "quiet".into()]);
+        a.extend_from_slice(args);
+        let log = self.dir.join(format!("node-{peer}.log"));
+        Proc::new(format!("node {peer}"), a, log)
+    }
+}
+
+/// A role's first arguments: the command, on the CPU with one thread.
+fn role(name: &str) -> Vec<String> {
+    [name, "--device", "cpu", "--threads", "1"]
+        .map(String::from)
+        .to_vec()
+}
+
+fn path(p: &Path) -> String {
+    p.display().to_string()
 }

@@ -1,56 +1,12 @@
-//! Opening the node's link: a gRPC client per server shard, with TLS where the URL asks for it
-//! and keepalives that find a black-holed connection; the credential never goes in plaintext to
-//! a host that is not loopback unless the operator says so.
+//! Opening the node's link: a gRPC client per server shard ([`crate::dial`]), and asking the
+//! server for the run's settings.
 
-use super::transport::{call, explain, retry, Client, Link, Shard};
+use super::transport::{call, retry, Link, Shard};
 use super::NodeOptions;
-use crate::auth::{is_loopback_url, AddToken};
-use crate::payload;
-use crate::proto::spes_client::SpesClient;
+use crate::dial::{client, explain};
 use crate::proto::SettingsRequest;
 use anyhow::{bail, Context, Result};
 use std::time::Duration;
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
-
-/// A client of the server at `url` that sends `credential` with every call (a node's, or the
-/// viewer's for `spes status`), trusting `tls_ca` (else the web PKI roots) for `https`.
-/// Refuses to send a credential in plaintext off loopback unless `insecure`.
-pub(crate) fn client(
-    url: &str,
-    credential: Option<&str>,
-    tls_ca: Option<&[u8]>,
-    insecure: bool,
-) -> Result<Client> {
-    if url.starts_with("http://") && credential.is_some() && !insecure && !is_loopback_url(url) {
-        bail!(
-            "refusing to send the credential in plaintext to {url}: use https:// (the \
-             server needs --tls-cert/--tls-key), or pass --insecure on a network you trust"
-        );
-    }
-    // Keepalive pings find a black-holed connection within ~15 s; the channel then reconnects.
-    let mut endpoint = Endpoint::from_shared(url.to_owned())
-        .with_context(|| format!("--server `{url}` is not a valid URL"))?
-        .connect_timeout(Duration::from_secs(10))
-        .http2_keep_alive_interval(Duration::from_secs(5))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .keep_alive_while_idle(true)
-        .tcp_keepalive(Some(Duration::from_secs(30)));
-    if url.starts_with("https://") {
-        let mut tls = ClientTlsConfig::new();
-        tls = match tls_ca {
-            Some(ca) => tls.ca_certificate(Certificate::from_pem(ca)),
-            None => tls.with_webpki_roots(),
-        };
-        endpoint = endpoint
-            .tls_config(tls)
-            .context("invalid TLS configuration")?;
-    }
-    let channel = endpoint.connect_lazy();
-    Ok(
-        SpesClient::with_interceptor(channel, AddToken::new(credential)?)
-            .max_decoding_message_size(payload::MAX_MESSAGE_BYTES),
-    )
-}
 
 impl Link {
     /// Clients for every `--server` URL (comma-separated, in shard order), on `rt`; no call is

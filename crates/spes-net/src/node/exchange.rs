@@ -2,8 +2,9 @@
 //! (waited for, or run on another thread with overlap), what the server's answer or refusal
 //! means, the fetched round applied, and the sync's checkpoint and record.
 
-use super::transport::{explain, Exchange, Upload};
+use super::transport::{Exchange, Upload};
 use super::{Node, Pending};
+use crate::dial::explain;
 use crate::proto::refusal::Kind as Refused;
 use crate::proto::PayloadHeader;
 use crate::refusal;

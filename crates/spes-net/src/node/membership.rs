@@ -3,8 +3,9 @@
 //! ownership into the trainer, and asking to join again after an eviction.
 
 use super::saved::Saved;
-use super::transport::{explain, Fetched};
+use super::transport::Fetched;
 use super::Node;
+use crate::dial::explain;
 use crate::proto::{JoinReply, PayloadHeader};
 use anyhow::Result;
 use spes_sync::{FetchPlan, Follow, ReplicaState};

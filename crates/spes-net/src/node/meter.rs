@@ -71,7 +71,7 @@ impl Meter {
             bytes_down: 0,
             window: (0, 0.0),
             round_compute_s: 0.0,
-            written: spes_train::bench::bytes_written(),
+            written: spes_train::process::bytes_written(),
             started: Instant::now(),
             report: Arc::default(),
             synced: Arc::default(),
@@ -117,7 +117,7 @@ impl Meter {
 
     /// Bytes the process wrote to disk since the last call.
     pub fn take_bytes_written(&mut self) -> u64 {
-        let now = spes_train::bench::bytes_written();
+        let now = spes_train::process::bytes_written();
         now.saturating_sub(std::mem::replace(&mut self.written, now))
     }
 

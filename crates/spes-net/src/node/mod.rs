@@ -11,15 +11,17 @@
 //! records is `meter`'s. Refusals are decided on their typed kind ([`crate::refusal`]): a
 //! closed round names the round to load, and the node loads exactly it.
 
-pub(crate) mod connect;
+mod connect;
 mod exchange;
 mod membership;
 mod meter;
 mod saved;
 mod session;
 mod streak;
-pub(crate) mod transport;
+mod transport;
+mod virtual_peer;
 
+use crate::dial::explain;
 use crate::fault;
 use anyhow::{bail, Result};
 use meter::Meter;
@@ -31,10 +33,11 @@ use spes_train::{checkpoint, RunConfig, Trainer};
 use std::path::PathBuf;
 use std::time::Instant;
 use tch::Device;
-use transport::{explain, Exchange, Link};
+use transport::{Exchange, Link};
 
 pub use connect::{run_settings, SettingsSource};
 pub use spes_train::metrics::NodeSummary;
+pub use virtual_peer::VirtualPeer;
 
 /// How a node shows its progress.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,7 +58,7 @@ pub struct NodeOptions {
     pub server: String,
     pub peer: usize,
     pub out: PathBuf,
-    /// This peer's credential (`spes credential`); `None` for a server run with `--no-auth`.
+    /// This peer's credential (`spes auth credential`); `None` for a server run with `--no-auth`.
     pub credential: Option<String>,
     /// PEM CA certificate to trust for `https` (else the web PKI roots).
     pub tls_ca: Option<Vec<u8>>,
@@ -343,7 +346,7 @@ impl Node {
                 .map(|p| p.tensor.numel() as u64)
                 .sum(),
             optimizer_state_bytes: self.trainer.opt.state_bytes(),
-            peak_rss_mb: spes_train::bench::peak_rss_mb(),
+            peak_rss_mb: spes_train::process::peak_rss_mb(),
             wall_s: self.meter.started.elapsed().as_secs_f64(),
         }
     }

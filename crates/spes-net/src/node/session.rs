@@ -41,7 +41,7 @@ impl Session {
             match credential_peer(c) {
                 Some(p) if p == peer => {}
                 Some(p) => bail!("this credential is for peer {p}, but --peer is {peer}"),
-                None => bail!("the credential file does not hold a spes peer credential (spes credential makes one)"),
+                None => bail!("the credential file does not hold a spes peer credential (spes auth credential makes one)"),
             }
         }
         std::fs::create_dir_all(&opts.out)

@@ -3,9 +3,8 @@
 //! fetches stream payload files ([`crate::payload`]); a failed call is retried while it may
 //! still succeed ([`transient`]) and the node's patience lasts.
 
-use crate::auth::AddToken;
+use crate::dial::Client;
 use crate::proto::refusal::Kind as Refused;
-use crate::proto::spes_client::SpesClient;
 use crate::proto::{DoneRequest, FetchRequest, JoinReply, JoinRequest, PayloadHeader};
 use crate::{fault, payload, refusal};
 use anyhow::Result;
@@ -16,11 +15,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tonic::codegen::InterceptedService;
-use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
-
-pub(crate) type Client = SpesClient<InterceptedService<Channel, AddToken>>;
 
 /// How long a stream may stay silent, and how long unary calls may take.
 const IDLE: Duration = Duration::from_secs(20);
@@ -68,6 +63,7 @@ pub(super) fn join_run(
 }
 
 /// The upload for one server shard, in memory (kept for retries): its bytes and checksum.
+#[derive(Clone)]
 pub(super) struct Upload {
     pub bytes: Arc<Vec<u8>>,
     pub xxh3: u64,
@@ -386,17 +382,6 @@ where
             }
             Err(s) => return Err(s),
         }
-    }
-}
-
-/// Turns a final gRPC failure into an error that says what to do.
-pub(crate) fn explain(s: Status, server: &str) -> anyhow::Error {
-    match s.code() {
-        Code::Unauthenticated => anyhow::anyhow!(
-            "{server} rejected this node's credential: check --credential-file (made by `spes credential` from the run secret)"
-        ),
-        Code::Unavailable => anyhow::anyhow!("cannot reach {server}: {}", s.message()),
-        _ => anyhow::anyhow!("{server} refused: {}", s.message()),
     }
 }
 

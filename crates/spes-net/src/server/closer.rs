@@ -141,7 +141,7 @@ pub(super) fn run_closer(
     let mut final_at: Option<f64> = None;
     let mut opened_at = s.now();
     let mut last_alone_warning = f64::NEG_INFINITY;
-    let mut written_before = spes_train::bench::bytes_written();
+    let mut written_before = spes_train::process::bytes_written();
     let mut last_full = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         let _ = wake.recv_timeout(Duration::from_millis(100));
@@ -242,7 +242,7 @@ pub(super) fn run_closer(
             }
             opened_at = s.now();
             if let Some(c) = &mut record.close {
-                let written = spes_train::bench::bytes_written();
+                let written = spes_train::process::bytes_written();
                 c.bytes_written = written.saturating_sub(written_before);
                 written_before = written;
             }

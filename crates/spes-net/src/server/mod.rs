@@ -343,7 +343,11 @@ pub async fn serve(
             newest.round,
             opened.progress.gone.iter().copied().collect(),
         ),
-        None => (cfg.sync.scope(cfg.model.n_experts)?, 0, BTreeSet::new()),
+        None => (
+            Scope::of(&cfg.sync, cfg.model.n_experts)?,
+            0,
+            BTreeSet::new(),
+        ),
     };
     // Nodes compare their data's tokenizer with the server's, when the server has data.
     let tokenizer_xxh3 = spes_data::Manifest::load(cfg.data.primary())

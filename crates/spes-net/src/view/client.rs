@@ -2,7 +2,7 @@
 //! credential rules (TLS off loopback; a peer's or the viewer credential).
 
 use super::RunView;
-use crate::node::transport::explain;
+use crate::dial::{client, explain};
 use crate::proto::StatusRequest;
 use anyhow::{Context, Result};
 use std::time::Duration;
@@ -14,7 +14,7 @@ pub async fn status(
     tls_ca: Option<&[u8]>,
     insecure: bool,
 ) -> Result<RunView> {
-    let mut client = crate::node::connect::client(url, credential, tls_ca, insecure)?;
+    let mut client = client(url, credential, tls_ca, insecure)?;
     let mut req = tonic::Request::new(StatusRequest {});
     req.set_timeout(Duration::from_secs(20));
     let reply = client
@@ -23,7 +23,7 @@ pub async fn status(
         .map_err(|s| match s.code() {
             tonic::Code::Unauthenticated => anyhow::anyhow!(
                 "{url} needs a credential of the run: --credential-file with the viewer's \
-                 (spes credential --viewer) or a node's"
+                 (spes auth credential --viewer) or a node's"
             ),
             _ => explain(s, url),
         })?

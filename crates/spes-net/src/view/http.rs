@@ -49,7 +49,7 @@ impl HttpOptions {
         if !listen.ip().is_loopback() && (self.tls.is_none() || self.token.is_none()) {
             bail!(
                 "refusing an HTTP listener on {}: off loopback it needs TLS (--tls-cert/--tls-key) \
-                 and the run secret, whose viewer credential (spes credential --viewer) it then \
+                 and the run secret, whose viewer credential (spes auth credential --viewer) it then \
                  asks for; or listen on 127.0.0.1 and tunnel to it",
                 listen
             );
@@ -114,7 +114,7 @@ fn unauthorized() -> Response {
     (
         StatusCode::UNAUTHORIZED,
         [(header::WWW_AUTHENTICATE, "Bearer")],
-        "this listener needs the run's viewer credential: Authorization: Bearer <spes credential --viewer>\n",
+        "this listener needs the run's viewer credential: Authorization: Bearer <spes auth credential --viewer>\n",
     )
         .into_response()
 }

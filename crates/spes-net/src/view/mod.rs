@@ -3,6 +3,7 @@
 //! the live page, `/metrics` and `spes status` all read. `history` bounds what the server
 //! remembers; `prom` writes the Prometheus text; `http` is the optional listener.
 
+pub mod browser;
 pub mod client;
 pub mod history;
 pub mod http;

@@ -30,16 +30,7 @@ pub fn config(data: &Path, mode: &str, nodes: usize, extra: &[&str]) -> RunConfi
     let text = format!(
         r#"
 [model]
-preset = "tiny"
-vocab_size = 512
-d_model = 32
-n_layers = 2
-n_heads = 2
-head_dim = 16
-n_kv_heads = 2
-n_experts = 8
-expert_hidden = 32
-context_length = 32
+preset = "micro"
 
 [data]
 path = "{}"
@@ -273,7 +264,7 @@ pub fn upload_of(
     f: impl Fn(&tch::Tensor) -> tch::Tensor,
 ) -> spes_sync::Named {
     let model = spes_model::MoeModel::new(&cfg.model, Device::Cpu).unwrap();
-    let scope = cfg.sync.scope(cfg.model.n_experts).unwrap();
+    let scope = spes_sync::Scope::of(&cfg.sync, cfg.model.n_experts).unwrap();
     model
         .params()
         .into_iter()

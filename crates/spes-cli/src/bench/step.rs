@@ -1,4 +1,4 @@
-//! `spes bench` (training steps of a preset on random tokens) and `spes bench-vs-pytorch`
+//! `spes bench step` (training steps of a preset on random tokens) and `spes bench vs-pytorch`
 //! (the same steps side by side with the model written in plain PyTorch).
 
 use crate::args::{parse_moe_kernel, parse_precision, RuntimeArgs};
@@ -36,7 +36,7 @@ pub struct StepArgs {
     runtime: RuntimeArgs,
 }
 
-/// `spes bench`'s options beyond the steps.
+/// `spes bench step`'s options beyond the steps.
 #[derive(clap::Args)]
 pub struct BenchArgs {
     #[command(flatten)]
@@ -69,7 +69,7 @@ pub struct BenchArgs {
     json: bool,
 }
 
-/// `spes bench-vs-pytorch`'s options beyond the steps.
+/// `spes bench vs-pytorch`'s options beyond the steps.
 #[derive(clap::Args)]
 pub struct VsPytorchArgs {
     #[command(flatten)]
@@ -94,7 +94,7 @@ pub struct VsPytorchArgs {
     rows: Option<PathBuf>,
 }
 
-/// `spes bench`: measure in this process and print a table or JSON.
+/// `spes bench step`: measure in this process and print a table or JSON.
 pub fn run_bench(a: &BenchArgs) -> Result<()> {
     let s = &a.step;
     let device = s.runtime.device()?;
@@ -179,7 +179,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// One run of one implementation, each in its own process: the fields that `spes bench
+/// One run of one implementation, each in its own process: the fields that `spes bench step
 /// --json` and `bench_pytorch.py` both print.
 #[derive(Clone, Debug, serde::Deserialize)]
 struct Run {
@@ -247,7 +247,7 @@ struct Row {
     mfu_node_spec: Option<f64>,
 }
 
-/// `spes bench-vs-pytorch`: alternate `spes bench` and `scripts/bench_pytorch.py` (each run a
+/// `spes bench vs-pytorch`: alternate `spes bench step` and `scripts/bench_pytorch.py` (each run a
 /// fresh process), then print tokens/s, memory and MFU side by side.
 pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
     let s = &a.step;
@@ -267,7 +267,7 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
         .tempfile()?;
     std::fs::write(
         script.path(),
-        include_str!("../../../scripts/bench_pytorch.py"),
+        include_str!("../../../../scripts/bench_pytorch.py"),
     )?;
     let python = a.python.clone().unwrap_or_else(default_python);
     let exe = std::env::current_exe()?;
@@ -334,7 +334,7 @@ pub fn run_vs_pytorch(a: &VsPytorchArgs) -> Result<()> {
         for i in (0..names.len()).map(|i| (i + round) % names.len()) {
             let mut cmd = if i == 0 {
                 let mut c = Command::new(&exe);
-                c.args(["bench", "--json", "--preset", &s.preset]);
+                c.args(["bench", "step", "--json", "--preset", &s.preset]);
                 c
             } else {
                 let mut c = Command::new(&python);

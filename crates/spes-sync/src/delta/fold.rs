@@ -5,7 +5,7 @@
 //! of [`crate::delta::Delta::apply_`] (which other devices keep), so the results are
 //! bit-identical.
 
-use crate::delta::{Quantized, GROUP};
+use super::{Quantized, GROUP};
 use tch::{Device, Kind, Tensor};
 
 /// `flat[stride] += f32(q)` for a contiguous CPU fp32 `flat` of `numel` values; `false` (and

@@ -1,5 +1,5 @@
-//! Run secrets, node credentials and TLS certificates: `spes gen-secret`, `spes credential`,
-//! `spes gen-cert`, and how commands read a secret.
+//! `spes auth <what>`: run secrets, node credentials and TLS certificates, and how commands
+//! read a secret.
 
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
@@ -19,15 +19,34 @@ pub(crate) fn new_secret() -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Write a new random run secret (owner-only) for `spes server --secret-file`.
+#[derive(clap::Subcommand)]
+pub enum Auth {
+    /// Write a new random run secret (owner-only) for `spes server --secret-file`.
+    Secret(SecretArgs),
+    /// Derive node credentials from the run secret: each authorizes exactly one peer id.
+    /// Prints them, or writes DIR/node-<peer>.credential (owner-only) with --out.
+    Credential(CredentialArgs),
+    /// Write a self-signed TLS certificate and key (cert.pem, key.pem) for `spes server`.
+    Cert(CertArgs),
+}
+
+/// Runs the `spes auth` command `what` names.
+pub fn run(what: Auth) -> Result<()> {
+    match what {
+        Auth::Secret(a) => secret(a),
+        Auth::Credential(a) => credentials(a),
+        Auth::Cert(a) => cert(a),
+    }
+}
+
 #[derive(clap::Args)]
-pub struct GenSecretArgs {
+pub struct SecretArgs {
     #[arg(long)]
     pub out: PathBuf,
 }
 
-/// `spes gen-secret`: refuses to overwrite an existing secret.
-pub fn gen_secret(a: GenSecretArgs) -> Result<()> {
+/// `spes auth secret`: refuses to overwrite an existing secret.
+fn secret(a: SecretArgs) -> Result<()> {
     let out = a.out;
     if out.exists() {
         anyhow::bail!(
@@ -36,12 +55,10 @@ pub fn gen_secret(a: GenSecretArgs) -> Result<()> {
         );
     }
     spes_data::shard::write_secret(&out, new_secret().as_bytes())?;
-    println!("wrote {} (owner-only): give it to `spes server --secret-file` and make node credentials with `spes credential`", out.display());
+    println!("wrote {} (owner-only): give it to `spes server --secret-file` and make node credentials with `spes auth credential`", out.display());
     Ok(())
 }
 
-/// Derive node credentials from the run secret: each authorizes exactly one peer id.
-/// Prints them, or writes DIR/node-<peer>.credential (owner-only) with --out.
 #[derive(clap::Args)]
 pub struct CredentialArgs {
     #[arg(long)]
@@ -56,9 +73,8 @@ pub struct CredentialArgs {
     pub out: Option<PathBuf>,
 }
 
-/// Write a self-signed TLS certificate and key (cert.pem, key.pem) for `spes server`.
 #[derive(clap::Args)]
-pub struct GenCertArgs {
+pub struct CertArgs {
     #[arg(long)]
     pub out: PathBuf,
     /// Host names or IP addresses the certificate is valid for.
@@ -66,8 +82,8 @@ pub struct GenCertArgs {
     pub host: Vec<String>,
 }
 
-/// `spes gen-cert`.
-pub fn gen_cert(a: GenCertArgs) -> Result<()> {
+/// `spes auth cert`.
+fn cert(a: CertArgs) -> Result<()> {
     let (out, hosts) = (a.out.as_path(), a.host);
     let cert =
         rcgen::generate_simple_self_signed(hosts).context("cannot generate a certificate")?;
@@ -84,8 +100,8 @@ pub fn gen_cert(a: GenCertArgs) -> Result<()> {
     Ok(())
 }
 
-/// `spes credential`.
-pub fn credentials(a: CredentialArgs) -> Result<()> {
+/// `spes auth credential`.
+fn credentials(a: CredentialArgs) -> Result<()> {
     let (secret_file, peers, out) = (&a.secret_file, &a.peer, a.out.as_deref());
     let secret = spes_net::auth::read_token(secret_file)?;
     let viewer = a.viewer.then(|| {

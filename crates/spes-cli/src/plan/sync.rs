@@ -1,4 +1,4 @@
-//! `spes plan-sync`: the planner's tables (spes-net's `plan`) for presets and node counts.
+//! `spes plan sync`: the planner's tables (spes-net's `plan`) for presets and node counts.
 
 use anyhow::{bail, Result};
 use spes_model::ModelConfig;
@@ -38,24 +38,24 @@ pub struct Args {
     /// Sparse wire: entries sent per chunk (`sync.sparse_k`).
     #[arg(long, default_value_t = 64)]
     sparse_k: i64,
-    /// GB of uploads the server folds in per second (`spes bench-sync` measures it).
+    /// GB of uploads the server folds in per second (`spes bench sync` measures it).
     #[arg(long, default_value_t = 1.0)]
     aggregate_gbps: f64,
     /// Billions of values per second the server decodes and folds of quantized uploads (each
-    /// value sent; `spes bench-sync` measures it).
+    /// value sent; `spes bench sync` measures it).
     #[arg(long, default_value_t = LOSSY_GVPS)]
     lossy_gvps: f64,
-    /// The same for sparse uploads (`spes bench-sync` measures it).
+    /// The same for sparse uploads (`spes bench sync` measures it).
     #[arg(long, default_value_t = SPARSE_GVPS)]
     sparse_gvps: f64,
-    /// The same for low-rank uploads (`spes bench-sync` measures it).
+    /// The same for low-rank uploads (`spes bench sync` measures it).
     #[arg(long, default_value_t = LOWRANK_GVPS)]
     lowrank_gvps: f64,
     /// Low-rank wire: the rank of each matrix's factors (`sync.rank`).
     #[arg(long, default_value_t = 16)]
     rank: i64,
     /// Billions of values per second the server encodes a lossy wire's download at (every
-    /// value of the model; `spes bench-sync`'s close column).
+    /// value of the model; `spes bench sync`'s close column).
     #[arg(long, default_value_t = ENCODE_GVPS)]
     encode_gvps: f64,
     /// GB per second the server writes a published round at.
@@ -66,12 +66,12 @@ pub struct Args {
     diloco: bool,
 }
 
-/// Billions of values per second one 2-core server folds of sparse uploads (`spes bench-sync`).
+/// Billions of values per second one 2-core server folds of sparse uploads (`spes bench sync`).
 pub const SPARSE_GVPS: f64 = 0.9;
 
 /// Billions of values per second one 2-core server folds of 2-bit uploads of `1b`
-/// (`spes bench-sync --presets 1b --nodes 16`, release build: 1.22 and 1.00;
-/// docs/results/sync-cost.md). `tiny`'s small matrices fold slower (`spes bench-link` assumes 0.5).
+/// (`spes bench sync --presets 1b --nodes 16`, release build: 1.22 and 1.00;
+/// docs/results/sync-cost.md). `tiny`'s small matrices fold slower (`spes bench link` assumes 0.5).
 pub const LOSSY_GVPS: f64 = 1.0;
 
 pub use spes_net::plan::{ENCODE_GVPS, LOWRANK_GVPS};

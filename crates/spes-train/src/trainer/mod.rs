@@ -1,13 +1,15 @@
 //! The training loop: micro-batches, clipping, AdamW, evaluation, metrics, checkpoints, resume.
 
+pub mod lead;
+
 use crate::checkpoint::{self, TrainState};
 use crate::config::{MoeKernelChoice, Precision, RunConfig};
 use crate::data_parallel::DataParallel;
-use crate::lead::Op;
 use crate::metrics::{MetricsLog, StepLosses, StepRecord};
 use crate::optim::{lr_at, AdamW, Retarget};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use lead::Op;
 use spes_data::{Loader, ValWindows};
 use spes_model::{LossWeights, MoeKernel, MoeModel, Role};
 use std::path::{Path, PathBuf};
@@ -244,6 +246,7 @@ impl Trainer {
             })
             .collect();
         let lr = lr_at(self.step, &self.cfg.train);
+        let cpu_before = crate::process::thread_cpu_seconds();
         let mut s = step_on_batches(
             &self.model,
             &mut self.opt,
@@ -255,10 +258,14 @@ impl Trainer {
         let slowdown = self.cfg.train.slowdown;
         if slowdown > 1.0 {
             // Stands for a slower card: the step takes `slowdown` times as long, its CPU free.
-            std::thread::sleep(std::time::Duration::from_secs_f64(
-                s.seconds * (slowdown - 1.0),
-            ));
-            s.seconds *= slowdown;
+            // Scaled from the time the step computed, not its wall time: a process paused
+            // mid-step (SIGSTOP, a suspended VM) would otherwise sleep `slowdown` times its pause.
+            let busy = s
+                .seconds
+                .min(crate::process::thread_cpu_seconds() - cpu_before);
+            let extra = busy.max(0.0) * (slowdown - 1.0);
+            std::thread::sleep(std::time::Duration::from_secs_f64(extra));
+            s.seconds += extra;
         }
         if self.loader.drawn().len() > 1 {
             let seq = self.cfg.train.seq_len as u64;

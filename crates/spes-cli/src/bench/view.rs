@@ -1,14 +1,14 @@
-//! `spes bench-view`: the live page on a long run. A real server publishes round 0 of a micro
+//! `spes bench view`: the live page on a long run. A real server publishes round 0 of a micro
 //! model of the asked shape and stops; its restart point is moved to round `--rounds`, and a
 //! generated `metrics.jsonl` of that many rounds (expert load, per-node timeline, events) put
 //! beside it; the real server then restarts on them with `--http` on, and headless Chromium
 //! loads its page: payload, server time and render time.
 
 use anyhow::{bail, Context, Result};
+use spes_net::view::browser;
 use spes_net::view::http::HttpOptions;
 use spes_train::metrics::{MetricsLog, NodeRound, RoundClose, RoundRecord};
-use std::io::{Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// The live page on a long run: payload and headless Chromium's render time.
@@ -27,8 +27,9 @@ pub struct Args {
     pub repeats: usize,
     #[arg(long, default_value = "runs/bench-view")]
     pub out: PathBuf,
-    #[arg(long, default_value = "/usr/bin/chromium")]
-    pub chromium: PathBuf,
+    /// The browser (default: $CHROMIUM, else /usr/bin/chromium).
+    #[arg(long)]
+    pub chromium: Option<PathBuf>,
 }
 
 /// A deterministic round of a run of `nodes` nodes owning `experts` experts in turn.
@@ -100,22 +101,6 @@ fn record(a: &Args, round: u64) -> RoundRecord {
     }
 }
 
-fn get(addr: std::net::SocketAddr, path: &str) -> Result<(Duration, usize)> {
-    let t = Instant::now();
-    let mut s = std::net::TcpStream::connect(addr)?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut body = Vec::new();
-    s.read_to_end(&mut body)?;
-    let head = body
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .context("an HTTP reply")?;
-    Ok((t.elapsed(), body.len() - head - 4))
-}
-
 fn attr(dom: &str, name: &str) -> Option<String> {
     let at = dom.find(&format!("{name}=\""))?;
     dom[at + name.len() + 2..]
@@ -171,12 +156,13 @@ fn run_server(
     result
 }
 
-/// `spes bench-view`.
+/// `spes bench view`.
 pub fn run(a: Args) -> Result<()> {
-    if !a.chromium.exists() {
+    let chromium = a.chromium.clone().unwrap_or_else(browser::chromium);
+    if !chromium.exists() {
         bail!(
             "no browser at {} (scripts/setup.sh --tests installs chromium; or --chromium)",
-            a.chromium.display()
+            chromium.display()
         );
     }
     let cfg = config(&a)?;
@@ -211,16 +197,22 @@ pub fn run(a: Args) -> Result<()> {
     let addr = http.local_addr()?;
     let started = Instant::now();
     run_server(&rt, &cfg, &a.out, Some(http), || {
-        measure(&a, addr, file_bytes, started)
+        measure(&a, &chromium, addr, file_bytes, started)
     })
 }
 
 /// Times the page, `/api/run` and `/metrics` of the server at `addr`, and Chromium loading the
 /// page.
-fn measure(a: &Args, addr: std::net::SocketAddr, file_bytes: u64, started: Instant) -> Result<()> {
+fn measure(
+    a: &Args,
+    chromium: &Path,
+    addr: std::net::SocketAddr,
+    file_bytes: u64,
+    started: Instant,
+) -> Result<()> {
     // The listener answers once the server has read its state and history.
     let until = Instant::now() + Duration::from_secs(120);
-    while get(addr, "/metrics").is_err() {
+    while browser::get(addr, "/metrics").is_err() {
         anyhow::ensure!(
             Instant::now() < until,
             "the restarted server never answered"
@@ -228,9 +220,8 @@ fn measure(a: &Args, addr: std::net::SocketAddr, file_bytes: u64, started: Insta
         std::thread::sleep(Duration::from_millis(50));
     }
     let load_s = started.elapsed().as_secs_f64();
-    let (page_t, page_bytes) = get(addr, "/")?;
-    let (api_t, api_bytes) = get(addr, "/api/run")?;
-    let (metrics_t, metrics_bytes) = get(addr, "/metrics")?;
+    let [page, api, metrics] = ["/", "/api/run", "/metrics"].map(|p| browser::get(addr, p));
+    let (page, api, metrics) = (page?, api?, metrics?);
     println!(
         "{} rounds, {} nodes, {} × {} experts: metrics.jsonl {:.1} MB; the restarted server answered after {:.2} s\n",
         a.rounds,
@@ -241,35 +232,22 @@ fn measure(a: &Args, addr: std::net::SocketAddr, file_bytes: u64, started: Insta
         load_s
     );
     println!("| request | bytes | server + loopback ms |\n|---|---|---|");
-    for (what, t, b) in [
-        ("/ (page with the view)", page_t, page_bytes),
-        ("/api/run", api_t, api_bytes),
-        ("/metrics", metrics_t, metrics_bytes),
+    for (what, r) in [
+        ("/ (page with the view)", page),
+        ("/api/run", api),
+        ("/metrics", metrics),
     ] {
-        println!("| {what} | {b} | {:.1} |", t.as_secs_f64() * 1e3);
+        anyhow::ensure!(r.code == 200, "GET {what}: HTTP {}", r.code);
+        let ms = r.elapsed.as_secs_f64() * 1e3;
+        println!("| {what} | {} | {ms:.1} |", r.body.len());
     }
     println!("\n| load | round shown | render ms (page's own clock, navigation to first render) | chromium process s | heatmap cells | member rows |\n|---|---|---|---|---|---|");
     for i in 0..a.repeats {
         let profile = tempfile::tempdir()?;
         let t = Instant::now();
-        let o = std::process::Command::new(&a.chromium)
-            .args([
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                &format!("--user-data-dir={}", profile.path().display()),
-                "--dump-dom",
-                &format!("http://{addr}/"),
-            ])
-            .output()
-            .context("cannot run chromium")?;
+        let url = format!("http://{addr}/");
+        let dom = browser::headless_dom(chromium, &url, profile.path(), None)?;
         let wall = t.elapsed().as_secs_f64();
-        let dom = String::from_utf8_lossy(&o.stdout);
         let body = &dom[dom.find("<body").unwrap_or(0)..];
         let ms =
             attr(body, "data-render-ms").context("the page did not render (no data-render-ms)")?;

@@ -6,9 +6,9 @@
 //!
 //! An announcement is a small broadcast of integers: the operation, then its arguments.
 
+use super::Trainer;
 use crate::config::RunConfig;
 use crate::data_parallel::DataParallel;
-use crate::trainer::Trainer;
 use anyhow::{bail, Context, Result};
 use spes_model::{MoeModel, Role};
 use tch::{Device, Kind, Tensor};

@@ -1,4 +1,4 @@
-//! `spes bench-sync`: what a SPES node saves against a DiLoCo node. Per-node trainable bytes,
+//! `spes bench sync`: what a SPES node saves against a DiLoCo node. Per-node trainable bytes,
 //! optimizer state and traffic per round are derived from the presets' shapes; peak RSS is
 //! measured by running a SPES-node and a DiLoCo-node training step each in its own process.
 
@@ -33,7 +33,7 @@ pub struct Args {
     wires: Vec<String>,
 }
 
-/// `spes bench-sync`: the three tables.
+/// `spes bench sync`: the three tables.
 pub fn run(a: Args) -> Result<()> {
     traffic_table(&a.presets, a.nodes, a.wire_bytes)?;
     aggregation(&a.presets[0], a.nodes, a.rounds, &a.wires)?;
@@ -76,10 +76,12 @@ fn traffic_table(presets: &[String], nodes: usize, wire_bytes: u64) -> Result<()
     Ok(())
 }
 
-/// Runs `spes bench --json` in a child process and returns its result.
+/// Runs `spes bench step --json` in a child process and returns its result.
 fn bench_child(preset: &str, own_experts: usize, batch: usize, seq: usize) -> Result<Value> {
     let out = Command::new(std::env::current_exe()?)
-        .args(["bench", "--json", "--device", "cpu", "--preset", preset])
+        .args([
+            "bench", "step", "--json", "--device", "cpu", "--preset", preset,
+        ])
         .args(["--own-experts", &own_experts.to_string()])
         .args([
             "--batch-size",
@@ -88,14 +90,14 @@ fn bench_child(preset: &str, own_experts: usize, batch: usize, seq: usize) -> Re
             &seq.to_string(),
         ])
         .output()
-        .context("cannot run `spes bench`")?;
+        .context("cannot run `spes bench step`")?;
     if !out.status.success() {
         bail!(
-            "`spes bench` failed: {}",
+            "`spes bench step` failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    serde_json::from_slice(&out.stdout).context("`spes bench --json` printed no JSON")
+    serde_json::from_slice(&out.stdout).context("`spes bench step --json` printed no JSON")
 }
 
 /// Measures a SPES node (owning E/N experts) against a DiLoCo node (all experts) on `preset`.
@@ -272,6 +274,6 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize, only: &[String]) -> Re
             values as f64 / (read + fold) / 1e9
         );
     }
-    println!("\n(encode: a node's whole upload into the wire form, once; median round of {rounds}; throughput = upload bytes / (read + validate + fold + close); values: of the tensors uploaded (dense-equivalent: sent or not, strided or not), per second of the whole path; folded values: the same per second of read + validate + fold, the rate `spes plan-sync --lossy-gvps / --sparse-gvps / --lowrank-gvps` take)");
+    println!("\n(encode: a node's whole upload into the wire form, once; median round of {rounds}; throughput = upload bytes / (read + validate + fold + close); values: of the tensors uploaded (dense-equivalent: sent or not, strided or not), per second of the whole path; folded values: the same per second of read + validate + fold, the rate `spes plan sync --lossy-gvps / --sparse-gvps / --lowrank-gvps` take)");
     Ok(())
 }

@@ -1,6 +1,8 @@
 //! The run configuration: TOML sections `[model]`, `[data]`, `[train]` and `[sync]` (whose
 //! types live in spes-sync, which reads them), with `--set` overrides.
 
+pub mod rules;
+
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use spes_model::ModelConfig;
@@ -16,9 +18,9 @@ pub struct RunConfig {
     pub train: TrainConfig,
     #[serde(default)]
     pub sync: SyncConfig,
-    /// The values rules derived when this config was parsed ([`crate::rules`]).
+    /// The values rules derived when this config was parsed ([`rules`]).
     #[serde(skip)]
-    pub derived: Vec<crate::rules::Derived>,
+    pub derived: Vec<rules::Derived>,
 }
 
 /// `[data]`: where training windows come from. Node-local: every node names its own copy.
@@ -128,7 +130,7 @@ pub struct TrainConfig {
     pub lr: f64,
     /// SPES and DiLoCo nodes step at `lr · node_lr_scale` (default "auto": √nodes, since an
     /// average of n nodes' steps moves about 1/√n as far as one step on their rows together;
-    /// [`crate::rules`]).
+    /// [`rules`]).
     pub node_lr_scale: f64,
     /// Expert matrices step at `lr · node_lr_scale · expert_lr_scale`: in SPES an owned
     /// expert's update is its owner's alone, while shared parameters average every node's
@@ -190,7 +192,7 @@ pub struct TrainConfig {
     #[serde(skip_serializing_if = "is_zero")]
     pub micro_batch: usize,
     /// A node's memory budget per rank in GiB (0: none): it owns at most the experts whose
-    /// state fits in it, as `spes plan-memory` counts them, and tells the server at join; the
+    /// state fits in it, as `spes plan memory` counts them, and tells the server at join; the
     /// server gives it no more ([`spes_sync::Claims`]). A budget too small for one expert is
     /// refused at start with what would fit.
     #[serde(skip_serializing_if = "is_zero_f64")]
@@ -470,7 +472,7 @@ impl RunConfig {
             apply_override(&mut doc, o)?;
         }
         resolve_preset(&mut doc)?;
-        let derived = crate::rules::resolve(&mut doc)?;
+        let derived = rules::resolve(&mut doc)?;
         let mut cfg: RunConfig = serde_path_to_error::deserialize(toml::Value::Table(doc))
             .map_err(|e| anyhow::anyhow!("key `{}`: {}", e.path(), e.inner()))?;
         cfg.derived = derived;

@@ -3,7 +3,7 @@
 //! recipe nobody tuned on gets rates and schedules that follow it. Explicit numbers override.
 //! The measurements behind each rule are in docs/results/quality.md (the recipe grid).
 
-use crate::config::{Mode, RunConfig};
+use super::{Mode, RunConfig};
 use anyhow::{bail, Result};
 
 /// One value a rule derived: the key, the value and the rule in words, as the resolved config
@@ -21,16 +21,6 @@ impl std::fmt::Display for Derived {
         write!(f, "{} = {} (auto: {})", self.key, self.value, self.rule)
     }
 }
-
-/// The keys whose default is a rule, in the order they are derived (later rules may read
-/// earlier results).
-const RULE_KEYS: [(&str, &str); 5] = [
-    ("train", "node_lr_scale"),
-    ("train", "expert_lr_scale"),
-    ("train", "warmup_steps"),
-    ("sync", "merge_until"),
-    ("sync", "merge_every"),
-];
 
 /// Nodes' rate for the shared parameters over the centralized rate `train.lr`: averaging n
 /// nodes' AdamW steps cancels part of their noise, so the mean moves about 1/√n as far as one
@@ -68,84 +58,91 @@ pub fn merge_every(merge_until: u64, sync_steps: u64) -> u64 {
     (merge_until / 3 / h * h).max(h)
 }
 
+/// A key whose default is a rule: `section.key`, the rule in words, and the rule itself, read
+/// from the config with every earlier rule's result filled in.
+struct Rule {
+    key: &'static str,
+    text: &'static str,
+    derive: fn(&RunConfig) -> toml::Value,
+}
+
+/// The rules, in the order they are derived (later rules may read earlier results).
+const RULES: [Rule; 5] = [
+    Rule {
+        key: "train.node_lr_scale",
+        text: "√sync.nodes on SPES and DiLoCo nodes, 1 centralized",
+        derive: |c| node_lr_scale(c.sync.mode, c.sync.nodes).into(),
+    },
+    Rule {
+        key: "train.expert_lr_scale",
+        text: "1 / train.node_lr_scale in SPES: experts at the centralized rate",
+        derive: |c| expert_lr_scale(c.sync.mode, c.train.node_lr_scale).into(),
+    },
+    Rule {
+        key: "train.warmup_steps",
+        text: "a tenth of train.t_max, or of train.max_steps",
+        derive: |c| {
+            let t = &c.train;
+            let schedule = if t.t_max == 0 { t.max_steps } else { t.t_max };
+            (warmup_steps(schedule) as i64).into()
+        },
+    },
+    Rule {
+        key: "sync.merge_until",
+        text: "three quarters of train.max_steps",
+        derive: |c| (merge_until(c.train.max_steps) as i64).into(),
+    },
+    Rule {
+        key: "sync.merge_every",
+        text: "a third of sync.merge_until, on a sync step",
+        derive: |c| (merge_every(c.sync.merge_until, c.sync.sync_steps) as i64).into(),
+    },
+];
+
 /// Fills every rule key that `doc` leaves out or sets to `"auto"` (`doc` holds the config
 /// after overrides, with its model preset resolved) and returns what was derived.
 pub(crate) fn resolve(doc: &mut toml::Table) -> Result<Vec<Derived>> {
     let mut auto = Vec::new();
-    for (section, key) in RULE_KEYS {
+    for rule in &RULES {
+        let (section, key) = rule.key.split_once('.').expect("section.key");
         match doc.get(section).and_then(|s| s.get(key)) {
-            None => auto.push((section, key)),
-            Some(toml::Value::String(s)) if s == "auto" => auto.push((section, key)),
+            None => auto.push(rule),
+            Some(toml::Value::String(s)) if s == "auto" => auto.push(rule),
             Some(toml::Value::String(s)) => {
                 bail!("key `{section}.{key}`: expected a number or \"auto\", got \"{s}\"")
             }
             Some(_) => {}
         }
     }
-    if auto.is_empty() {
-        return Ok(Vec::new());
-    }
     // What the rules read, with every other default filled in: the config without the keys
-    // still to derive.
+    // still to derive, each rule's result added before the next reads it.
     let mut bare = doc.clone();
-    for (section, key) in &auto {
-        if let Some(t) = bare.get_mut(*section).and_then(|s| s.as_table_mut()) {
-            t.remove(*key);
+    for rule in &auto {
+        let (section, key) = rule.key.split_once('.').expect("section.key");
+        if let Some(t) = bare.get_mut(section).and_then(|s| s.as_table_mut()) {
+            t.remove(key);
         }
     }
-    let base: RunConfig = serde_path_to_error::deserialize(toml::Value::Table(bare))
-        .map_err(|e| anyhow::anyhow!("key `{}`: {}", e.path(), e.inner()))?;
-    let (t, s) = (&base.train, &base.sync);
-    let is_auto = |section: &str, key: &str| auto.contains(&(section, key));
-    let node_scale = if is_auto("train", "node_lr_scale") {
-        node_lr_scale(s.mode, s.nodes)
-    } else {
-        t.node_lr_scale
-    };
-    let until = if is_auto("sync", "merge_until") {
-        merge_until(t.max_steps)
-    } else {
-        s.merge_until
-    };
-    let schedule = if t.t_max == 0 { t.max_steps } else { t.t_max };
     let mut derived = Vec::new();
-    for (section, key) in auto {
-        let (key, value, rule): (&'static str, toml::Value, &'static str) = match key {
-            "node_lr_scale" => (
-                "train.node_lr_scale",
-                node_scale.into(),
-                "√sync.nodes on SPES and DiLoCo nodes, 1 centralized",
-            ),
-            "expert_lr_scale" => (
-                "train.expert_lr_scale",
-                expert_lr_scale(s.mode, node_scale).into(),
-                "1 / train.node_lr_scale in SPES: experts at the centralized rate",
-            ),
-            "warmup_steps" => (
-                "train.warmup_steps",
-                (warmup_steps(schedule) as i64).into(),
-                "a tenth of train.t_max, or of train.max_steps",
-            ),
-            "merge_until" => (
-                "sync.merge_until",
-                (until as i64).into(),
-                "three quarters of train.max_steps",
-            ),
-            "merge_every" => (
-                "sync.merge_every",
-                (merge_every(until, s.sync_steps) as i64).into(),
-                "a third of sync.merge_until, on a sync step",
-            ),
-            _ => unreachable!("every rule key is listed"),
-        };
-        let table = doc
-            .entry(section)
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        let Some(table) = table.as_table_mut() else {
-            bail!("`{section}` is not a section");
-        };
-        table.insert(key[section.len() + 1..].to_owned(), value.clone());
-        derived.push(Derived { key, value, rule });
+    for rule in auto {
+        let base: RunConfig = serde_path_to_error::deserialize(toml::Value::Table(bare.clone()))
+            .map_err(|e| anyhow::anyhow!("key `{}`: {}", e.path(), e.inner()))?;
+        let value = (rule.derive)(&base);
+        let (section, key) = rule.key.split_once('.').expect("section.key");
+        for table in [&mut *doc, &mut bare] {
+            let section = table
+                .entry(section)
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            let Some(section) = section.as_table_mut() else {
+                bail!("`{}` is not a section", rule.key);
+            };
+            section.insert(key.to_owned(), value.clone());
+        }
+        derived.push(Derived {
+            key: rule.key,
+            value,
+            rule: rule.text,
+        });
     }
     Ok(derived)
 }

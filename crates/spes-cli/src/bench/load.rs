@@ -1,23 +1,20 @@
-//! `spes bench-load`: how one server holds up as the run grows wide. For each node count it
+//! `spes bench load`: how one server holds up as the run grows wide. For each node count it
 //! starts a real `spes server` process on a micro model with one expert per node, and drives
 //! it with that many virtual peers in this process: each joins, then every round uploads a
 //! precomputed bf16 delta of exactly the tensors it trains and fetches the round back without
-//! its own experts, as a node does, over real gRPC on loopback. Peers do not train, so a round
+//! its own experts through the node's own transport (`spes_net::node::VirtualPeer`: the same
+//! calls, retries and payload checks), over real gRPC on loopback. Peers do not train, so a round
 //! measures the server alone. Prints round latency (p50/p99), uploads per second and the
 //! server's peak RSS against node count, with the planner's round time beside each.
 
 use anyhow::{bail, Context, Result};
-use spes_net::auth::AddToken;
 use spes_net::link::LinkSpec;
-use spes_net::payload;
+use spes_net::node::VirtualPeer;
 use spes_net::plan::{self, PlanInput, WireOption};
-use spes_net::proto::spes_client::SpesClient;
-use spes_net::proto::{DoneRequest, FetchRequest, JoinRequest};
 use spes_sync::{Delta, Layout};
 use spes_train::RunConfig;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug)]
@@ -73,16 +70,6 @@ checkpoint_every_rounds = 1000
     RunConfig::parse(&text, &[])
 }
 
-type Client = SpesClient<tonic::codegen::InterceptedService<tonic::transport::Channel, AddToken>>;
-
-/// One virtual peer: its client and its upload, encoded once.
-struct Peer {
-    id: usize,
-    client: Client,
-    upload: Arc<Vec<u8>>,
-    xxh3: u64,
-}
-
 /// What one node count measured.
 struct Row {
     nodes: usize,
@@ -102,7 +89,7 @@ pub fn run(a: Args) -> Result<()> {
     let data = crate::demo::prepare_data(&a.out)?;
     let mut rows = Vec::new();
     for &n in &a.nodes {
-        eprintln!("bench-load: {n} virtual peers …");
+        eprintln!("bench load: {n} virtual peers …");
         rows.push(measure(&a, &data, n)?);
     }
     println!("\nOne `spes server` process, virtual peers on loopback (no training), bf16 deltas, one expert per peer, {} rounds (round 1 not measured):\n", a.rounds);
@@ -120,7 +107,7 @@ pub fn run(a: Args) -> Result<()> {
             r.peak_rss_mb
         );
     }
-    println!("\nround: from the round's first upload to the last peer holding it; planned: `spes plan-sync`'s round for these shapes on unlimited loopback links with no compute (1 GB/s folding and disk).");
+    println!("\nround: from the round's first upload to the last peer holding it; planned: `spes plan sync`'s round for these shapes on unlimited loopback links with no compute (1 GB/s folding and disk).");
     Ok(())
 }
 
@@ -151,9 +138,9 @@ fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
     let url = format!("http://127.0.0.1:{port}");
     let model = spes_model::MoeModel::new(&cfg.model, tch::Device::Cpu)?;
     let layout = Layout::of(&model);
-    let scope = cfg.sync.scope(cfg.model.n_experts)?;
+    let scope = spes_sync::Scope::of(&cfg.sync, cfg.model.n_experts)?;
     let rt = tokio::runtime::Runtime::new()?;
-    let peers: Vec<Peer> = (0..nodes)
+    let peers: Vec<VirtualPeer> = (0..nodes)
         .map(|id| {
             let wire: spes_sync::Named = layout
                 .entries
@@ -166,36 +153,35 @@ fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
                     Delta::of_change(&change, &cfg.sync, 1).into_wire(name)
                 })
                 .collect();
-            let (bytes, xxh3) = payload::encode(&wire, tch::Kind::BFloat16);
-            let client = rt.block_on(connect(&url))?;
-            Ok(Peer {
-                id,
-                client,
-                upload: Arc::new(bytes),
-                xxh3,
-            })
+            let upload = (wire, tch::Kind::BFloat16);
+            let dir = out.join(format!("peer-{id}"));
+            VirtualPeer::open(&url, None, id, &layout, upload, &rt, dir)
         })
         .collect::<Result<_>>()?;
-    let upload_bytes = peers[0].upload.len() as u64;
-    let peers = Arc::new(peers);
-    rt.block_on(join_all(&peers))?;
+    let upload_bytes = peers[0].upload_bytes();
+    for p in &peers {
+        p.join()?;
+    }
     let mut times = Vec::new();
     let started = Instant::now();
     for round in 1..=a.rounds {
         let t = Instant::now();
-        rt.block_on(round_trip(&peers, round))?;
+        // Every peer at once, each on its own thread, as nodes would be.
+        std::thread::scope(|s| {
+            let running: Vec<_> = peers.iter().map(|p| s.spawn(|| p.round(round))).collect();
+            running
+                .into_iter()
+                .try_for_each(|t| t.join().expect("a virtual peer panicked"))
+        })?;
         if round > 1 {
             times.push(t.elapsed().as_secs_f64());
         }
     }
     let total = started.elapsed().as_secs_f64();
     let peak_rss_mb = server.peak_rss_mb();
-    rt.block_on(async {
-        for p in peers.iter() {
-            let mut c = p.client.clone();
-            let _ = c.done(DoneRequest { peer: p.id as u32 }).await;
-        }
-    });
+    for p in &peers {
+        p.done();
+    }
     server.wait(Duration::from_secs(30));
     times.sort_by(f64::total_cmp);
     let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
@@ -216,10 +202,10 @@ fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
             sparse_k: cfg.sync.sparse_k,
             aggregate_bytes_per_s: 1e9,
             lossy_values_per_s: 1.5e8,
-            sparse_values_per_s: crate::plan_sync::SPARSE_GVPS * 1e9,
-            lowrank_values_per_s: crate::plan_sync::LOWRANK_GVPS * 1e9,
+            sparse_values_per_s: crate::plan::sync::SPARSE_GVPS * 1e9,
+            lowrank_values_per_s: crate::plan::sync::LOWRANK_GVPS * 1e9,
             rank: cfg.sync.rank,
-            encode_values_per_s: crate::plan_sync::ENCODE_GVPS * 1e9,
+            encode_values_per_s: crate::plan::sync::ENCODE_GVPS * 1e9,
             disk_bytes_per_s: 1e9,
         },
         WireOption::Bf16DeltaSkipOwn,
@@ -235,92 +221,12 @@ fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
     })
 }
 
-async fn connect(url: &str) -> Result<Client> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())?
-        .connect_timeout(Duration::from_secs(10))
-        .connect_lazy();
-    Ok(SpesClient::with_interceptor(channel, AddToken::new(None)?)
-        .max_decoding_message_size(payload::MAX_MESSAGE_BYTES))
-}
-
-/// Every peer joins, retrying until the server is up.
-async fn join_all(peers: &Arc<Vec<Peer>>) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    for p in peers.iter() {
-        loop {
-            let mut c = p.client.clone();
-            let req = JoinRequest {
-                peer: p.id as u32,
-                session: 1000 + p.id as u64,
-                join: false,
-                data_parts: Vec::new(),
-                report: None,
-                max_experts: None,
-                activity: 0,
-            };
-            match c.join(req).await {
-                Ok(_) => break,
-                Err(e) if Instant::now() < deadline => {
-                    tracing::debug!("join: {}", e.message());
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Err(e) => bail!("peer {} cannot join: {}", p.id, e.message()),
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Every peer uploads round `round` and fetches it back (a delta, without its own experts).
-async fn round_trip(peers: &Arc<Vec<Peer>>, round: u64) -> Result<()> {
-    let mut tasks = Vec::new();
-    for i in 0..peers.len() {
-        let peers = peers.clone();
-        tasks.push(tokio::spawn(async move {
-            let p = &peers[i];
-            let size = p.upload.len() as u64;
-            let header = payload::upload_header(p.id, 1000 + p.id as u64, round, size, p.xxh3);
-            let mut c = p.client.clone();
-            let stream = payload::send(
-                vec![payload::Source::Bytes(p.upload.clone())],
-                header,
-                |_| {},
-            );
-            let stream = tokio_stream::StreamExt::filter_map(stream, |r| r.ok());
-            c.upload(stream)
-                .await
-                .map_err(|e| anyhow::anyhow!("peer {} upload: {}", p.id, e.message()))?;
-            let req = FetchRequest {
-                peer: p.id as u32,
-                round,
-                newest: false,
-                wait_ms: 60_000,
-                have_previous: true,
-                skip_own: true,
-            };
-            let mut stream = c
-                .fetch(req)
-                .await
-                .map_err(|e| anyhow::anyhow!("peer {} fetch: {}", p.id, e.message()))?
-                .into_inner();
-            let idle = Duration::from_secs(60);
-            let header = payload::read_header(&mut stream, idle).await?;
-            payload::receive_to_memory(&mut stream, &header, idle).await?;
-            anyhow::Ok(())
-        }));
-    }
-    for t in tasks {
-        t.await??;
-    }
-    Ok(())
-}
-
 /// The server process, killed if the bench stops early.
 struct ServerProc(Child);
 
 impl ServerProc {
     fn peak_rss_mb(&self) -> f64 {
-        spes_train::bench::process_mb(&self.0.id().to_string(), "VmHWM:")
+        spes_train::process::peak_rss_mb_of(self.0.id())
     }
 
     fn wait(&mut self, limit: Duration) {

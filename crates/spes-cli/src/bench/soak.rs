@@ -1,4 +1,4 @@
-//! `spes bench-soak`: does anything grow with a run's length? One server and 4 node processes
+//! `spes bench soak`: does anything grow with a run's length? One server and 4 node processes
 //! train a micro model one step a round for `--rounds` rounds, while this process samples them
 //! every `--every` rounds: resident memory of the server and of the largest node, disk used by
 //! each role, the size of every file that grows (metrics, the restart point, logs) and the
@@ -27,17 +27,8 @@ fn soak_config(data: &Path, rounds: u64) -> String {
     format!(
         r#"
 [model]
-preset = "tiny"
+preset = "micro"
 vocab_size = 8192
-d_model = 32
-n_layers = 2
-n_heads = 2
-head_dim = 16
-n_kv_heads = 2
-n_experts = 8
-top_k = 2
-expert_hidden = 32
-context_length = 32
 
 [data]
 path = "{}"
@@ -154,7 +145,7 @@ pub fn run(a: Args) -> Result<()> {
                 .filter(|r| r.round + a.every > newest)
                 .filter_map(|r| r.close.as_ref().map(|c| c.round_s))
                 .collect();
-            let rss = |c: &Child| spes_train::bench::process_mb(&c.id().to_string(), "VmRSS:");
+            let rss = |c: &Child| spes_train::process::rss_mb(&c.id().to_string());
             let largest = guard.0[1..].iter().map(rss).fold(0.0, f64::max);
             println!(
                 "| {newest} | {:.0} MiB | {largest:.0} MiB | {:.1} MiB | {:.1} MiB | {:.2} MiB | {:.1} KiB | {:.2} MiB | {:.2} MiB | {:.3} |",

@@ -1,4 +1,4 @@
-//! `spes plan-memory`: what one rank of a node needs in memory (spes-train's `memory_plan`),
+//! `spes plan memory`: what one rank of a node needs in memory (spes-train's `memory_plan`),
 //! by category, with and without activation checkpointing, whether it fits a card, and the
 //! largest micro-batch that does.
 

@@ -1,4 +1,4 @@
-//! `spes bench-link`: sync measured over shaped loopback links next to the planner's
+//! `spes bench link`: sync measured over shaped loopback links next to the planner's
 //! prediction. For each wire option it runs the demo's server and 4 node processes on a preset
 //! (`tiny` by default; merging off, so every round can skip own experts), each node behind its
 //! own link, and averages the nodes' sync records over the rounds between the first and the
@@ -31,19 +31,19 @@ pub struct Args {
     #[arg(long, default_value_t = 1.0)]
     aggregate_gbps: f64,
     /// Billions of values per second the server folds of quantized or sparse uploads (each
-    /// value of the tensors covered; `spes bench-sync` measures about 0.15–0.3 on 2 cores).
+    /// value of the tensors covered; `spes bench sync` measures about 0.15–0.3 on 2 cores).
     #[arg(long, default_value_t = 0.5)]
     lossy_gvps: f64,
     /// The same for sparse uploads.
-    #[arg(long, default_value_t = crate::plan_sync::SPARSE_GVPS)]
+    #[arg(long, default_value_t = crate::plan::sync::SPARSE_GVPS)]
     sparse_gvps: f64,
     /// The same for low-rank uploads (dense-equivalent values).
-    #[arg(long, default_value_t = crate::plan_sync::LOWRANK_GVPS)]
+    #[arg(long, default_value_t = crate::plan::sync::LOWRANK_GVPS)]
     lowrank_gvps: f64,
     /// Billions of values per second the server encodes a lossy wire's download at (every
-    /// value of the model; `spes bench-sync`'s close column: about 0.04 on `tiny`, whose small
+    /// value of the model; `spes bench sync`'s close column: about 0.04 on `tiny`, whose small
     /// matrices cost more per value, and 0.13–0.15 on `1b`).
-    #[arg(long, default_value_t = crate::plan_sync::ENCODE_GVPS)]
+    #[arg(long, default_value_t = crate::plan::sync::ENCODE_GVPS)]
     encode_gvps: f64,
     #[arg(long, default_value_t = 1.0)]
     disk_gbps: f64,
@@ -98,7 +98,7 @@ pub fn run(a: Args) -> Result<()> {
         ];
         overrides.extend(option.overrides(a.stride));
         let cfg = demo::config(&data, &overrides)?;
-        eprintln!("bench-link: {} over {:?} …", option.label(), a.link);
+        eprintln!("bench link: {} over {:?} …", option.label(), a.link);
         demo::launch(
             &out,
             &cfg,
@@ -192,7 +192,7 @@ pub fn run(a: Args) -> Result<()> {
             100.0 * p.compute_s / p.round_s,
         );
     }
-    println!("\nsync: upload start to loaded model; idle: training stood still (sync without overlap, plus the node's checkpoint, which the planner leaves out); utilization: compute / (compute + idle) of each node; planned: `spes plan-sync` with the measured step time.");
+    println!("\nsync: upload start to loaded model; idle: training stood still (sync without overlap, plus the node's checkpoint, which the planner leaves out); utilization: compute / (compute + idle) of each node; planned: `spes plan sync` with the measured step time.");
     Ok(())
 }
 
