@@ -754,10 +754,10 @@ impl Coordinator {
         let presumed = self.presumed_live(now);
         let expired = |p: &usize| {
             !presumed.contains(p)
-                && self
-                    .leases
-                    .get(p)
-                    .is_none_or(|l| now - l.renewed >= self.cfg.lease_s + self.cfg.evict_after_s)
+                && self.leases.get(p).is_none_or(|l| {
+                    self.hearing.unheard_s(l.renewed, now, &self.cfg)
+                        >= self.cfg.lease_s + self.cfg.evict_after_s
+                })
         };
         let mut evicted: Vec<usize> = members.iter().filter(|p| expired(p)).copied().collect();
         if evicted.len() == members.len() {

@@ -115,6 +115,21 @@ impl Hearing {
             .is_some_and(|(from, back)| renewed + lease > from && now < back + lease)
     }
 
+    /// Seconds the server could have heard a member last renewed at `renewed` by `now`: the
+    /// time since, less the server's newest silence when the member's lease ran out in it. What
+    /// eviction counts, so a member whose lease ran out in the server's own outage keeps its
+    /// place until it has had a whole `lease_s + evict_after_s` to be heard again (a link back
+    /// after a cut may take seconds of TCP retransmissions to carry).
+    pub fn unheard_s(&self, renewed: f64, now: f64, cfg: &SyncConfig) -> f64 {
+        let overlap = self
+            .silence
+            .filter(|&(from, _)| renewed + cfg.lease_s > from)
+            .map_or(0.0, |(from, back)| {
+                (back.min(now) - from.max(renewed)).max(0.0)
+            });
+        (now - renewed - overlap).max(0.0)
+    }
+
     /// Whether `peer` showed progress within [`SyncConfig::stall_after_s`] of `now`, counting
     /// from the round's opening at the earliest and from the end of the server's last silence
     /// (while deaf, the server cannot know and assumes so).
@@ -208,5 +223,22 @@ mod tests {
         for now in [12.0, 12.5, 13.75, 14.0] {
             assert!(h.presumed_live(b, now, &c), "at {now}");
         }
+    }
+
+    #[test]
+    fn eviction_counts_only_the_time_the_server_could_hear() {
+        let c = cfg();
+        let mut h = Hearing::new(0.0);
+        for t in 1..=10 {
+            h.heard(t as f64, &c);
+        }
+        // Deaf from 10 to 40; a member last heard at 9 is unheard for 1 s before the silence
+        // and for what passed since the server heard again.
+        h.heard(40.0, &c);
+        assert_eq!(h.unheard_s(9.0, 40.0, &c), 1.0);
+        assert_eq!(h.unheard_s(9.0, 43.5, &c), 4.5);
+        // A member heard after the silence, or whose lease ran out before it, counts plainly.
+        assert_eq!(h.unheard_s(41.0, 43.0, &c), 2.0);
+        assert_eq!(h.unheard_s(2.0, 43.0, &c), 41.0);
     }
 }
