@@ -18,14 +18,18 @@
 //! closes with nothing trained) and owns within its cap from the next; experts no member has
 //! room for stay as they are ([`crate::UNOWNED`]).
 
+mod members;
+mod next_model;
+
+use members::Members;
+
 use crate::budget::{self, Work};
 use crate::config::{RoundBy, SyncConfig};
-use crate::delta::{self, Delta, RoundDelta, WirePart};
-use crate::hearing::Hearing;
+use crate::delta::{self, RoundDelta, WirePart};
 use crate::named::{Layout, Named};
-use crate::outer::{norm_preserving_scale, OuterState, Source};
+use crate::outer::OuterState;
 use crate::ownership::Claims;
-use crate::round::{all_finite, merge_experts, validate, Aggregator, Combined, MergeEvent, Scope};
+use crate::round::{all_finite, validate, Aggregator, MergeEvent, Scope};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::collections::{BTreeMap, BTreeSet};
@@ -124,13 +128,6 @@ pub struct PeerWork {
     pub weight: f64,
 }
 
-#[derive(Clone, Copy, Debug)]
-struct Lease {
-    /// Process instance holding the peer id; 0 = not known yet (after a server restart).
-    session: u64,
-    renewed: f64,
-}
-
 /// Where a coordinator starts: the model published last, its round (0: θ⁰), the peers
 /// evicted so far and the caps nodes declared.
 pub struct Start {
@@ -148,16 +145,11 @@ pub struct Coordinator {
     max_update_rms: Option<f64>,
     round: u64,
     global: Named,
+    /// The open round's scope (who trains what) and its uploads so far.
     agg: Aggregator,
     opened_at: f64,
-    leases: BTreeMap<usize, Lease>,
-    /// Who was heard and who made progress: whom the open round waits for besides the leases.
-    hearing: Hearing,
-    /// The server's silent seconds when the open round opened ([`Coordinator::deadline`]).
-    silent_at_open: f64,
-    joining: BTreeSet<usize>,
-    /// Evicted peers; one that comes back is admitted again like a joiner.
-    gone: BTreeSet<usize>,
+    /// Leases, joiners, the evicted, caps, who sits the open round out.
+    members: Members,
     /// Delta mode: what the last closed round published.
     last_delta: Option<RoundDelta>,
     /// Lossy wires: what the published deltas have not carried yet, per tensor (fp32).
@@ -173,34 +165,6 @@ pub struct Coordinator {
     last_work: BTreeMap<usize, Work>,
     /// Rows one node trains in a round at the run's batch ([`Coordinator::with_round_rows`]).
     round_rows: Option<u64>,
-    /// The most experts each node that declared one can own (persisted, [`Coordinator::caps`]).
-    caps: BTreeMap<usize, usize>,
-    /// Members sitting the open round out: their cap is below what they own in it.
-    sitting_out: BTreeSet<usize>,
-    /// `owners[e]` of the round before the open one (empty: not known): an expert that changed
-    /// owner since may be handed over by its previous owner ([`Coordinator::check_handover`]).
-    previous_owners: Vec<usize>,
-}
-
-/// A tensor's fate in a round's close.
-enum Next {
-    Unchanged,
-    /// Its next value: the combined value (fp32 wire), or an owner's expert published as sent.
-    Value(Tensor),
-    /// Its change from the base, still to encode for the wire (delta wires).
-    Change(Tensor),
-}
-
-/// What a close computes before it is accepted.
-struct Closing {
-    global: Named,
-    merges: Vec<MergeEvent>,
-    /// Delta wire: what the round publishes.
-    published: Option<RoundDelta>,
-    /// The outer optimizer's new momenta, kept only if the round is.
-    momenta: Named,
-    /// [`RoundReport::outer_scale`].
-    outer_scale: Option<f64>,
 }
 
 /// A round's aggregator under `cfg`: it measures the uploads' spread when the outer step
@@ -232,20 +196,8 @@ impl Coordinator {
             gone,
             caps,
         } = start;
-        let leases = scope
-            .members()
-            .into_iter()
-            .map(|p| {
-                (
-                    p,
-                    Lease {
-                        session: 0,
-                        renewed: now,
-                    },
-                )
-            })
-            .collect();
         Coordinator {
+            members: Members::new(scope.members(), gone, caps, now),
             agg: aggregator(&cfg, scope),
             last_delta: None,
             residual: HashMap::new(),
@@ -254,20 +206,12 @@ impl Coordinator {
             work: BTreeMap::new(),
             last_work: BTreeMap::new(),
             round_rows: None,
-            caps,
-            sitting_out: BTreeSet::new(),
-            previous_owners: Vec::new(),
             layout,
             cfg,
             max_update_rms,
             round: published + 1,
             global,
             opened_at: now,
-            leases,
-            hearing: Hearing::new(now),
-            silent_at_open: 0.0,
-            joining: BTreeSet::new(),
-            gone,
         }
     }
 
@@ -303,18 +247,18 @@ impl Coordinator {
 
     /// Evicted peers (persisted, so a restart remembers them).
     pub fn gone(&self) -> &BTreeSet<usize> {
-        &self.gone
+        self.members.gone()
     }
 
     /// The caps nodes declared at join (persisted, so a restart keeps them).
     pub fn caps(&self) -> &BTreeMap<usize, usize> {
-        &self.caps
+        self.members.caps()
     }
 
     /// Members sitting the open round out until it closes (their cap is below what they own
     /// in it); the round does not wait for them.
     pub fn sitting_out(&self) -> &BTreeSet<usize> {
-        &self.sitting_out
+        self.members.sitting_out()
     }
 
     /// What `members` claim of the experts: their caps and, with `sync.own_by =
@@ -323,7 +267,7 @@ impl Coordinator {
     fn claims(&self, members: &BTreeSet<usize>) -> Claims {
         let cap = members
             .iter()
-            .filter_map(|p| self.caps.get(p).map(|&c| (*p, c)))
+            .filter_map(|p| self.caps().get(p).map(|&c| (*p, c)))
             .collect();
         let members: Vec<usize> = members.iter().copied().collect();
         let speed = self
@@ -396,17 +340,12 @@ impl Coordinator {
     /// Seconds since each lease holder (member or not) last renewed its lease, expired ones
     /// included until they are evicted.
     pub fn lease_ages(&self, now: f64) -> BTreeMap<usize, f64> {
-        self.leases
-            .iter()
-            .map(|(&p, l)| (p, (now - l.renewed).max(0.0)))
-            .collect()
+        self.members.lease_ages(now)
     }
 
     /// Whether `peer` holds a current lease, member or not.
     pub fn is_live(&self, peer: usize, now: f64) -> bool {
-        self.leases
-            .get(&peer)
-            .is_some_and(|l| now - l.renewed < self.cfg.lease_s)
+        self.members.is_live(peer, now, &self.cfg)
     }
 
     /// Takes or renews `peer`'s lease for process `session` and says where it stands. A member
@@ -427,24 +366,19 @@ impl Coordinator {
         if cap == Some(0) {
             return Err(RoundError::NoRoom { peer });
         }
-        self.take_lease(peer, session, now)?;
-        if let Some(c) = cap {
-            self.caps.insert(peer, c);
+        self.members.take_lease(peer, session, now, &self.cfg)?;
+        self.members.declare_cap(peer, cap);
+        let scope = self.agg.scope();
+        if scope.members().contains(&peer) {
+            return Ok(if self.members.trains_within_cap(scope, peer) {
+                Standing::Member
+            } else {
+                Standing::Joining {
+                    from: self.round + 1,
+                }
+            });
         }
-        if self.scope().members().contains(&peer) {
-            return Ok(self.stand_within_cap(peer));
-        }
-        if !(join || self.joining.contains(&peer) || self.gone.contains(&peer)) {
-            self.leases.remove(&peer);
-            return Err(RoundError::NotMember { peer });
-        }
-        let members = self.scope().members().len();
-        let max = self.scope().max_members();
-        if !self.joining.contains(&peer) && members + self.joining.len() >= max {
-            self.leases.remove(&peer);
-            return Err(RoundError::RunFull { peer, members, max });
-        }
-        self.joining.insert(peer);
+        self.members.enlist(scope, peer, join)?;
         if self.uploaded().is_empty() && self.live_members(now).is_empty() {
             self.admit_joiners_now();
             return Ok(Standing::Member);
@@ -452,27 +386,6 @@ impl Coordinator {
         Ok(Standing::Joining {
             from: self.round + 1,
         })
-    }
-
-    /// A member's standing in the open round given its cap: it trains the round if what it
-    /// owns fits, else it sits the round out. The open round's ownership never changes here,
-    /// so every server shard decides alike whatever order joins reach it in.
-    fn stand_within_cap(&mut self, peer: usize) -> Standing {
-        let owns = match self.scope() {
-            Scope::Spes(o) => o.experts_of(peer).len(),
-            Scope::Diloco { .. } => 0,
-        };
-        let cap = self.caps.get(&peer).copied().unwrap_or(usize::MAX);
-        if owns > cap {
-            self.sitting_out.insert(peer);
-        }
-        if self.sitting_out.contains(&peer) {
-            Standing::Joining {
-                from: self.round + 1,
-            }
-        } else {
-            Standing::Member
-        }
     }
 
     fn check_range(&self, peer: usize) -> Result<(), RoundError> {
@@ -483,35 +396,9 @@ impl Coordinator {
         Ok(())
     }
 
-    fn take_lease(&mut self, peer: usize, session: u64, now: f64) -> Result<(), RoundError> {
-        self.hearing.heard(now, &self.cfg);
-        if let Some(l) = self.leases.get(&peer) {
-            let age_s = now - l.renewed;
-            let other = l.session != 0 && l.session != session;
-            if other && age_s < self.cfg.lease_s {
-                return Err(RoundError::PeerTaken {
-                    peer,
-                    age_s,
-                    wait_s: self.cfg.lease_s - age_s,
-                });
-            }
-        }
-        self.leases.insert(
-            peer,
-            Lease {
-                session,
-                renewed: now,
-            },
-        );
-        Ok(())
-    }
-
     fn admit_joiners_now(&mut self) {
         let mut members = self.scope().members();
-        members.extend(std::mem::take(&mut self.joining));
-        for p in &members {
-            self.gone.remove(p);
-        }
+        members.extend(self.members.take_joiners());
         let scope = self
             .scope()
             .with_members(&members, &self.claims(&members))
@@ -544,20 +431,18 @@ impl Coordinator {
         if !self.scope().members().contains(&peer) {
             return Err(RoundError::NotMember { peer });
         }
-        self.take_lease(peer, session, now)?;
+        self.members.take_lease(peer, session, now, &self.cfg)?;
         if self.uploaded().contains(&peer) {
             return Err(RoundError::Duplicate { peer, round });
         }
-        self.hearing.progressed(peer, now);
+        self.members.progressed(peer, now);
         Ok(())
     }
 
     /// `peer`'s heartbeat reported `activity`, a counter of the steps it trained and the
     /// payload chunks it moved: a changed value is progress ([`crate::hearing`]).
     pub fn report_activity(&mut self, peer: usize, activity: u64, now: f64) {
-        if self.leases.contains_key(&peer) {
-            self.hearing.activity(peer, activity, now);
-        }
+        self.members.report_activity(peer, activity, now);
     }
 
     /// Accepts `peer`'s upload for `round`, which says it trained `work`, or says why not; a
@@ -660,8 +545,7 @@ impl Coordinator {
     /// When the open round closes by timeout (if anyone uploaded by then), as of `now`: the
     /// server's own silences since the round opened do not count.
     pub fn deadline(&self, now: f64) -> f64 {
-        let silent = self.hearing.silent_s(now, &self.cfg) - self.silent_at_open;
-        self.opened_at + self.cfg.round_timeout_s + silent
+        self.opened_at + self.cfg.round_timeout_s + self.members.silent_since_open(now, &self.cfg)
     }
 
     /// Whether the round can close: someone uploaded, and every member it waits for did
@@ -669,47 +553,27 @@ impl Coordinator {
     /// in it), when it closes with nothing trained so the next round splits under the caps.
     pub fn ready(&self, now: f64) -> bool {
         let uploaded = self.uploaded();
+        let sitting_out = self.members.sitting_out();
         if uploaded.is_empty() {
             // Closing with nothing trained is for members that cannot train the round, not for
             // members that are slow to show it.
-            let mut training = self.presumed_live(now);
-            training.retain(|p| !self.sitting_out.contains(p));
-            return training.is_empty() && !self.sitting_out.is_empty();
+            let mut training = self.members.presumed_live(self.scope(), now, &self.cfg);
+            training.retain(|p| !sitting_out.contains(p));
+            return training.is_empty() && !sitting_out.is_empty();
         }
-        self.waited(now).is_subset(uploaded) || now >= self.deadline(now)
-    }
-
-    /// The members the open round waits for: live (or presumed live through the server's own
-    /// silence), not sitting out, and making progress.
-    fn waited(&self, now: f64) -> BTreeSet<usize> {
-        let mut waited = self.presumed_live(now);
-        waited.retain(|p| {
-            !self.sitting_out.contains(p)
-                && self.hearing.progressing(*p, self.opened_at, now, &self.cfg)
-        });
-        waited
-    }
-
-    /// Members whose lease is current or ran out while the server itself heard nobody.
-    fn presumed_live(&self, now: f64) -> BTreeSet<usize> {
-        let mut members = self.scope().members();
-        members.retain(|p| {
-            self.leases
-                .get(p)
-                .is_some_and(|l| self.hearing.presumed_live(l.renewed, now, &self.cfg))
-        });
-        members
+        let waited = self
+            .members
+            .training(self.scope(), self.opened_at, now, &self.cfg, true);
+        waited.is_subset(uploaded) || now >= self.deadline(now)
     }
 
     /// Live members of the open round that have not uploaded it and whose progress stalled:
     /// what the round does not wait for although their leases are current.
     pub fn stalled(&self, now: f64) -> BTreeSet<usize> {
-        let mut stalled = self.presumed_live(now);
-        stalled.retain(|p| {
-            !self.uploaded().contains(p)
-                && !self.sitting_out.contains(p)
-                && !self.hearing.progressing(*p, self.opened_at, now, &self.cfg)
-        });
+        let mut stalled =
+            self.members
+                .training(self.scope(), self.opened_at, now, &self.cfg, false);
+        stalled.retain(|p| !self.uploaded().contains(p));
         stalled
     }
 
@@ -727,68 +591,49 @@ impl Coordinator {
             .collect();
         let step = self.round * self.cfg.sync_steps;
         // A round every member sat out trained nothing: nothing to merge either.
-        let mut merge_alpha = self.cfg.merge_alpha_at(step).filter(|_| !peers.is_empty());
-        let Closing {
-            global,
-            mut merges,
-            published,
-            momenta,
-            outer_scale,
-        } = self.next_model(agg.finish(), merge_alpha);
-        // The published delta decides the model (base + delta, base finite): check it alone.
-        let changed = published.as_ref().map_or(&global, |p| &p.delta);
-        let discarded = first_non_finite(changed).map(|name| {
-            format!("the aggregate of `{name}` is not finite; the previous model was kept")
-        });
-        if discarded.is_some() {
-            merge_alpha = None;
-            merges.clear();
-            self.last_delta = self.cfg.wire.is_delta().then(RoundDelta::default);
-        } else {
-            self.global = global;
-            self.last_delta = published;
-            self.outer.commit(momenta);
-        }
-
+        let merge_alpha = self.cfg.merge_alpha_at(step).filter(|_| !peers.is_empty());
+        let kept = self.publish(agg.finish(), merge_alpha);
         // Never for the server's own silence: a member it presumes live stays.
-        let presumed = self.presumed_live(now);
-        let expired = |p: &usize| {
-            !presumed.contains(p)
-                && self.leases.get(p).is_none_or(|l| {
-                    self.hearing.unheard_s(l.renewed, now, &self.cfg)
-                        >= self.cfg.lease_s + self.cfg.evict_after_s
-                })
-        };
-        let mut evicted: Vec<usize> = members.iter().filter(|p| expired(p)).copied().collect();
-        if evicted.len() == members.len() {
-            // Nobody would be left to adopt the experts: keep everyone until a node returns.
-            evicted.clear();
-        }
-        let staying: BTreeSet<usize> = members
-            .iter()
-            .filter(|p| !evicted.contains(p))
-            .copied()
-            .collect();
-        let room = scope.max_members().saturating_sub(staying.len());
-        let joined: Vec<usize> = self.joining.iter().take(room).copied().collect();
-        let mut next = staying;
-        next.extend(&joined);
-        for p in &joined {
-            self.joining.remove(p);
-            self.gone.remove(p);
-        }
-        for p in &evicted {
-            self.gone.insert(*p);
-            self.leases.remove(p);
-            self.hearing.forget(*p);
-        }
+        let turnover = self.members.turnover(&scope, now, &self.cfg);
         self.last_work = std::mem::take(&mut self.work);
-        self.sitting_out.clear();
-        self.previous_owners = scope.owners();
-        let claims = self.claims(&next);
-        let mut next_scope = if next != members || scope.strays_from(&claims) {
+        self.members.open_next(scope.owners(), now, &self.cfg);
+        let next_scope = self.next_scope(&scope, &turnover.next);
+        let next_members: Vec<usize> = next_scope.members().into_iter().collect();
+        if next_scope != scope {
+            self.agg = aggregator(&self.cfg, next_scope);
+        }
+        let report = RoundReport {
+            round: self.round,
+            step,
+            peers,
+            missing,
+            owners: scope.owners(),
+            members: members.into_iter().collect(),
+            merge_alpha: kept.merge_alpha,
+            merges: kept.merges,
+            discarded: kept.discarded,
+            evicted: turnover.evicted,
+            joined: turnover.joined,
+            outer_scale: kept.outer_scale,
+            work: self.shares(),
+            budget: next_members
+                .iter()
+                .copied()
+                .zip(self.budget(&next_members))
+                .collect(),
+        };
+        self.round += 1;
+        self.opened_at = now;
+        report
+    }
+
+    /// The next round's scope after one of `scope`: rebalanced over `next` members when they
+    /// changed or a member's claim no longer fits, rotated every `sync.rotate_every_rounds`.
+    fn next_scope(&self, scope: &Scope, next: &BTreeSet<usize>) -> Scope {
+        let claims = self.claims(next);
+        let mut next_scope = if *next != scope.members() || scope.strays_from(&claims) {
             scope
-                .with_members(&next, &claims)
+                .with_members(next, &claims)
                 .expect("members stay within 1..=experts, each with room for one")
         } else {
             scope.clone()
@@ -797,45 +642,20 @@ impl Coordinator {
         if every > 0 && self.round.is_multiple_of(every) {
             next_scope = next_scope.rotated();
         }
-        let next_members: Vec<usize> = next_scope.members().into_iter().collect();
-        if next_scope != scope {
-            self.agg = aggregator(&self.cfg, next_scope);
-        }
+        next_scope
+    }
+
+    /// Each upload of the round just closed: what it trained and its share of the average.
+    fn shares(&self) -> Vec<PeerWork> {
         let total: f64 = self.last_work.values().map(|w| self.weight_of(w)).sum();
-        let shares = self
-            .last_work
+        self.last_work
             .iter()
             .map(|(&peer, w)| PeerWork {
                 peer,
                 work: *w,
                 weight: self.weight_of(w) / total,
             })
-            .collect();
-        let budget = next_members
-            .iter()
-            .copied()
-            .zip(self.budget(&next_members))
-            .collect();
-        let report = RoundReport {
-            round: self.round,
-            step,
-            peers,
-            missing,
-            owners: scope.owners(),
-            members: members.into_iter().collect(),
-            merge_alpha,
-            merges,
-            discarded,
-            evicted,
-            joined,
-            outer_scale,
-            work: shares,
-            budget,
-        };
-        self.round += 1;
-        self.opened_at = now;
-        self.silent_at_open = self.hearing.silent_s(now, &self.cfg);
-        report
+            .collect()
     }
 }
 
@@ -865,7 +685,7 @@ impl Coordinator {
     /// The round before the open one had these owners (`owners[e]`, as its published record
     /// says): a restarted server checks handovers against them.
     pub fn after_owners(mut self, owners: Vec<usize>) -> Self {
-        self.previous_owners = owners;
+        self.members.set_previous_owners(owners);
         self
     }
 
@@ -899,7 +719,12 @@ impl Coordinator {
             if owners.get(e) == Some(&peer) {
                 return Err(invalid(format!("hands over expert {e}, which it owns")));
             }
-            if self.previous_owners.get(e).is_some_and(|&o| o != peer) {
+            if self
+                .members
+                .previous_owners()
+                .get(e)
+                .is_some_and(|&o| o != peer)
+            {
                 return Err(invalid(format!(
                     "hands over expert {e}, which it did not own in round {}",
                     self.round - 1
@@ -915,162 +740,6 @@ impl Coordinator {
     pub fn with_round_rows(mut self, rows: u64) -> Self {
         self.round_rows = Some(rows);
         self
-    }
-
-    /// The next global model, its merges and (delta wires) what the round publishes. Each
-    /// combined tensor gets its outer step, then merge rounds mix the experts. On the fp32 wire
-    /// the result is the model. On the delta wires, an owned expert on a round without a merge
-    /// is published as its owner's upload, verbatim; every other changed tensor's delta is its
-    /// change encoded for the wire (lossy wires add the residual of earlier rounds and keep
-    /// what they leave out), and the model is the base plus the published delta, computed as
-    /// every node computes it.
-    fn next_model(&mut self, combined: Combined, merge_alpha: Option<f64>) -> Closing {
-        let Combined {
-            mut averaged,
-            spread,
-            uploads,
-            mut owned,
-            mut handover,
-        } = combined;
-        let delta_wire = self.cfg.wire.is_delta();
-        // Σ scale·numel and Σ numel over the averaged changes, for the report.
-        let mut scaled = (0.0, 0.0);
-        let verbatim =
-            delta_wire && merge_alpha.is_none() && self.cfg.outer_rule(Source::Owned).is_average();
-        let mut out = RoundDelta::default();
-        let mut momenta = Vec::new();
-        let mut next: Vec<Next> = Vec::with_capacity(self.global.len());
-        for (name, base) in &self.global {
-            let mut combined = averaged.remove(name).map(|t| (Source::Averaged, t));
-            // An expert's previous owner's unsent change joins its new owner's.
-            let handed = handover.remove(name);
-            if let Some((peer, d)) = owned.remove(name) {
-                if verbatim && handed.is_none() {
-                    let mut value = base.copy();
-                    d.apply_(&mut value);
-                    let wire = d.into_wire(name);
-                    let names = wire.iter().map(|(n, _)| n.clone());
-                    out.verbatim.entry(peer).or_default().extend(names);
-                    out.delta.extend(wire);
-                    next.push(Next::Value(value));
-                    continue;
-                }
-                let t = match d {
-                    Delta::Value(t) => t.to_kind(Kind::Float),
-                    d => d.to_f32(base),
-                };
-                combined = Some((Source::Owned, handed.map_or(t.shallow_clone(), |h| t + h)));
-            } else if let Some(h) = handed {
-                combined = Some((Source::Owned, h));
-            }
-            let Some((source, t)) = combined else {
-                next.push(Next::Unchanged);
-                continue;
-            };
-            let rule = self.cfg.outer_rule(source);
-            if !delta_wire {
-                // The combined value itself, or the base plus the outer step on its change.
-                next.push(Next::Value(if rule.is_average() {
-                    t
-                } else {
-                    let step = self.outer.step(name, rule, &t - base);
-                    momenta.extend(step.momentum.map(|m| (name.clone(), m)));
-                    base + step.change
-                }));
-                continue;
-            }
-            let mut c = t;
-            if let (Source::Averaged, Some(&mean_sq)) = (source, spread.get(name)) {
-                let norm = c.norm_scalaropt_dtype(2, Kind::Float).double_value(&[]);
-                let scale = norm_preserving_scale(mean_sq, norm * norm, uploads);
-                if scale != 1.0 {
-                    c *= scale;
-                }
-                scaled.0 += scale * c.numel() as f64;
-                scaled.1 += c.numel() as f64;
-            }
-            if !rule.is_average() {
-                let step = self.outer.step(name, rule, c);
-                momenta.extend(step.momentum.map(|m| (name.clone(), m)));
-                c = step.change;
-            }
-            next.push(Next::Change(c));
-        }
-        let merges = match merge_alpha {
-            Some(alpha) => {
-                let mut values: Named = next
-                    .iter()
-                    .zip(&self.global)
-                    .map(|(n, (name, b))| {
-                        let v = match n {
-                            Next::Unchanged => b.shallow_clone(),
-                            Next::Value(v) => v.shallow_clone(),
-                            Next::Change(c) => b + c,
-                        };
-                        (name.clone(), v)
-                    })
-                    .collect();
-                let merges = merge_experts(
-                    &mut values,
-                    &self.layout,
-                    self.cfg.merge_top_k,
-                    alpha,
-                    self.cfg.merge_similarity,
-                );
-                // The merge replaced every expert it touched: its change is now from the base.
-                for ((n, (_, value)), (_, base)) in next.iter_mut().zip(values).zip(&self.global) {
-                    if value.data_ptr() != base.data_ptr() {
-                        *n = if delta_wire {
-                            Next::Change(value - base)
-                        } else {
-                            Next::Value(value)
-                        };
-                    }
-                }
-                merges
-            }
-            None => Vec::new(),
-        };
-        let last = self.last_round == Some(self.round);
-        let mut global: Named = Vec::with_capacity(self.global.len());
-        for (n, (name, base)) in next.into_iter().zip(&self.global) {
-            let value = match n {
-                Next::Unchanged => base.shallow_clone(),
-                Next::Value(v) => v,
-                Next::Change(mut v) if last && self.cfg.wire.is_lossy() => {
-                    if let Some(r) = self.residual.remove(name) {
-                        v += r;
-                    }
-                    let (d, value) = delta::encode_into(base, v);
-                    out.delta.extend(d.into_wire(name));
-                    value
-                }
-                Next::Change(mut v) if self.cfg.wire.is_lossy() => {
-                    if let Some(r) = self.residual.get(name) {
-                        v += r;
-                    }
-                    let d = Delta::of_change(&v, &self.cfg, self.round);
-                    let mut value = base.copy();
-                    d.apply_(&mut value);
-                    self.residual.insert(name.clone(), d.subtract_from(&v));
-                    out.delta.extend(d.into_wire(name));
-                    value
-                }
-                Next::Change(c) => {
-                    let (d, value) = delta::encode_into(base, c);
-                    out.delta.extend(d.into_wire(name));
-                    value
-                }
-            };
-            global.push((name.clone(), value));
-        }
-        Closing {
-            global,
-            merges,
-            published: delta_wire.then_some(out),
-            momenta,
-            outer_scale: (scaled.1 > 0.0).then(|| scaled.0 / scaled.1),
-        }
     }
 }
 
