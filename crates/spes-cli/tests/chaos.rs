@@ -1,6 +1,7 @@
 //! The chaos test: a real server and real nodes (processes of the `spes` binary) on 127.0.0.1.
 //! Crash points (`SPES_FAULT`, read only because this test sets it) SIGKILL one node mid-
-//! training, one mid-upload, one mid-download and the server mid-publish; each is restarted. One
+//! training, one mid-upload, one mid-download, and the server twice: right after node 1's
+//! first join (its cap) is durable and before the reply, and mid-publish; each is restarted. One
 //! node leaves for good after round 3 and a new one joins once round 4 is out. What is asserted
 //! holds for any timing: the run finishes, every round is published once, every expert has one
 //! owner in every round, the eviction and the join are in the metrics, and every live node ends
@@ -77,7 +78,8 @@ evict_after_s = 1
     let mut procs = vec![
         {
             let mut p = run.server(&server_args);
-            (p.fault, p.restart) = (Some("publish@4"), true);
+            // Node 1's join in round 1 declares its cap: the restart point changes.
+            (p.fault, p.restart) = (Some("joined@1,publish@4"), true);
             p
         },
         // Checkpoints every 4 rounds and dies in round 8: it restarts from the checkpoint of
@@ -134,8 +136,8 @@ evict_after_s = 1
     // Every crash point fired, and every restarted role and the joiner finished cleanly.
     for p in &procs {
         assert!(
-            p.killed,
-            "{} was not killed at its crash point:\n{}",
+            p.kills == p.points().len(),
+            "{} was not killed at each of its crash points:\n{}",
             p.name,
             show(p)
         );

@@ -3,7 +3,9 @@
 //!
 //! Points: `train@S` (node, after optimizer step S), `upload@R` (node, after the first chunk of
 //! its round-R upload is queued), `download@R` (node, after the header of round R arrived),
-//! `publish@R` (server, after round R's file is written, before the restart point is).
+//! `publish@R` (server, after round R's file is written, before the restart point is),
+//! `joined@R` (server, after a join in open round R changed the restart point and it is
+//! durable, before the reply).
 
 use std::sync::OnceLock;
 

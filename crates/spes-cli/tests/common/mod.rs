@@ -40,8 +40,9 @@ pub const SMALL: &[&str] = &[
     "train.warmup_steps=2",
 ];
 
-/// A `spes` process of a multi-process test (server or node), its output in `log`. A crash
-/// point (`SPES_FAULT`) SIGKILLs it once; with `restart` it is started again without it.
+/// A `spes` process of a multi-process test (server or node), its output in `log`. Its crash
+/// points (`SPES_FAULT`, comma-separated, in the order they fire) each SIGKILL it once; with
+/// `restart` it is started again after each, with the points still to fire.
 pub struct Proc {
     pub name: String,
     pub args: Vec<String>,
@@ -50,7 +51,10 @@ pub struct Proc {
     pub fault: Option<&'static str>,
     pub restart: bool,
     pub child: Option<Child>,
+    /// Killed at a crash point at least once.
     pub killed: bool,
+    /// How many of its crash points fired.
+    pub kills: usize,
     pub restarted: bool,
     pub exit: Option<ExitStatus>,
     pub log: PathBuf,
@@ -66,6 +70,7 @@ impl Proc {
             restart: false,
             child: None,
             killed: false,
+            kills: 0,
             restarted: false,
             exit: None,
             log,
@@ -84,8 +89,9 @@ impl Proc {
             None => Command::new(spes),
         };
         cmd.args(&self.args).env_remove("SPES_FAULT");
-        if let (Some(f), false) = (self.fault, self.restarted) {
-            cmd.env("SPES_FAULT", f);
+        let left: Vec<&str> = self.points().into_iter().skip(self.kills).collect();
+        if !left.is_empty() {
+            cmd.env("SPES_FAULT", left.join(","));
         }
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -107,8 +113,9 @@ impl Proc {
             return;
         };
         self.child = None;
-        if status.signal() == Some(9) && !self.killed {
+        if status.signal() == Some(9) && self.kills < self.points().len() {
             self.killed = true;
+            self.kills += 1;
             if self.restart {
                 self.restarted = true;
                 self.spawn();
@@ -116,6 +123,11 @@ impl Proc {
             }
         }
         self.exit = Some(status);
+    }
+
+    /// Its crash points, in order.
+    pub fn points(&self) -> Vec<&'static str> {
+        self.fault.map_or_else(Vec::new, |f| f.split(',').collect())
     }
 
     pub fn running(&self) -> bool {

@@ -8,7 +8,7 @@ use super::State;
 use anyhow::Result;
 use spes_data::ValWindows;
 use spes_model::MoeModel;
-use spes_sync::{Named, RoundBy, RoundDelta, RoundReport};
+use spes_sync::{Named, RoundBy, RoundDelta, RoundReport, Scope};
 use spes_train::metrics::{MergeRecord, MetricsLog, RoundClose, RoundRecord};
 use spes_train::RunConfig;
 use std::collections::BTreeSet;
@@ -139,137 +139,20 @@ pub(super) fn run_closer(
     linger_s: f64,
 ) {
     let mut final_at: Option<f64> = None;
-    let mut opened_at = s.now();
     let mut last_alone_warning = f64::NEG_INFINITY;
-    let mut written_before = spes_train::process::bytes_written();
-    let mut last_full = Instant::now();
+    let mut book = Books {
+        opened_at: s.now(),
+        written_before: spes_train::process::bytes_written(),
+        last_full: Instant::now(),
+    };
     while !stop.load(Ordering::Relaxed) {
         let _ = wake.recv_timeout(Duration::from_millis(100));
         let now = s.now();
-        let closed = {
-            let mut coord = s.coord.lock().unwrap();
-            if coord.live_members(now).is_empty() && now - last_alone_warning >= 60.0 {
-                last_alone_warning = now;
-                tracing::warn!(
-                    "no node is alive: round {} stays open, state kept; waiting for nodes to (re)join",
-                    coord.round()
-                );
-            }
-            if coord.ready(now) {
-                let stalled = coord.stalled(now);
-                if !stalled.is_empty() {
-                    tracing::warn!(
-                        "round {} closes without node(s) {stalled:?}: live, but no step trained and no byte moved for {:.0} s (sync.stall_s); they train a later round",
-                        coord.round(),
-                        coord.cfg().stall_after_s()
-                    );
-                }
-                let t0 = Instant::now();
-                let report = coord.close(now);
-                let global = shallow(coord.global().0);
-                let delta = coord.delta().map(|d| RoundDelta {
-                    delta: shallow(&d.delta),
-                    verbatim: d.verbatim.clone(),
-                });
-                Some((
-                    report,
-                    global,
-                    delta,
-                    coord.carried(),
-                    coord.scope().clone(),
-                    coord.gone().clone(),
-                    t0.elapsed().as_secs_f64(),
-                ))
-            } else {
-                None
-            }
-        };
-        if let Some((report, global, delta, carried, next, gone, aggregation_s)) = closed {
-            let tokens = s.progress.lock().unwrap().newest().tokens + round_tokens(&s.cfg, &report);
-            let io = {
-                let mut io = s.io.lock().unwrap();
-                let done = io.done.clone();
-                let taken = std::mem::take(&mut *io);
-                io.done = done;
-                taken
+        if let Some(closed) = close_if_ready(&s, now, &mut last_alone_warning) {
+            let Some(job) = publish(&s, closed, now, &mut book, &stop) else {
+                return;
             };
-            let mut record = round_record(&report, tokens, io, aggregation_s, now - opened_at);
-            if let Some(c) = &mut record.close {
-                let took_part: Vec<usize> = report
-                    .peers
-                    .iter()
-                    .chain(&report.missing)
-                    .copied()
-                    .collect();
-                c.nodes = s.watch.lock().unwrap().node_rounds(&took_part);
-            }
-            record.data_parts = s
-                .progress
-                .lock()
-                .unwrap()
-                .data_parts
-                .of_members(&report.members);
-            let publication = Publication {
-                round: report.round,
-                global: &global,
-                next: &next,
-                budget: &report.budget,
-                tokens,
-                gone: &gone,
-                record: record.clone(),
-                delta: delta.as_ref(),
-                carried,
-                full: s.full_round(report.round, last_full.elapsed().as_secs_f64()),
-            };
-            let mut pause = Duration::from_millis(500);
-            let publishing = Instant::now();
-            while let Err(e) = s.store.publish(&s.progress, &publication) {
-                tracing::error!(
-                    "publishing round {} failed, retrying in {:.1} s: {e:#}",
-                    report.round,
-                    pause.as_secs_f64()
-                );
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_secs(30));
-                if stop.load(Ordering::Relaxed) {
-                    return;
-                }
-            }
-            s.watch.lock().unwrap().counters.publish_s = publishing.elapsed().as_secs_f64();
-            s.published.send_replace(report.round);
-            if publication.full {
-                last_full = Instant::now();
-            }
-            opened_at = s.now();
-            if let Some(c) = &mut record.close {
-                let written = spes_train::process::bytes_written();
-                c.bytes_written = written.saturating_sub(written_before);
-                written_before = written;
-            }
-            tracing::info!(
-                "round {} published: peers {:?}{}{}{}",
-                report.round,
-                report.peers,
-                report
-                    .merge_alpha
-                    .map(|a| format!(", merged {} experts with α {a:.4}", report.merges.len()))
-                    .unwrap_or_default(),
-                if report.evicted.is_empty() {
-                    String::new()
-                } else {
-                    format!(", evicted {:?}", report.evicted)
-                },
-                if report.joined.is_empty() {
-                    String::new()
-                } else {
-                    format!(", admitted {:?}", report.joined)
-                },
-            );
-            let _ = scorer.send(ScoreJob {
-                step: report.step,
-                global,
-                record,
-            });
+            let _ = scorer.send(job);
         }
         if *s.published.borrow() >= s.final_round {
             let now = s.now();
@@ -282,6 +165,156 @@ pub(super) fn run_closer(
             }
         }
     }
+}
+
+/// What the closer keeps between rounds: when the open round opened, the bytes this process
+/// had written when the last round was published, and when the last whole model was.
+struct Books {
+    opened_at: f64,
+    written_before: u64,
+    last_full: Instant,
+}
+
+/// A round the coordinator closed, with what publishing it needs.
+struct Closed {
+    report: RoundReport,
+    global: Named,
+    delta: Option<RoundDelta>,
+    carried: Named,
+    next: Scope,
+    gone: BTreeSet<usize>,
+    aggregation_s: f64,
+}
+
+/// Closes the open round if it is ready at `now`, under the coordinator's lock (memory work
+/// only); warns at most once a minute while no node is alive.
+fn close_if_ready(s: &State, now: f64, last_alone_warning: &mut f64) -> Option<Closed> {
+    let mut coord = s.coord.lock().unwrap();
+    if coord.live_members(now).is_empty() && now - *last_alone_warning >= 60.0 {
+        *last_alone_warning = now;
+        tracing::warn!(
+            "no node is alive: round {} stays open, state kept; waiting for nodes to (re)join",
+            coord.round()
+        );
+    }
+    if !coord.ready(now) {
+        return None;
+    }
+    let stalled = coord.stalled(now);
+    if !stalled.is_empty() {
+        tracing::warn!(
+            "round {} closes without node(s) {stalled:?}: live, but no step trained and no byte moved for {:.0} s (sync.stall_s); they train a later round",
+            coord.round(),
+            coord.cfg().stall_after_s()
+        );
+    }
+    let t0 = Instant::now();
+    let report = coord.close(now);
+    let global = shallow(coord.global().0);
+    let delta = coord.delta().map(|d| RoundDelta {
+        delta: shallow(&d.delta),
+        verbatim: d.verbatim.clone(),
+    });
+    Some(Closed {
+        report,
+        global,
+        delta,
+        carried: coord.carried(),
+        next: coord.scope().clone(),
+        gone: coord.gone().clone(),
+        aggregation_s: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Publishes a closed round durably (retrying until it works; `None` if stopped meanwhile),
+/// announces it and returns it for the scorer.
+fn publish(
+    s: &State,
+    c: Closed,
+    now: f64,
+    book: &mut Books,
+    stop: &AtomicBool,
+) -> Option<ScoreJob> {
+    let report = &c.report;
+    let tokens = s.progress.read().0.newest().tokens + round_tokens(&s.cfg, report);
+    let io = {
+        let mut io = s.io.lock().unwrap();
+        let done = io.done.clone();
+        let taken = std::mem::take(&mut *io);
+        io.done = done;
+        taken
+    };
+    let mut record = round_record(report, tokens, io, c.aggregation_s, now - book.opened_at);
+    if let Some(close) = &mut record.close {
+        let took_part: Vec<usize> = report
+            .peers
+            .iter()
+            .chain(&report.missing)
+            .copied()
+            .collect();
+        close.nodes = s.watch.lock().unwrap().node_rounds(&took_part);
+    }
+    record.data_parts = s.progress.read().0.data_parts.of_members(&report.members);
+    let publication = Publication {
+        round: report.round,
+        global: &c.global,
+        next: &c.next,
+        budget: &report.budget,
+        tokens,
+        gone: &c.gone,
+        record: record.clone(),
+        delta: c.delta.as_ref(),
+        carried: c.carried,
+        full: s.full_round(report.round, book.last_full.elapsed().as_secs_f64()),
+    };
+    let mut pause = Duration::from_millis(500);
+    let publishing = Instant::now();
+    while let Err(e) = s.store.publish(&s.progress, &publication) {
+        tracing::error!(
+            "publishing round {} failed, retrying in {:.1} s: {e:#}",
+            report.round,
+            pause.as_secs_f64()
+        );
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_secs(30));
+        if stop.load(Ordering::Relaxed) {
+            return None;
+        }
+    }
+    s.watch.lock().unwrap().counters.publish_s = publishing.elapsed().as_secs_f64();
+    s.published.send_replace(report.round);
+    if publication.full {
+        book.last_full = Instant::now();
+    }
+    book.opened_at = s.now();
+    if let Some(close) = &mut record.close {
+        let written = spes_train::process::bytes_written();
+        close.bytes_written = written.saturating_sub(book.written_before);
+        book.written_before = written;
+    }
+    let list = |what: &str, peers: &[usize]| {
+        if peers.is_empty() {
+            String::new()
+        } else {
+            format!(", {what} {peers:?}")
+        }
+    };
+    tracing::info!(
+        "round {} published: peers {:?}{}{}{}",
+        report.round,
+        report.peers,
+        report
+            .merge_alpha
+            .map(|a| format!(", merged {} experts with α {a:.4}", report.merges.len()))
+            .unwrap_or_default(),
+        list("evicted", &report.evicted),
+        list("admitted", &report.joined),
+    );
+    Some(ScoreJob {
+        step: report.step,
+        global: c.global,
+        record,
+    })
 }
 
 /// Scores and logs published rounds in order, on its own thread.
@@ -298,9 +331,13 @@ pub(super) fn run_scorer(
             }
         }
         if let Some(v) = job.record.val_loss {
-            *s.last_val_loss.lock().unwrap() = Some(v);
+            s.watch.lock().unwrap().val_loss = Some(v);
             if job.record.round == 0 {
-                s.progress.lock().unwrap().initial_val_loss = Some(v);
+                // Written with the next round's restart point.
+                s.progress.change(|st| {
+                    st.initial_val_loss = Some(v);
+                    ((), true)
+                });
             }
         }
         if let Err(e) = metrics.write(&job.record) {

@@ -6,6 +6,7 @@
 //! With `--shard i/k` the server owns only `Layout::shard(i, k)` and does not score.
 
 mod closer;
+mod progress;
 mod service;
 mod status;
 mod store;
@@ -17,6 +18,7 @@ use crate::view::{History, Watch};
 use crate::{payload, refusal};
 use anyhow::{Context, Result};
 use closer::{run_closer, run_scorer, shallow, Evaluator, RoundIo, ScoreJob};
+use progress::Progress;
 use serde::Serialize;
 use service::Service;
 use spes_data::ValWindows;
@@ -32,7 +34,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
-use store::{Publication, ServerState, Store, Stored};
+use store::{Publication, Store, Stored};
 use tch::Device;
 use tokio::sync::watch;
 use tonic::Status;
@@ -92,7 +94,10 @@ pub struct ServerSummary {
     pub wall_s: f64,
 }
 
-/// What the handlers, the round closer and the scorer share.
+/// What the handlers, the round closer and the scorer share. Lock order: `coord` → `progress`
+/// → `io` → `watch`, each held for memory work only (no file is written under `coord`;
+/// `progress` writes `server.json` under its own writer lock, with none of these held);
+/// `served` alone.
 struct State {
     cfg: RunConfig,
     store: Store,
@@ -101,13 +106,12 @@ struct State {
     coord: Mutex<Coordinator>,
     clock: Instant,
     published: watch::Sender<u64>,
-    progress: Mutex<ServerState>,
+    progress: Progress,
     io: Mutex<RoundIo>,
     upload_slots: tokio::sync::Semaphore,
     /// Wakes the round closer after an accepted upload.
     wake: mpsc::SyncSender<()>,
     final_round: u64,
-    last_val_loss: Mutex<Option<f64>>,
     shard: (usize, usize),
     /// The newest round's whole model, written when a fetch first asks for it.
     served: Mutex<Option<(u64, Stored)>>,
@@ -133,15 +137,11 @@ impl State {
     /// the newest round, a file written now from memory (once; a joiner or a node that fell
     /// behind asks for it).
     fn whole_model(&self, round: u64) -> Option<Stored> {
-        if let Some(f) = self
-            .progress
-            .lock()
-            .unwrap()
-            .fulls
-            .iter()
+        let stored = (self.progress.read().0.fulls.iter())
             .find(|f| f.round == round)
-        {
-            return Some(f.model.clone());
+            .map(|f| f.model.clone());
+        if stored.is_some() {
+            return stored;
         }
         let mut served = self.served.lock().unwrap();
         if let Some((r, stored)) = served.as_ref() {
@@ -193,10 +193,12 @@ impl State {
 
     /// Joins or renews `peer`'s lease. If that changed who trains the open round (a node
     /// admitted at once because none was live), the newest round's record of who trains next
-    /// is updated and persisted, so fetches and a restarted server see it.
+    /// is updated, so fetches and a restarted server see it.
     /// With `data.partition = "disjoint"`, a join first claims the data parts the node
     /// declares (`parts`, `None` for a heartbeat), refused while another live node reads one.
-    /// A cap the node declares (`max_experts`) is kept with the restart point.
+    /// A cap the node declares (`max_experts`) is kept with the restart point. What a join
+    /// changes of the restart point is durable before it returns, written after the
+    /// coordinator's lock is released.
     fn join(
         &self,
         peer: usize,
@@ -205,53 +207,58 @@ impl State {
         parts: Option<&[String]>,
         max_experts: Option<usize>,
     ) -> Result<(Standing, Scope, u64), Status> {
-        let mut coord = self.coord.lock().unwrap();
-        let now = self.now();
         let disjoint = self.cfg.data.partition == Partition::Disjoint;
-        let claimed = match parts.filter(|_| disjoint) {
-            Some(parts) => {
-                let mut book = self.progress.lock().unwrap().data_parts.clone();
-                book.claim(peer, parts, |q| coord.is_live(q, now))
-                    .map_err(|e| refusal::of_part_error(&e))?;
-                Some(book)
-            }
-            None => None,
+        let (standing, scope, published, (changed, version)) = {
+            let mut coord = self.coord.lock().unwrap();
+            let now = self.now();
+            let claimed = match parts.filter(|_| disjoint) {
+                Some(parts) => {
+                    let mut book = self.progress.read().0.data_parts.clone();
+                    book.claim(peer, parts, |q| coord.is_live(q, now))
+                        .map_err(|e| refusal::of_part_error(&e))?;
+                    Some(book)
+                }
+                None => None,
+            };
+            let before = coord.scope().clone();
+            let standing = coord
+                .join(peer, session, join, max_experts, now)
+                .map_err(|e| refusal::of_round_error(&e))?;
+            let scope = coord.scope().clone();
+            let published = coord.global().1;
+            let coord = &*coord;
+            // The restart point follows in memory, in the coordinator's order.
+            let change = self.progress.change(|st| {
+                let mut changed = Vec::new();
+                if let Some(book) = claimed.filter(|b| *b != st.data_parts) {
+                    st.data_parts = book;
+                    changed.push(format!("the data parts node {peer} reads"));
+                }
+                if max_experts.is_some() && &st.caps != coord.caps() {
+                    st.caps = coord.caps().clone();
+                    changed.push(format!("the cap of node {peer}"));
+                }
+                if scope != before {
+                    if let Some(newest) = st.rounds.last_mut().filter(|r| r.round == published) {
+                        newest.owners = scope.owners();
+                        newest.members = scope.members().into_iter().collect();
+                        newest.budget = coord.budget(&newest.members);
+                        changed.push("the new members".to_owned());
+                    }
+                }
+                let any = !changed.is_empty();
+                (changed, any)
+            });
+            (standing, scope, published, change)
         };
-        let before = coord.scope().clone();
-        let standing = coord
-            .join(peer, session, join, max_experts, now)
-            .map_err(|e| refusal::of_round_error(&e))?;
-        let scope = coord.scope().clone();
-        let published = coord.global().1;
-        if let Some(book) = claimed {
-            let mut st = self.progress.lock().unwrap();
-            if st.data_parts != book {
-                st.data_parts = book;
-                if let Err(e) = st.save(&self.store.out) {
-                    tracing::error!("cannot record the data parts node {peer} reads: {e:#}");
-                }
-            }
+        if let Some(k) = max_experts.filter(|_| changed.iter().any(|c| c.starts_with("the cap"))) {
+            tracing::info!("node {peer} has room for {k} experts per layer");
         }
-        if let Some(k) = max_experts {
-            let mut st = self.progress.lock().unwrap();
-            if &st.caps != coord.caps() {
-                st.caps = coord.caps().clone();
-                tracing::info!("node {peer} has room for {k} experts per layer");
-                if let Err(e) = st.save(&self.store.out) {
-                    tracing::error!("cannot record the cap of node {peer}: {e:#}");
-                }
+        if let Some(v) = version {
+            if let Err(e) = self.progress.commit(v) {
+                tracing::error!("cannot record {}: {e:#}", changed.join(", "));
             }
-        }
-        if scope != before {
-            let mut st = self.progress.lock().unwrap();
-            if let Some(newest) = st.rounds.last_mut().filter(|r| r.round == published) {
-                newest.owners = scope.owners();
-                newest.members = scope.members().into_iter().collect();
-                newest.budget = coord.budget(&newest.members);
-                if let Err(e) = st.save(&self.store.out) {
-                    tracing::error!("cannot record the new members: {e:#}");
-                }
-            }
+            crate::fault::point("joined", published + 1);
         }
         Ok((standing, scope, published))
     }
@@ -317,15 +324,25 @@ impl State {
     }
 }
 
-/// Runs a server on an already bound listener until the last round is published and fetched
-/// (or `linger_s` passed), or until `shutdown` resolves.
-pub async fn serve(
-    opts: ServerOptions,
-    listener: tokio::net::TcpListener,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<ServerSummary> {
+/// What a server starts with: its shared state, the scorer's evaluator and metrics log, what
+/// wakes the closer, and the restart point's model and whether it is a fresh run.
+struct Started {
+    state: Arc<State>,
+    eval: Option<Evaluator>,
+    metrics: MetricsLog,
+    wake: mpsc::Receiver<()>,
+    /// The newest published round's whole model.
+    global: spes_sync::Named,
+    fresh: bool,
+    /// The newest round `metrics.jsonl` holds, if any.
+    logged: Option<Logged>,
+}
+
+/// Opens the run's state under `opts.out` (or starts a fresh run): the restart point, the
+/// coordinator resumed on it, the evaluator and the metrics log.
+fn start(opts: &ServerOptions) -> Result<Started> {
     let cfg = opts.cfg.clone();
-    let opened = store::open(&opts)?;
+    let opened = store::open(opts)?;
     let layout = opened.layout.clone();
     // Who owned what in the round before the open one, from the round published before the
     // newest (each published round names the next one's owners): handovers are checked on it.
@@ -353,22 +370,7 @@ pub async fn serve(
     let tokenizer_xxh3 = spes_data::Manifest::load(cfg.data.primary())
         .map(|m| m.tokenizer_xxh3)
         .unwrap_or_default();
-    let eval = match ValWindows::open_mixture(&cfg.data.sources(), cfg.train.seq_len) {
-        // A shard holds part of the model; score with `spes eval` on a node's checkpoint.
-        Ok(_) if opts.shard.1 > 1 => None,
-        Ok(val) => Some(Evaluator {
-            model: opened.model,
-            val,
-            batch: cfg.train.batch_size,
-            max_batches: cfg.train.eval_batches,
-            device: opts.device,
-            tasks: spes_train::task_hook::TaskHook::load(&cfg, opts.device)?,
-        }),
-        Err(e) => {
-            tracing::warn!("no validation loss on the server: {e:#}");
-            None
-        }
-    };
+    let eval = evaluator(opts, opened.model)?;
     let role = match opts.shard {
         (_, 1) => "server".to_owned(),
         (i, k) => format!("server-shard-{i}-of-{k}"),
@@ -384,7 +386,7 @@ pub async fn serve(
     let logged = last_logged_round(&logged_rounds);
     let history = History::of(&logged_rounds);
     let (published, _) = watch::channel(published_round);
-    let (wake_tx, wake_rx) = mpsc::sync_channel(1);
+    let (wake_tx, wake) = mpsc::sync_channel(1);
     let clock = Instant::now();
     let mut progress = opened.progress;
     if progress.initial_val_loss.is_none() {
@@ -424,20 +426,66 @@ pub async fn serve(
         served: Mutex::new(None),
         published,
         clock,
-        progress: Mutex::new(progress),
+        progress: Progress::new(progress, opts.out.clone()),
         io: Mutex::new(RoundIo::default()),
         upload_slots: tokio::sync::Semaphore::new(opts.limits.max_concurrent_uploads.max(1)),
         wake: wake_tx,
-        last_val_loss: Mutex::new(logged.as_ref().and_then(|l| l.val_loss)),
         shard: opts.shard,
         tokenizer_xxh3,
         watch: Mutex::new(Watch {
             history,
+            val_loss: logged.as_ref().and_then(|l| l.val_loss),
             ..Watch::default()
         }),
     });
-    let (score_tx, score_rx) = mpsc::channel();
-    if opened.fresh {
+    Ok(Started {
+        state,
+        eval,
+        metrics,
+        wake,
+        global: opened.global,
+        fresh: opened.fresh,
+        logged,
+    })
+}
+
+/// The scorer's evaluator of published rounds on the run's validation windows; none for a
+/// server shard (it holds part of the model) or without validation data.
+fn evaluator(opts: &ServerOptions, model: spes_model::MoeModel) -> Result<Option<Evaluator>> {
+    let cfg = &opts.cfg;
+    Ok(
+        match ValWindows::open_mixture(&cfg.data.sources(), cfg.train.seq_len) {
+            // A shard holds part of the model; score with `spes eval` on a node's checkpoint.
+            Ok(_) if opts.shard.1 > 1 => None,
+            Ok(val) => Some(Evaluator {
+                model,
+                val,
+                batch: cfg.train.batch_size,
+                max_batches: cfg.train.eval_batches,
+                device: opts.device,
+                tasks: spes_train::task_hook::TaskHook::load(cfg, opts.device)?,
+            }),
+            Err(e) => {
+                tracing::warn!("no validation loss on the server: {e:#}");
+                None
+            }
+        },
+    )
+}
+
+/// Round 0 of a fresh run, published and sent to be scored; or, after a crash between
+/// publishing a round and logging it, that round sent to be scored and logged again.
+fn first_publication(
+    state: &State,
+    global: spes_sync::Named,
+    fresh: bool,
+    logged: Option<&Logged>,
+    score_tx: &mpsc::Sender<ScoreJob>,
+) -> Result<()> {
+    let cfg = &state.cfg;
+    let published_round = state.coord.lock().unwrap().global().1;
+    let scope = state.coord.lock().unwrap().scope().clone();
+    if fresh {
         let record = RoundRecord {
             members: scope.members().into_iter().collect(),
             owners: scope.owners(),
@@ -447,7 +495,7 @@ pub async fn serve(
             &state.progress,
             &Publication {
                 round: 0,
-                global: &opened.global,
+                global: &global,
                 next: &scope,
                 budget: &BTreeMap::new(),
                 tokens: 0,
@@ -460,36 +508,25 @@ pub async fn serve(
         )?;
         let _ = score_tx.send(ScoreJob {
             step: 0,
-            global: opened.global,
+            global,
             record,
         });
-    } else if logged.as_ref().is_none_or(|l| l.round < published_round) {
+    } else if logged.is_none_or(|l| l.round < published_round) {
         // Crashed after publishing, before logging: log the round again from the restart point.
-        let record = state.progress.lock().unwrap().record.clone();
+        let record = state.progress.read().0.record.clone();
         if let Some(record) = record.filter(|r| r.round == published_round) {
             let _ = score_tx.send(ScoreJob {
                 step: published_round * cfg.sync.sync_steps,
-                global: opened.global,
+                global,
                 record,
             });
         }
     }
-    state.reapply_pending()?;
+    Ok(())
+}
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
-    let closer = {
-        let (s, stop) = (state.clone(), stop.clone());
-        let linger = opts.linger_s;
-        let score_tx = score_tx.clone();
-        std::thread::spawn(move || run_closer(s, wake_rx, score_tx, stop, done_tx, linger))
-    };
-    drop(score_tx);
-    let scorer = {
-        let s = state.clone();
-        std::thread::spawn(move || run_scorer(s, eval, score_rx, metrics))
-    };
-
+/// The gRPC service with its credential check, behind TLS when `opts.tls` is given.
+fn grpc(opts: &ServerOptions, state: &Arc<State>) -> Result<tonic::transport::server::Router> {
     let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
@@ -509,8 +546,16 @@ pub async fn serve(
             secret: opts.secret.clone(),
         },
     );
-    let (http_stop, http_stopped) = tokio::sync::oneshot::channel::<()>();
-    let http = match opts.http {
+    Ok(builder.add_service(svc))
+}
+
+/// The operator's HTTP listener, if `opts.http` asks for one, serving until `stopped`.
+fn http(
+    listener: Option<(std::net::TcpListener, HttpOptions)>,
+    state: &Arc<State>,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> Result<Option<tokio::task::JoinHandle<Result<()>>>> {
+    Ok(match listener {
         Some((listener, http_opts)) => {
             http_opts.check(listener.local_addr()?)?;
             let endpoints = Endpoints {
@@ -531,22 +576,59 @@ pub async fn serve(
                 listener.local_addr()?
             );
             let stopped = async {
-                let _ = http_stopped.await;
+                let _ = stopped.await;
             };
             Some(tokio::spawn(crate::view::http::serve(
                 listener, http_opts, endpoints, stopped,
             )))
         }
         None => None,
+    })
+}
+
+/// Runs a server on an already bound listener until the last round is published and fetched
+/// (or `linger_s` passed), or until `shutdown` resolves: the state opened ([`start`]), the
+/// closer and scorer threads, the gRPC service and the HTTP listener; then their ends.
+pub async fn serve(
+    opts: ServerOptions,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<ServerSummary> {
+    let Started {
+        state,
+        eval,
+        metrics,
+        wake,
+        global,
+        fresh,
+        logged,
+    } = start(&opts)?;
+    let (score_tx, score_rx) = mpsc::channel();
+    first_publication(&state, global, fresh, logged.as_ref(), &score_tx)?;
+    state.reapply_pending()?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let closer = {
+        let (s, stop) = (state.clone(), stop.clone());
+        let linger = opts.linger_s;
+        let score_tx = score_tx.clone();
+        std::thread::spawn(move || run_closer(s, wake, score_tx, stop, done_tx, linger))
     };
+    drop(score_tx);
+    let scorer = {
+        let s = state.clone();
+        std::thread::spawn(move || run_scorer(s, eval, score_rx, metrics))
+    };
+    let router = grpc(&opts, &state)?;
+    let (http_stop, http_stopped) = tokio::sync::oneshot::channel::<()>();
+    let http = http(opts.http, &state, http_stopped)?;
     let stop_serving = async move {
         tokio::select! {
             _ = shutdown => {},
             _ = done_rx => {},
         }
     };
-    let served = builder
-        .add_service(svc)
+    let served = router
         .serve_with_incoming_shutdown(
             tonic::transport::server::TcpIncoming::from(listener),
             stop_serving,
@@ -568,17 +650,16 @@ pub async fn serve(
     })
     .await;
     served?;
-    let final_val_loss = *state.last_val_loss.lock().unwrap();
-    let st = state.progress.lock().unwrap();
+    let final_val_loss = state.watch.lock().unwrap().val_loss;
+    let st = &state.progress.read().0;
     let newest = st.newest();
-    let summary = ServerSummary {
+    Ok(ServerSummary {
         rounds: newest.round,
         tokens: newest.tokens,
         initial_val_loss: st.initial_val_loss,
         final_val_loss,
         wall_s: state.clock.elapsed().as_secs_f64(),
-    };
-    Ok(summary)
+    })
 }
 
 /// The newest round logged in `metrics.jsonl`, its validation loss, and round 0's.
@@ -610,4 +691,127 @@ pub fn run(opts: ServerOptions, listen: SocketAddr) -> Result<ServerSummary> {
         };
         serve(opts, listener, ctrl_c).await
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A server's state for a micro SPES run of 2 nodes in `out`, round 0 published.
+    fn state(out: &std::path::Path) -> Arc<State> {
+        let cfg = RunConfig::parse(
+            "[model]\npreset = \"micro\"\n[data]\npath = \"none\"\n[train]\nmax_steps = 10\n\
+             batch_size = 1\nseq_len = 16\n[sync]\nmode = \"spes\"\nnodes = 2\nsync_steps = 1\n",
+            &[],
+        )
+        .unwrap();
+        let model = spes_model::MoeModel::new(&cfg.model, Device::Cpu).unwrap();
+        let layout = Layout::of(&model);
+        let global: spes_sync::Named = (model.params().into_iter())
+            .map(|p| (p.name, p.tensor.detach().copy()))
+            .collect();
+        let scope = Scope::of(&cfg.sync, cfg.model.n_experts).unwrap();
+        let start = Start {
+            global: shallow(&global),
+            published: 0,
+            gone: BTreeSet::new(),
+            caps: BTreeMap::new(),
+        };
+        let coord = Coordinator::new(layout.clone(), scope, cfg.sync.clone(), None, start, 0.0);
+        let progress: store::ServerState = serde_json::from_str(
+            r#"{"format_version": 3, "fulls": [], "rounds": [{"round": 0, "tokens": 0,
+                "owners": [0, 0, 0, 0, 1, 1, 1, 1], "members": [0, 1], "parts": []}],
+                "initial_val_loss": null, "gone": [], "record": null}"#,
+        )
+        .unwrap();
+        let (published, _) = watch::channel(0);
+        let (wake, _) = mpsc::sync_channel(1);
+        Arc::new(State {
+            final_round: 10,
+            coord: Mutex::new(coord),
+            layout,
+            limits: Limits::default(),
+            cfg,
+            store: Store {
+                out: out.to_owned(),
+                keep: 0,
+            },
+            served: Mutex::new(None),
+            published,
+            clock: Instant::now(),
+            progress: Progress::new(progress, out.to_owned()),
+            io: Mutex::new(RoundIo::default()),
+            upload_slots: tokio::sync::Semaphore::new(1),
+            wake,
+            shard: (0, 1),
+            tokenizer_xxh3: String::new(),
+            watch: Mutex::new(Watch::default()),
+        })
+    }
+
+    #[test]
+    fn a_join_waits_for_no_disk_under_the_coordinators_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = state(dir.path());
+        s.join(0, 7, false, None, None).unwrap();
+        // A publication's write of server.json under way, on a slow disk.
+        let ((), v) = s.progress.change(|st| {
+            st.gone = vec![9];
+            ((), true)
+        });
+        let (started, release) = (mpsc::channel(), mpsc::channel::<()>());
+        let slow = {
+            let (s, started, release) = (s.clone(), started.0, release.1);
+            std::thread::spawn(move || {
+                s.progress
+                    .commit_with(v.unwrap(), |_| {
+                        started.send(()).unwrap();
+                        release.recv().unwrap();
+                        Ok(())
+                    })
+                    .unwrap()
+            })
+        };
+        started.1.recv().unwrap();
+        // A heartbeat changes nothing on disk: answered at once.
+        let t = Instant::now();
+        s.join(0, 7, false, None, None).unwrap();
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        // A join that declares a cap waits for its write to be durable, but not holding the
+        // coordinator: the round's other calls go on meanwhile.
+        let capped = {
+            let s = s.clone();
+            std::thread::spawn(move || s.join(1, 8, false, None, Some(3)).unwrap())
+        };
+        let until = Instant::now() + Duration::from_secs(10);
+        while s.coord.lock().unwrap().caps().get(&1) != Some(&3) {
+            assert!(
+                Instant::now() < until,
+                "the join never reached the coordinator"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(
+            !capped.is_finished(),
+            "acknowledged before its cap is on disk"
+        );
+        let t = Instant::now();
+        assert!(s.coord.lock().unwrap().is_live(0, s.now()));
+        s.join(0, 7, false, None, None).unwrap();
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        release.0.send(()).unwrap();
+        slow.join().unwrap();
+        capped.join().unwrap();
+        let on_disk: store::ServerState =
+            serde_json::from_slice(&std::fs::read(dir.path().join("server.json")).unwrap())
+                .unwrap();
+        assert_eq!(on_disk.caps, BTreeMap::from([(1, 3)]));
+        assert_eq!(
+            on_disk.gone,
+            vec![9],
+            "the newest state, the slow write's change in it"
+        );
+    }
 }

@@ -131,7 +131,7 @@ impl Spes for Service {
                 *s.published.borrow()
             ))
         };
-        let Some(meta) = s.progress.lock().unwrap().round(round).cloned() else {
+        let Some(meta) = s.progress.read().0.round(round).cloned() else {
             return Err(gone());
         };
         // A delta only for a node that holds the round before it, exactly.

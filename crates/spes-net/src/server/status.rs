@@ -16,7 +16,7 @@ impl State {
             (coord.round(), coord.scope().clone(), coord.lease_ages(now))
         };
         let (round, tokens, initial_val_loss) = {
-            let st = self.progress.lock().unwrap();
+            let st = &self.progress.read().0;
             (st.newest().round, st.newest().tokens, st.initial_val_loss)
         };
         let members = scope.members();
@@ -67,7 +67,7 @@ impl State {
                 n_experts,
                 lease_s: self.cfg.sync.lease_s,
                 uptime_s: now,
-                val_loss: *self.last_val_loss.lock().unwrap(),
+                val_loss: watch.val_loss,
                 initial_val_loss,
                 shard: format!("{}/{}", self.shard.0, self.shard.1),
                 done: round >= self.final_round,

@@ -13,6 +13,7 @@
 //! Every file is written to a temp name, fsynced and renamed, and its directory fsynced;
 //! `server.json` is rewritten last, so a crash between leaves the previous round intact.
 
+use super::progress::Progress;
 use super::ServerOptions;
 use crate::payload;
 use anyhow::{bail, Context, Result};
@@ -75,7 +76,7 @@ pub(super) struct FullModel {
 }
 
 /// The restart point, rewritten atomically after each published round.
-#[derive(Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 pub(super) struct ServerState {
     pub format_version: u32,
     /// Whole models on disk, oldest first.
@@ -243,7 +244,7 @@ pub(super) struct Store {
 impl Store {
     /// Writes the round durably and the restart point after it, then prunes what the new
     /// restart point no longer needs. Safe to retry after a failure.
-    pub fn publish(&self, st: &std::sync::Mutex<ServerState>, p: &Publication) -> Result<()> {
+    pub fn publish(&self, progress: &Progress, p: &Publication) -> Result<()> {
         let parts = match p.delta {
             Some(d) => self.write_delta(p.round, d)?,
             None => Vec::new(),
@@ -266,8 +267,7 @@ impl Store {
             parts,
             budget,
         };
-        let dropped = {
-            let mut st = st.lock().unwrap();
+        let (dropped, version) = progress.change(|st| {
             st.rounds.retain(|r| r.round < p.round);
             st.rounds.push(entry);
             if let Some(f) = full {
@@ -276,10 +276,9 @@ impl Store {
             }
             st.gone = p.gone.iter().copied().collect();
             st.record = Some(p.record.clone());
-            let dropped = prune(&mut st, self.keep);
-            st.save(&self.out)?;
-            dropped
-        };
+            (prune(st, self.keep), true)
+        });
+        progress.commit(version.expect("a publication changes the restart point"))?;
         for file in dropped {
             let _ = std::fs::remove_file(self.out.join(file));
         }

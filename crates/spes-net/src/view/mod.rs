@@ -139,6 +139,8 @@ pub struct PeerWatch {
 #[derive(Default)]
 pub struct Watch {
     pub history: History,
+    /// The newest validation loss scored.
+    pub val_loss: Option<f64>,
     pub peers: BTreeMap<usize, PeerWatch>,
     pub counters: Counters,
 }
