@@ -188,7 +188,7 @@ fn the_name_checker_finds_a_missing_path_and_a_missing_function() {
     let (tops, mut rust) = (tops(&root), Vec::new());
     sources(&root.join("crates"), &mut rust);
     let snippet = "\
-Real: `crates/spes-model/src/model.rs`, `spes-net/src/server/mod.rs#L1`, `MoeModel::begin_step`, `MoeModel::cfg`.
+Real: `crates/spes-model/src/model/mod.rs`, `spes-net/src/server/mod.rs#L1`, `MoeModel::begin_step`, `MoeModel::cfg`.
 Gone: `crates/spes-model/src/nothing.rs` and `MoeModel::no_such_method()`.
 Not names: `spes demo`, `runs/<name>/metrics.jsonl`, `a::b`, `sync.wire`.
 ```sh
