@@ -235,7 +235,7 @@ evict_after_s = 1
     );
     println!(
         "killed and restarted: {}; node 3 evicted at round {evicted}; node 4 admitted at round {joined}",
-        procs.iter().filter(|p| p.restarted).map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
+        procs.iter().filter(|p| p.restart && p.kills > 0).map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
     );
     for l in &lines[1..] {
         let r = l["round"].as_u64().unwrap();

@@ -321,6 +321,31 @@ fn token_losses(logits: &Tensor, targets: &Tensor) -> (Tensor, Tensor) {
     (ce, lse.square().mean(Kind::Float))
 }
 
+/// One optimizer step's backward over `batches` (half weight each; with `copies`, on the
+/// step's compute copies; `staged`: in stages with checkpointing): the summed loss and the
+/// gradients taken.
+fn step(
+    m: &MoeModel,
+    batches: &[Tensor],
+    copies: bool,
+    staged: bool,
+) -> (f64, Vec<(String, Tensor)>) {
+    if copies {
+        m.begin_step();
+    }
+    let mut loss = 0.0;
+    for b in batches {
+        let l = if staged {
+            m.backward_in_stages(b, &W, 0.5, true, &mut |_| {})
+        } else {
+            m.backward(b, &W, 0.5, false)
+        };
+        loss += l.total.double_value(&[]);
+    }
+    m.end_step();
+    (loss, take_grads(m))
+}
+
 /// Every parameter's gradient, by name (zeros where none), then cleared.
 fn take_grads(m: &MoeModel) -> Vec<(String, Tensor)> {
     m.params()
@@ -604,22 +629,7 @@ fn step_copies_match_per_matmul_casts() {
         let batches: Vec<Tensor> = (0..2)
             .map(|_| Tensor::randint(97, [2, 14], (Kind::Int64, Device::Cpu)))
             .collect();
-        let run = |m: &MoeModel, copies: bool, staged: bool| {
-            if copies {
-                m.begin_step();
-            }
-            let mut loss = 0.0;
-            for b in &batches {
-                let l = if staged {
-                    m.backward_in_stages(b, &W, 0.5, true, &mut |_| {})
-                } else {
-                    m.backward(b, &W, 0.5, false)
-                };
-                loss += l.total.double_value(&[]);
-            }
-            m.end_step();
-            (loss, take_grads(m))
-        };
+        let run = |m: &MoeModel, copies: bool, staged: bool| step(m, &batches, copies, staged);
         let (a, reference) = run(&m, false, false);
         let (b, copied) = run(&m, true, false);
         assert!(
@@ -677,20 +687,7 @@ fn grouped_kernel_with_scattered_ownership_matches_the_loop() {
             let batches: Vec<Tensor> = (0..2)
                 .map(|_| Tensor::randint(97, [2, 14], (Kind::Int64, Device::Cpu)))
                 .collect();
-            let run = |m: &MoeModel, staged: bool| {
-                m.begin_step();
-                let mut loss = 0.0;
-                for b in &batches {
-                    let l = if staged {
-                        m.backward_in_stages(b, &W, 0.5, true, &mut |_| {})
-                    } else {
-                        m.backward(b, &W, 0.5, false)
-                    };
-                    loss += l.total.double_value(&[]);
-                }
-                m.end_step();
-                (loss, take_grads(m))
-            };
+            let run = |m: &MoeModel, staged: bool| step(m, &batches, true, staged);
             let what = format!("{kind:?} resident {resident} top-{top_k}");
             let (a, looped) = run(&m, false);
             m.set_moe_kernel(MoeKernel::Grouped);

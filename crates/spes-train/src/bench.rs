@@ -210,7 +210,7 @@ pub fn bench(o: &BenchOptions) -> Result<BenchResult> {
         step_ms: median * 1e3,
         optimizer_ms,
         tokens_per_s: tokens as f64 / median,
-        peak_rss_mb: process::peak_rss_mb(),
+        peak_rss_mb: process::peak_rss_mb(std::process::id()),
         runtime_rss_mb,
         device_memory_source: if device.is_some() {
             "cuda_caching_allocator"
@@ -331,7 +331,7 @@ fn runtime_rss_mb(o: &BenchOptions) -> Result<f64> {
             &[batch],
         )?;
     }
-    Ok(process::rss_mb("self"))
+    Ok(process::rss_mb(std::process::id()))
 }
 
 /// The middle value (the upper one of an even count).

@@ -2,23 +2,18 @@
 //! `/proc` (Linux; every reader gives 0 where the kernel does not say). Nodes and the server
 //! report these in their metrics; the benchmarks read them of their child processes.
 
-/// Peak resident set size of this process in MiB.
-pub fn peak_rss_mb() -> f64 {
-    status_mb("self", "VmHWM:")
-}
-
-/// Resident set size now of process `pid` (`"self"` for this one) in MiB.
-pub fn rss_mb(pid: &str) -> f64 {
+/// Resident set size now of process `pid` (`std::process::id()` for this one) in MiB.
+pub fn rss_mb(pid: u32) -> f64 {
     status_mb(pid, "VmRSS:")
 }
 
 /// Peak resident set size of process `pid` in MiB.
-pub fn peak_rss_mb_of(pid: u32) -> f64 {
-    status_mb(&pid.to_string(), "VmHWM:")
+pub fn peak_rss_mb(pid: u32) -> f64 {
+    status_mb(pid, "VmHWM:")
 }
 
 /// A memory line (`VmRSS:`, `VmHWM:`) of `/proc/<pid>/status` in MiB.
-fn status_mb(pid: &str, field: &str) -> f64 {
+fn status_mb(pid: u32, field: &str) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
@@ -84,10 +79,10 @@ mod tests {
 
     #[test]
     fn this_process_has_memory_and_its_writes_count() {
-        let (now, peak) = (rss_mb("self"), peak_rss_mb());
+        let me = std::process::id();
+        let (now, peak) = (rss_mb(me), peak_rss_mb(me));
         assert!(now > 1.0 && peak >= now, "rss {now} MiB, peak {peak} MiB");
-        assert_eq!(peak_rss_mb_of(std::process::id()), peak_rss_mb());
-        assert_eq!(rss_mb("no-such-process"), 0.0);
+        assert_eq!(rss_mb(u32::MAX), 0.0, "no such process");
         let before = bytes_written();
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("x");

@@ -226,7 +226,7 @@ struct ServerProc(Child);
 
 impl ServerProc {
     fn peak_rss_mb(&self) -> f64 {
-        spes_train::process::peak_rss_mb_of(self.0.id())
+        spes_train::process::peak_rss_mb(self.0.id())
     }
 
     fn wait(&mut self, limit: Duration) {

@@ -145,7 +145,7 @@ pub fn run(a: Args) -> Result<()> {
                 .filter(|r| r.round + a.every > newest)
                 .filter_map(|r| r.close.as_ref().map(|c| c.round_s))
                 .collect();
-            let rss = |c: &Child| spes_train::process::rss_mb(&c.id().to_string());
+            let rss = |c: &Child| spes_train::process::rss_mb(c.id());
             let largest = guard.0[1..].iter().map(rss).fold(0.0, f64::max);
             println!(
                 "| {newest} | {:.0} MiB | {largest:.0} MiB | {:.1} MiB | {:.1} MiB | {:.2} MiB | {:.1} KiB | {:.2} MiB | {:.2} MiB | {:.3} |",

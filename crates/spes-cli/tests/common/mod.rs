@@ -51,11 +51,8 @@ pub struct Proc {
     pub fault: Option<&'static str>,
     pub restart: bool,
     pub child: Option<Child>,
-    /// Killed at a crash point at least once.
-    pub killed: bool,
     /// How many of its crash points fired.
     pub kills: usize,
-    pub restarted: bool,
     pub exit: Option<ExitStatus>,
     pub log: PathBuf,
 }
@@ -69,9 +66,7 @@ impl Proc {
             fault: None,
             restart: false,
             child: None,
-            killed: false,
             kills: 0,
-            restarted: false,
             exit: None,
             log,
         }
@@ -114,10 +109,8 @@ impl Proc {
         };
         self.child = None;
         if status.signal() == Some(9) && self.kills < self.points().len() {
-            self.killed = true;
             self.kills += 1;
             if self.restart {
-                self.restarted = true;
                 self.spawn();
                 return;
             }

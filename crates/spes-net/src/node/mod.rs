@@ -346,7 +346,7 @@ impl Node {
                 .map(|p| p.tensor.numel() as u64)
                 .sum(),
             optimizer_state_bytes: self.trainer.opt.state_bytes(),
-            peak_rss_mb: spes_train::process::peak_rss_mb(),
+            peak_rss_mb: spes_train::process::peak_rss_mb(std::process::id()),
             wall_s: self.meter.started.elapsed().as_secs_f64(),
         }
     }

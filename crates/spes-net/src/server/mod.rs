@@ -234,8 +234,9 @@ impl State {
                     st.data_parts = book;
                     changed.push(format!("the data parts node {peer} reads"));
                 }
-                if max_experts.is_some() && &st.caps != coord.caps() {
+                if let Some(k) = max_experts.filter(|_| &st.caps != coord.caps()) {
                     st.caps = coord.caps().clone();
+                    tracing::info!("node {peer} has room for {k} experts per layer");
                     changed.push(format!("the cap of node {peer}"));
                 }
                 if scope != before {
@@ -251,9 +252,6 @@ impl State {
             });
             (standing, scope, published, change)
         };
-        if let Some(k) = max_experts.filter(|_| changed.iter().any(|c| c.starts_with("the cap"))) {
-            tracing::info!("node {peer} has room for {k} experts per layer");
-        }
         if let Some(v) = version {
             if let Err(e) = self.progress.commit(v) {
                 tracing::error!("cannot record {}: {e:#}", changed.join(", "));
@@ -483,8 +481,10 @@ fn first_publication(
     score_tx: &mpsc::Sender<ScoreJob>,
 ) -> Result<()> {
     let cfg = &state.cfg;
-    let published_round = state.coord.lock().unwrap().global().1;
-    let scope = state.coord.lock().unwrap().scope().clone();
+    let (published_round, scope) = {
+        let coord = state.coord.lock().unwrap();
+        (coord.global().1, coord.scope().clone())
+    };
     if fresh {
         let record = RoundRecord {
             members: scope.members().into_iter().collect(),

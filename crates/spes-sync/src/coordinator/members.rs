@@ -70,22 +70,27 @@ impl Members {
         }
     }
 
+    /// Evicted peers (persisted, so a restart remembers them).
     pub fn gone(&self) -> &BTreeSet<usize> {
         &self.gone
     }
 
+    /// The caps nodes declared (persisted).
     pub fn caps(&self) -> &BTreeMap<usize, usize> {
         &self.caps
     }
 
+    /// Members sitting the open round out.
     pub fn sitting_out(&self) -> &BTreeSet<usize> {
         &self.sitting_out
     }
 
+    /// `owners[e]` of the round before the open one (empty: not known).
     pub fn previous_owners(&self) -> &[usize] {
         &self.previous_owners
     }
 
+    /// Sets [`Members::previous_owners`] (a restarted server, from its restart point).
     pub fn set_previous_owners(&mut self, owners: Vec<usize>) {
         self.previous_owners = owners;
     }
@@ -207,21 +212,44 @@ impl Members {
         members
     }
 
-    /// Presumed-live members of `scope`, not sitting out, that made progress (`progressing`)
-    /// or not (`!progressing`) since the round opened at `opened_at`.
-    pub fn training(
+    /// The members of `scope` the round opened at `opened_at` waits for: presumed live, not
+    /// sitting out, and making progress.
+    pub fn waited(
         &self,
         scope: &Scope,
         opened_at: f64,
         now: f64,
         cfg: &SyncConfig,
-        progressing: bool,
+    ) -> BTreeSet<usize> {
+        self.training(scope, now, cfg, |p| {
+            self.hearing.progressing(p, opened_at, now, cfg)
+        })
+    }
+
+    /// Presumed-live members of `scope`, not sitting out, whose progress stalled since the
+    /// round opened at `opened_at`.
+    pub fn stalled(
+        &self,
+        scope: &Scope,
+        opened_at: f64,
+        now: f64,
+        cfg: &SyncConfig,
+    ) -> BTreeSet<usize> {
+        self.training(scope, now, cfg, |p| {
+            !self.hearing.progressing(p, opened_at, now, cfg)
+        })
+    }
+
+    /// Presumed-live members of `scope`, not sitting out, that pass `keep`.
+    fn training(
+        &self,
+        scope: &Scope,
+        now: f64,
+        cfg: &SyncConfig,
+        keep: impl Fn(usize) -> bool,
     ) -> BTreeSet<usize> {
         let mut out = self.presumed_live(scope, now, cfg);
-        out.retain(|p| {
-            !self.sitting_out.contains(p)
-                && self.hearing.progressing(*p, opened_at, now, cfg) == progressing
-        });
+        out.retain(|&p| !self.sitting_out.contains(&p) && keep(p));
         out
     }
 

@@ -563,16 +563,16 @@ impl Coordinator {
         }
         let waited = self
             .members
-            .training(self.scope(), self.opened_at, now, &self.cfg, true);
+            .waited(self.scope(), self.opened_at, now, &self.cfg);
         waited.is_subset(uploaded) || now >= self.deadline(now)
     }
 
     /// Live members of the open round that have not uploaded it and whose progress stalled:
     /// what the round does not wait for although their leases are current.
     pub fn stalled(&self, now: f64) -> BTreeSet<usize> {
-        let mut stalled =
-            self.members
-                .training(self.scope(), self.opened_at, now, &self.cfg, false);
+        let mut stalled = self
+            .members
+            .stalled(self.scope(), self.opened_at, now, &self.cfg);
         stalled.retain(|p| !self.uploaded().contains(p));
         stalled
     }

@@ -246,7 +246,8 @@ impl Trainer {
             })
             .collect();
         let lr = lr_at(self.step, &self.cfg.train);
-        let cpu_before = crate::process::thread_cpu_seconds();
+        let slowdown = self.cfg.train.slowdown;
+        let cpu_before = (slowdown > 1.0).then(crate::process::thread_cpu_seconds);
         let mut s = step_on_batches(
             &self.model,
             &mut self.opt,
@@ -255,8 +256,7 @@ impl Trainer {
             lr,
             &batches,
         )?;
-        let slowdown = self.cfg.train.slowdown;
-        if slowdown > 1.0 {
+        if let Some(cpu_before) = cpu_before {
             // Stands for a slower card: the step takes `slowdown` times as long, its CPU free.
             // Scaled from the time the step computed, not its wall time: a process paused
             // mid-step (SIGSTOP, a suspended VM) would otherwise sleep `slowdown` times its pause.
