@@ -6,6 +6,7 @@
 use crate::args::RuntimeArgs;
 use crate::demo;
 use anyhow::Result;
+use spes_train::oracle::Oracle;
 use spes_train::simulate::{simulate, SimOptions};
 use spes_train::RunConfig;
 use std::path::PathBuf;
@@ -37,6 +38,11 @@ pub struct Args {
     /// The rounds `--dump-changes` writes, e.g. 10,40,70.
     #[arg(long, value_delimiter = ',')]
     dump_rounds: Vec<u64>,
+    /// Measuring tool: every node takes these statistics of each step from the union of all
+    /// nodes' batches instead of its own (second-moment, clip, load-balance, or all;
+    /// comma-separated). Steps run in lockstep across the nodes.
+    #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(Oracle::NAMES))]
+    oracle: Vec<String>,
     #[command(flatten)]
     runtime: RuntimeArgs,
 }
@@ -56,19 +62,23 @@ pub fn run(a: Args) -> Result<()> {
         delay_steps: a.delay_steps,
         eval_every: a.eval_every,
         dump_changes: a.dump_changes.clone().map(|d| (d, a.dump_rounds.clone())),
+        oracle: Oracle::parse(&a.oracle)?,
     };
     let r = simulate(&cfg, device, &opts)?;
     for (step, loss) in &r.curve {
         println!("step {step:>6}  val loss {loss:.4}");
     }
     println!(
-        "final val loss {:.4}; {:.3} MiB per node and round (up + down); {:.0} s",
+        "final val loss {:.4} (every validation window {:.4}); {:.3} MiB per node and round (up + down); {:.0} s",
         r.final_val_loss,
+        r.final_all_windows,
         r.bytes_per_round / (1 << 20) as f64,
         r.wall_s
     );
     let json = serde_json::json!({
         "final_val_loss": r.final_val_loss,
+        "final_all_windows": r.final_all_windows,
+        "oracle": opts.oracle,
         "curve": r.curve,
         "bytes_per_round": r.bytes_per_round,
         "wall_s": r.wall_s,

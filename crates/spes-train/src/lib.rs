@@ -9,6 +9,7 @@ pub mod data_parallel;
 pub mod memory_plan;
 pub mod metrics;
 pub mod optim;
+pub mod oracle;
 pub mod process;
 pub mod simulate;
 pub mod task_hook;

@@ -254,6 +254,64 @@ impl AdamW {
         })
     }
 
+    /// One update as [`AdamW::step`] takes it, except that the second moment of each tensor
+    /// named in `union` is fed the square of that tensor instead of its own gradient: the
+    /// oracle of `spes simulate --oracle second-moment` (a measuring tool, so one unfused
+    /// loop of PyTorch's AdamW formula, not a training path).
+    pub fn step_with_second_moment_of(
+        &mut self,
+        lr: f64,
+        union: &HashMap<String, Tensor>,
+    ) -> Result<()> {
+        self.steps += 1;
+        let (b1, b2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
+        tch::no_grad(|| -> Result<()> {
+            spes_ext::add_scalar(&self.counts, 1.0)?;
+            for i in 0..self.names.len() {
+                let g = self.weights[i].grad();
+                if !g.defined() {
+                    continue;
+                }
+                let lr = if self.expert[i] {
+                    lr * self.expert_lr_scale
+                } else {
+                    lr
+                };
+                let t = (self.steps - self.started[i]) as i32;
+                let (bc1, bc2_sqrt) = (1.0 - b1.powi(t), (1.0 - b2.powi(t)).sqrt());
+                let u = union.get(&self.names[i]).unwrap_or(&g);
+                let mut w = self.weights[i].shallow_clone();
+                let mut m = self.exp_avg[i].shallow_clone();
+                let mut v = self.exp_avg_sq[i].shallow_clone();
+                let _ = w.g_mul_scalar_(1.0 - lr * wd);
+                let _ = m.lerp_(&g, 1.0 - b1);
+                let _ = v.g_mul_scalar_(b2);
+                let _ = v.addcmul_(u, &u.g_mul_scalar(1.0 - b2));
+                let denom = (v.sqrt() / bc2_sqrt).g_add_scalar(eps);
+                let _ = w.addcdiv_(&(&m * (-lr / bc1)), &denom);
+            }
+            Ok(())
+        })
+    }
+
+    /// Each trained tensor's gradient by name, where it has one (sharing storage).
+    pub fn named_grads(&self) -> Vec<(String, Tensor)> {
+        self.names
+            .iter()
+            .zip(&self.weights)
+            .map(|(n, w)| (n.clone(), w.grad()))
+            .filter(|(_, g)| g.defined())
+            .collect()
+    }
+
+    /// Scales the gradients as [`AdamW::clip_grad_norm`] would if their global norm were
+    /// `norm` (an fp32 scalar): by `max_norm / norm` when that is below 1.
+    pub fn clip_to(&self, norm: &Tensor, max_norm: f64) -> Result<()> {
+        Ok(tch::no_grad(|| {
+            spes_ext::clip_to_norm(&self.grads(), norm, max_norm)
+        })?)
+    }
+
     /// The gradients that exist (a tensor gets one at its first backward pass).
     fn grads(&self) -> Vec<Tensor> {
         self.weights

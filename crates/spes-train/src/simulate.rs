@@ -12,6 +12,7 @@
 //! itself.
 
 use crate::config::RunConfig;
+use crate::oracle::{self, Oracle};
 use crate::trainer::{validation_stats, Trainer};
 use anyhow::{bail, Context, Result};
 use spes_data::ValWindows;
@@ -35,6 +36,9 @@ pub struct SimOptions {
     /// compresses it) to `<dir>/round-<r>-node-<p>.safetensors`, to study what a wire keeps
     /// (scripts/wire_study.py).
     pub dump_changes: Option<(PathBuf, Vec<u64>)>,
+    /// Statistics every node takes from the union of all nodes' batches (a measuring tool:
+    /// [`crate::oracle`]).
+    pub oracle: Oracle,
 }
 
 /// One simulated node: its replica, its trainer, and what it sent and received.
@@ -52,6 +56,9 @@ pub struct SimResult {
     pub curve: Vec<(u64, f64)>,
     /// Validation loss of the final global model.
     pub final_val_loss: f64,
+    /// The final global model's loss on every window of the validation split, 16 windows a
+    /// batch: the score `spes experiment` gives a run.
+    pub final_all_windows: f64,
     /// Wire bytes per node and round, up plus down (tensors only, no framing), mean over nodes
     /// and every round but the last (which a lossy wire sends whole).
     pub bytes_per_round: f64,
@@ -162,30 +169,8 @@ pub fn simulate(cfg: &RunConfig, device: Device, opts: &SimOptions) -> Result<Si
         if last {
             before_last = nodes.iter().map(|n| n.bytes_up + n.bytes_down).sum();
         }
-        for node in nodes.iter_mut() {
-            node.replica.start_round();
-            let mut work = Work::default();
-            for k in 0..h {
-                if k == delay {
-                    if let Some(r) = in_flight {
-                        node.receive(&coord, r, true)?;
-                    }
-                }
-                let rows = node
-                    .replica
-                    .step_rows(k, cfg.rows_per_round() * node.trainer.ranks() as u64);
-                let s = node.trainer.train_rows(rows as usize)?;
-                if !s.losses.loss.is_finite() {
-                    bail!(
-                        "node {}: loss became {} at step {}",
-                        node.replica.peer(),
-                        s.losses.loss,
-                        node.trainer.step
-                    );
-                }
-                work.rows += rows;
-                work.compute_s += s.seconds;
-            }
+        let works = train_round(&mut nodes, &coord, in_flight, delay, h, cfg, opts.oracle)?;
+        for (node, work) in nodes.iter_mut().zip(works) {
             let w = weights(&node.trainer.model);
             let dump = opts.dump_changes.as_ref();
             if let Some((dir, _)) = dump.filter(|(_, at)| at.contains(&round)) {
@@ -224,14 +209,76 @@ pub fn simulate(cfg: &RunConfig, device: Device, opts: &SimOptions) -> Result<Si
         }
     }
     let final_val_loss = curve.last().expect("the last round is scored").1;
+    scorer.load(coord.global().0, "the global model")?;
+    let final_all_windows = validation_stats(&scorer, &val, 16, usize::MAX / 32, device).0;
     let counted = (rounds.saturating_sub(1).max(1) * nodes.len() as u64) as f64;
     let bytes_per_round = before_last as f64 / counted;
     Ok(SimResult {
         curve,
         final_val_loss,
+        final_all_windows,
         bytes_per_round,
         wall_s: started.elapsed().as_secs_f64(),
     })
+}
+
+/// Every node's steps of one round, step by step across the nodes: at step `delay` each
+/// applies the round in flight, if any; with an oracle every step is taken in lockstep
+/// ([`oracle::lockstep`]). Returns each node's work.
+fn train_round(
+    nodes: &mut [SimNode],
+    coord: &Coordinator,
+    in_flight: Option<u64>,
+    delay: u64,
+    h: u64,
+    cfg: &RunConfig,
+    oracle: Oracle,
+) -> Result<Vec<Work>> {
+    let mut works = vec![Work::default(); nodes.len()];
+    for node in nodes.iter_mut() {
+        node.replica.start_round();
+    }
+    for k in 0..h {
+        if let Some(r) = in_flight.filter(|_| k == delay) {
+            for node in nodes.iter_mut() {
+                node.receive(coord, r, true)?;
+            }
+        }
+        let rows: Vec<u64> = nodes
+            .iter()
+            .map(|n| {
+                n.replica
+                    .step_rows(k, cfg.rows_per_round() * n.trainer.ranks() as u64)
+            })
+            .collect();
+        let stats = if oracle.any() {
+            if rows.iter().any(|&r| r != rows[0]) {
+                bail!("an oracle needs every node to train the same rows a step: {rows:?}");
+            }
+            let mut trainers: Vec<&mut Trainer> =
+                nodes.iter_mut().map(|n| &mut n.trainer).collect();
+            oracle::lockstep(&mut trainers, rows[0] as usize, oracle)?
+        } else {
+            nodes
+                .iter_mut()
+                .zip(&rows)
+                .map(|(n, &r)| n.trainer.train_rows(r as usize))
+                .collect::<Result<Vec<_>>>()?
+        };
+        for ((node, s), (work, &r)) in nodes.iter().zip(stats).zip(works.iter_mut().zip(&rows)) {
+            if !s.losses.loss.is_finite() {
+                bail!(
+                    "node {}: loss became {} at step {}",
+                    node.replica.peer(),
+                    s.losses.loss,
+                    node.trainer.step
+                );
+            }
+            work.rows += r;
+            work.compute_s += s.seconds;
+        }
+    }
+    Ok(works)
 }
 
 impl SimNode {
@@ -246,26 +293,35 @@ impl SimNode {
     }
 
     /// Fetches round `round` as a node would after its upload (without its own experts the
-    /// server published as sent), applies it and follows its ownership.
+    /// server published as sent, or whole on the fp32 wire), applies it and follows its
+    /// ownership.
     fn receive(&mut self, coord: &Coordinator, round: u64, trained_since: bool) -> Result<()> {
-        let delta = coord
-            .delta()
-            .context("a delta wire publishes every round")?;
-        let peer = self.replica.peer();
-        let plan = self.replica.fetch_plan(Some(round), true);
-        let (tensors, skipped_own) = delta.for_peer(peer, plan.skip_own);
-        self.bytes_down += bytes(&tensors);
         let w = weights(&self.trainer.model);
-        self.replica.apply(
-            Published {
-                round,
-                tensors,
-                skipped_own,
-                after_upload: true,
-                trained_since_upload: trained_since,
-            },
-            &w,
-        )?;
+        match coord.delta() {
+            Some(delta) => {
+                let peer = self.replica.peer();
+                let plan = self.replica.fetch_plan(Some(round), true);
+                let (tensors, skipped_own) = delta.for_peer(peer, plan.skip_own);
+                self.bytes_down += bytes(&tensors);
+                self.replica.apply(
+                    Published {
+                        round,
+                        tensors,
+                        skipped_own,
+                        after_upload: true,
+                        trained_since_upload: trained_since,
+                    },
+                    &w,
+                )?;
+            }
+            None => {
+                let (global, _) = coord.global();
+                self.bytes_down += bytes(global);
+                self.trainer.model.load(global, "the published model")?;
+                let copy = global.iter().map(|(n, t)| (n.clone(), t.copy())).collect();
+                self.replica.take_base(round, copy, &w)?;
+            }
+        }
         self.trainer.model.refresh_resident();
         let scope = coord.scope();
         let owners = scope.owners();

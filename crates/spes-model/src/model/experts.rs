@@ -2,7 +2,6 @@
 //! matrix (`Loop`) or one grouped matmul per matrix over the layer's experts stacked
 //! (`Grouped`), with weight gradients for the trained experts only.
 
-use super::layer::Layer;
 use super::weights::{LayerCopies, LayerWeights};
 use super::MoeModel;
 use tch::{Device, Kind, Tensor};
@@ -97,7 +96,7 @@ impl MoeModel {
         let ([gate_up, down], [trained_gate_up, trained_down]) =
             match w.copies.map(LayerCopies::share) {
                 Some(c) => (c.experts, c.trained),
-                None => self.expert_stacks(w.layer),
+                None => self.expert_stacks(w),
             };
         let mm = |x: &Tensor, all: &Tensor, trained: &Tensor| {
             spes_ext::grouped_mm_trained_first(x, all, trained, &offsets)
@@ -111,12 +110,9 @@ impl MoeModel {
     /// Without step copies: every slot's gate and up `[E, 2·hidden, d]` and down stacked in
     /// the compute precision without gradient, and the trained slots' stacked from their
     /// masters with it.
-    fn expert_stacks(&self, layer: &Layer) -> ([Tensor; 2], [Tensor; 2]) {
-        let kind = self.compute;
-        let masters = LayerWeights {
-            layer,
-            copies: None,
-        };
+    fn expert_stacks(&self, w: &LayerWeights) -> ([Tensor; 2], [Tensor; 2]) {
+        let (kind, layer) = (self.compute, w.layer);
+        let masters = LayerWeights { copies: None, ..*w };
         let mats = self.expert_mats(&masters);
         let stack = |slots: &[usize]| {
             let mut gate_up = Vec::with_capacity(slots.len());

@@ -82,6 +82,8 @@ pub struct MoeModel {
     frozen_bf16: bool,
     /// Per-expert multiplier of the load-balancing counts `[E]` (docs/design/algorithm.md §6), if any.
     lb_count_scale: Option<Tensor>,
+    /// Load-balancing counts `[layers, E]` that replace each layer's own ([`MoeModel::set_lb_counts`]).
+    lb_counts: Option<Tensor>,
     /// Logits elements per chunk of the LM-head loss ([`MoeModel::set_logits_chunk`]).
     logits_chunk: i64,
     /// On CUDA in bf16, the head's gradient accumulates in fp32 inside its product
@@ -187,6 +189,7 @@ impl MoeModel {
             cfg: cfg.clone(),
             compute: Kind::Float,
             lb_count_scale: None,
+            lb_counts: None,
             moe_kernel: MoeKernel::Loop,
             frozen_bf16: false,
             device,
@@ -339,11 +342,15 @@ impl MoeModel {
             .zeros_like()
             .index_add(0, &token_of, &(expert_out * gate));
 
+        let lb_counts = match &self.lb_counts {
+            Some(all) => all.get(w.index as i64),
+            None => counts.shallow_clone(),
+        };
         let lb = match &self.lb_count_scale {
             Some(scale) => {
-                load_balancing_loss(&probs, &(counts.to_kind(Kind::Float) * scale), cfg.top_k)
+                load_balancing_loss(&probs, &(lb_counts.to_kind(Kind::Float) * scale), cfg.top_k)
             }
-            None => load_balancing_loss(&probs, &counts, cfg.top_k),
+            None => load_balancing_loss(&probs, &lb_counts, cfg.top_k),
         };
         let router_z = router_logits
             .logsumexp([-1], false)

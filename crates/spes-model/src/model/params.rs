@@ -33,6 +33,13 @@ impl MoeModel {
         self.lb_count_scale = scale;
     }
 
+    /// Takes every layer's load-balancing counts from `counts` (`[layers, E]`, per token of a
+    /// batch as large as this model's) instead of its own routing; `None` restores its own.
+    /// `spes simulate --oracle load-balance` gives every node the union batch's.
+    pub fn set_lb_counts(&mut self, counts: Option<Tensor>) {
+        self.lb_counts = counts;
+    }
+
     /// The scale set by [`MoeModel::set_lb_count_scale`], if any.
     pub fn lb_count_scale(&self) -> Option<&Tensor> {
         self.lb_count_scale.as_ref()

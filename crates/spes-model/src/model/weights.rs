@@ -47,7 +47,10 @@ impl LayerCopies {
 
 /// What one layer multiplies by in the step under way: the step's compute copies (mixed
 /// precision, between [`MoeModel::begin_step`] and [`MoeModel::end_step`]), else its masters.
+#[derive(Clone, Copy)]
 pub(super) struct LayerWeights<'a> {
+    /// The layer's place in the stack, from 0 at the embedding.
+    pub(super) index: usize,
     pub(super) layer: &'a Layer,
     pub(super) copies: Option<&'a LayerCopies>,
 }
@@ -96,6 +99,7 @@ impl MoeModel {
         step: Option<&'a StepCopies>,
     ) -> LayerWeights<'a> {
         LayerWeights {
+            index: l,
             layer: &self.layers[l],
             copies: step.map(|s| &s.layers[l]),
         }

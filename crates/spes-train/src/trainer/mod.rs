@@ -1,6 +1,10 @@
 //! The training loop: micro-batches, clipping, AdamW, evaluation, metrics, checkpoints, resume.
 
 pub mod lead;
+mod step;
+mod union;
+
+pub use step::{backward_batches, step_on_batches, Backward, StepOptions};
 
 use crate::checkpoint::{self, TrainState};
 use crate::config::{MoeKernelChoice, Precision, RunConfig};
@@ -36,33 +40,6 @@ impl StepStats {
             tokens_per_s: Some(tokens_per_s),
             source_tokens: self.source_tokens.clone(),
             ..StepRecord::default()
-        }
-    }
-}
-
-/// How a step turns batches into an update.
-#[derive(Clone, Copy, Debug)]
-pub struct StepOptions {
-    pub weights: LossWeights,
-    /// Global gradient-norm clip.
-    pub grad_clip: f64,
-    /// Recompute blocks during backward (activation checkpointing).
-    pub checkpoint: bool,
-    /// Data parallel: reduce each stage's gradients as soon as backward completes them.
-    pub overlap_reduce: bool,
-}
-
-impl StepOptions {
-    pub fn from_config(t: &crate::config::TrainConfig) -> Self {
-        StepOptions {
-            weights: LossWeights {
-                z_loss: t.z_loss_weight,
-                lb: t.lb_loss_weight,
-                router_z: t.router_z_loss_weight,
-            },
-            grad_clip: t.grad_clip,
-            checkpoint: t.activation_checkpointing,
-            overlap_reduce: t.overlap_grad_reduce,
         }
     }
 }
@@ -234,17 +211,7 @@ impl Trainer {
             bail!("a training step needs at least one row");
         }
         self.announce_step(rows)?;
-        let micro = self.cfg.train.micro_rows();
-        let (rank, world) = self.dp.as_ref().map_or((0, 1), |d| (d.rank(), d.world()));
-        let row_len = self.cfg.train.seq_len + 1;
-        let batches: Vec<Tensor> = (0..rows.div_ceil(micro))
-            .map(|i| {
-                let rows = micro.min(rows - i * micro);
-                let flat = self.loader.next_batch(rows * world);
-                let mine = flat[rank * rows * row_len..(rank + 1) * rows * row_len].to_vec();
-                self.batch_tensor(rows, mine)
-            })
-            .collect();
+        let batches = self.draw_rows(rows);
         let lr = lr_at(self.step, &self.cfg.train);
         let slowdown = self.cfg.train.slowdown;
         let cpu_before = (slowdown > 1.0).then(crate::process::thread_cpu_seconds);
@@ -267,13 +234,34 @@ impl Trainer {
             std::thread::sleep(std::time::Duration::from_secs_f64(extra));
             s.seconds += extra;
         }
+        Ok(self.count_step(s))
+    }
+
+    /// The next step's `rows` rows per rank from the data stream, in micro-batches of at most
+    /// `micro_batch` rows (this rank's slice of each).
+    fn draw_rows(&mut self, rows: usize) -> Vec<Tensor> {
+        let micro = self.cfg.train.micro_rows();
+        let (rank, world) = self.dp.as_ref().map_or((0, 1), |d| (d.rank(), d.world()));
+        let row_len = self.cfg.train.seq_len + 1;
+        (0..rows.div_ceil(micro))
+            .map(|i| {
+                let rows = micro.min(rows - i * micro);
+                let flat = self.loader.next_batch(rows * world);
+                let mine = flat[rank * rows * row_len..(rank + 1) * rows * row_len].to_vec();
+                self.batch_tensor(rows, mine)
+            })
+            .collect()
+    }
+
+    /// Counts a finished step: the step and token counters, and the tokens of each source.
+    fn count_step(&mut self, mut s: StepStats) -> StepStats {
         if self.loader.drawn().len() > 1 {
             let seq = self.cfg.train.seq_len as u64;
             s.source_tokens = self.loader.drawn().iter().map(|w| w * seq).collect();
         }
         self.step += 1;
         self.tokens += s.tokens;
-        Ok(s)
+        s
     }
 
     /// Fails unless every rank holds rank 0's trainable weights bit for bit; a no-op alone.
@@ -520,121 +508,6 @@ pub fn validation_stats(
         })
         .unwrap_or_default();
     (total / n as f64, load)
-}
-
-/// Forward/backward over each batch (gradients averaged over batches, then over the ranks of
-/// `dp`), clipping, and one AdamW update. Loss parts are averaged over ranks too; `tokens`
-/// counts every rank's.
-pub fn step_on_batches(
-    model: &MoeModel,
-    opt: &mut AdamW,
-    o: &StepOptions,
-    dp: Option<&DataParallel>,
-    lr: f64,
-    batches: &[Tensor],
-) -> Result<StepStats> {
-    let start = Instant::now();
-    let n = batches.len() as f64;
-    let rows_of = |b: &Tensor| b.size()[0];
-    let total_rows: i64 = batches.iter().map(rows_of).sum();
-    // Micro-batches of one size weigh 1/n each, exactly as they always did; unequal ones (a
-    // round by tokens) weigh by their rows, so the step's loss is the mean over its rows.
-    let equal = batches.iter().all(|b| rows_of(b) == rows_of(&batches[0]));
-    let share = |b: &Tensor| {
-        if equal {
-            1.0 / n
-        } else {
-            rows_of(b) as f64 / total_rows as f64
-        }
-    };
-    // Loss parts stay on the device until one read at the end: a read is a GPU sync.
-    let mut sums: Option<Tensor> = None;
-    let mut tokens = 0;
-    // Data parallel: the last batch's gradients are reduced to their owners stage by stage
-    // while its backward runs on (the earlier batches only accumulate).
-    let mut reducing = Vec::new();
-    let mut failed = None;
-    // Mixed precision: every micro-batch multiplies by one set of bf16 copies, made here.
-    model.begin_step();
-    for (i, batch) in batches.iter().enumerate() {
-        let (rows, cols) = batch.size2().expect("batch is [rows, seq+1]");
-        tokens += (rows * (cols - 1)) as u64;
-        let l = match dp.filter(|_| o.overlap_reduce && i + 1 == batches.len()) {
-            Some(dp) => model.backward_in_stages(
-                batch,
-                &o.weights,
-                share(batch),
-                o.checkpoint,
-                &mut |stage| {
-                    if failed.is_none() {
-                        match dp.start_stage(stage) {
-                            Ok(p) => reducing.extend(p),
-                            Err(e) => failed = Some(e),
-                        }
-                    }
-                },
-            ),
-            None => model.backward(batch, &o.weights, share(batch), o.checkpoint),
-        };
-        let parts = Tensor::stack(&[&l.total, &l.ce, &l.z_loss, &l.lb, &l.router_z], 0);
-        let parts = if equal {
-            parts / n
-        } else {
-            parts * share(batch)
-        };
-        sums = Some(match sums.take() {
-            Some(acc) => acc + parts,
-            None => parts,
-        });
-    }
-    model.end_step();
-    let mut sums = sums.expect("at least one batch");
-    let optimizer = spes_ext::count::enter(spes_ext::count::Phase::Optimizer);
-    let grad_norm = match dp {
-        None => {
-            let norm = opt.clip_grad_norm(o.grad_clip)?;
-            opt.step(lr)?;
-            opt.zero_grad()?;
-            norm
-        }
-        Some(dp) => {
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            if reducing.is_empty() {
-                dp.reduce_gradients()?;
-            }
-            for p in reducing {
-                p.finish()
-                    .with_context(|| format!("rank {}: reducing gradients", dp.rank()))?;
-            }
-            dp.average(std::slice::from_mut(&mut sums))?;
-            tokens *= dp.world() as u64;
-            let norm = dp.clip_grad_norm(o.grad_clip)?;
-            opt.step(lr)?;
-            dp.share_updates()?;
-            dp.zero_grads()?;
-            norm
-        }
-    };
-    drop(optimizer);
-    let read = Tensor::cat(&[sums, grad_norm.reshape([1])], 0);
-    let v = Vec::<f64>::try_from(&read.to_kind(Kind::Double).to_device(Device::Cpu))
-        .expect("six scalars");
-    Ok(StepStats {
-        losses: StepLosses {
-            loss: v[0],
-            ce: v[1],
-            z_loss: v[2],
-            lb_loss: v[3],
-            router_z_loss: v[4],
-            grad_norm: v[5],
-            lr,
-        },
-        tokens,
-        seconds: start.elapsed().as_secs_f64(),
-        source_tokens: Vec::new(),
-    })
 }
 
 /// Outcome of [`run`].

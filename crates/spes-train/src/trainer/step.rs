@@ -1,0 +1,190 @@
+//! One optimizer step: forward and backward over a step's micro-batches, then clipping and
+//! AdamW, alone or as one rank of a data-parallel node.
+
+use super::StepStats;
+use crate::data_parallel::DataParallel;
+use crate::metrics::StepLosses;
+use crate::optim::AdamW;
+use anyhow::{Context, Result};
+use spes_ext::dist::PendingMean;
+use spes_model::{LossWeights, MoeModel};
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+/// How a step turns batches into an update.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOptions {
+    pub weights: LossWeights,
+    /// Global gradient-norm clip.
+    pub grad_clip: f64,
+    /// Recompute blocks during backward (activation checkpointing).
+    pub checkpoint: bool,
+    /// Data parallel: reduce each stage's gradients as soon as backward completes them.
+    pub overlap_reduce: bool,
+}
+
+impl StepOptions {
+    pub fn from_config(t: &crate::config::TrainConfig) -> Self {
+        StepOptions {
+            weights: LossWeights {
+                z_loss: t.z_loss_weight,
+                lb: t.lb_loss_weight,
+                router_z: t.router_z_loss_weight,
+            },
+            grad_clip: t.grad_clip,
+            checkpoint: t.activation_checkpointing,
+            overlap_reduce: t.overlap_grad_reduce,
+        }
+    }
+}
+
+/// A step whose forward and backward passes are done: its gradients sit in the trained
+/// tensors' `.grad` (with several ranks, some still being reduced).
+pub struct Backward {
+    started: Instant,
+    /// The loss parts (total, ce, z, lb, router z), averaged over the step's rows.
+    sums: Tensor,
+    tokens: u64,
+    /// Data parallel: the last batch's gradient reductions under way.
+    reducing: Vec<PendingMean>,
+    failed: Option<anyhow::Error>,
+}
+
+impl Backward {
+    /// The step's record once its update is done, `grad_norm` the norm clipping used.
+    pub(crate) fn stats(self, grad_norm: Tensor, lr: f64) -> StepStats {
+        let read = Tensor::cat(&[self.sums, grad_norm.reshape([1])], 0);
+        let v = Vec::<f64>::try_from(&read.to_kind(Kind::Double).to_device(Device::Cpu))
+            .expect("six scalars");
+        StepStats {
+            losses: StepLosses {
+                loss: v[0],
+                ce: v[1],
+                z_loss: v[2],
+                lb_loss: v[3],
+                router_z_loss: v[4],
+                grad_norm: v[5],
+                lr,
+            },
+            tokens: self.tokens,
+            seconds: self.started.elapsed().as_secs_f64(),
+            source_tokens: Vec::new(),
+        }
+    }
+}
+
+/// Forward/backward over each batch (gradients averaged over batches, then over the ranks of
+/// `dp`), clipping, and one AdamW update. Loss parts are averaged over ranks too; `tokens`
+/// counts every rank's.
+pub fn step_on_batches(
+    model: &MoeModel,
+    opt: &mut AdamW,
+    o: &StepOptions,
+    dp: Option<&DataParallel>,
+    lr: f64,
+    batches: &[Tensor],
+) -> Result<StepStats> {
+    let mut b = backward_batches(model, o, dp, batches);
+    let optimizer = spes_ext::count::enter(spes_ext::count::Phase::Optimizer);
+    let grad_norm = match dp {
+        None => {
+            let norm = opt.clip_grad_norm(o.grad_clip)?;
+            opt.step(lr)?;
+            opt.zero_grad()?;
+            norm
+        }
+        Some(dp) => {
+            if let Some(e) = b.failed.take() {
+                return Err(e);
+            }
+            if b.reducing.is_empty() {
+                dp.reduce_gradients()?;
+            }
+            for p in b.reducing.drain(..) {
+                p.finish()
+                    .with_context(|| format!("rank {}: reducing gradients", dp.rank()))?;
+            }
+            dp.average(std::slice::from_mut(&mut b.sums))?;
+            b.tokens *= dp.world() as u64;
+            let norm = dp.clip_grad_norm(o.grad_clip)?;
+            opt.step(lr)?;
+            dp.share_updates()?;
+            dp.zero_grads()?;
+            norm
+        }
+    };
+    drop(optimizer);
+    Ok(b.stats(grad_norm, lr))
+}
+
+/// The forward and backward passes of a step over `batches`, each batch's gradient added to
+/// the trained tensors' `.grad` at its share of the step's rows.
+pub fn backward_batches(
+    model: &MoeModel,
+    o: &StepOptions,
+    dp: Option<&DataParallel>,
+    batches: &[Tensor],
+) -> Backward {
+    let started = Instant::now();
+    let n = batches.len() as f64;
+    let rows_of = |b: &Tensor| b.size()[0];
+    let total_rows: i64 = batches.iter().map(rows_of).sum();
+    // Micro-batches of one size weigh 1/n each, exactly as they always did; unequal ones (a
+    // round by tokens) weigh by their rows, so the step's loss is the mean over its rows.
+    let equal = batches.iter().all(|b| rows_of(b) == rows_of(&batches[0]));
+    let share = |b: &Tensor| {
+        if equal {
+            1.0 / n
+        } else {
+            rows_of(b) as f64 / total_rows as f64
+        }
+    };
+    // Loss parts stay on the device until one read at the end: a read is a GPU sync.
+    let mut sums: Option<Tensor> = None;
+    let mut tokens = 0;
+    // Data parallel: the last batch's gradients are reduced to their owners stage by stage
+    // while its backward runs on (the earlier batches only accumulate).
+    let mut reducing = Vec::new();
+    let mut failed = None;
+    // Mixed precision: every micro-batch multiplies by one set of bf16 copies, made here.
+    model.begin_step();
+    for (i, batch) in batches.iter().enumerate() {
+        let (rows, cols) = batch.size2().expect("batch is [rows, seq+1]");
+        tokens += (rows * (cols - 1)) as u64;
+        let l = match dp.filter(|_| o.overlap_reduce && i + 1 == batches.len()) {
+            Some(dp) => model.backward_in_stages(
+                batch,
+                &o.weights,
+                share(batch),
+                o.checkpoint,
+                &mut |stage| {
+                    if failed.is_none() {
+                        match dp.start_stage(stage) {
+                            Ok(p) => reducing.extend(p),
+                            Err(e) => failed = Some(e),
+                        }
+                    }
+                },
+            ),
+            None => model.backward(batch, &o.weights, share(batch), o.checkpoint),
+        };
+        let parts = Tensor::stack(&[&l.total, &l.ce, &l.z_loss, &l.lb, &l.router_z], 0);
+        let parts = if equal {
+            parts / n
+        } else {
+            parts * share(batch)
+        };
+        sums = Some(match sums.take() {
+            Some(acc) => acc + parts,
+            None => parts,
+        });
+    }
+    model.end_step();
+    Backward {
+        started,
+        sums: sums.expect("at least one batch"),
+        tokens,
+        reducing,
+        failed,
+    }
+}
