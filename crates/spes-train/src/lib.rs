@@ -17,7 +17,8 @@ pub mod tensorboard;
 pub mod trainer;
 
 pub use config::{
-    AggregateRule, Mode, MoeKernelChoice, Precision, RunConfig, SyncConfig, TrainConfig, Wire,
+    AggregateRule, Mode, MoeKernelChoice, Precision, RunConfig, SecondMoment, SyncConfig,
+    TrainConfig, Wire,
 };
 pub use trainer::lead::follow;
 pub use trainer::{

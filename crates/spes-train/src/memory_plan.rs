@@ -7,7 +7,7 @@
 //! holds the two within 15 % on CPU.
 
 use crate::config::RunConfig;
-use crate::trainer::{compute_kind, frozen_experts_bf16, moe_kernel};
+use crate::trainer::{compute_kind, frozen_experts_bf16, moe_kernel, UnionEstimate};
 use spes_model::{ModelConfig, MoeKernel};
 use tch::{Device, Kind};
 
@@ -34,6 +34,9 @@ pub struct MemoryInput {
     pub frozen_bf16: bool,
     /// Logits per chunk of the LM-head loss (spes-model's default: 2^26).
     pub logits_chunk: u64,
+    /// `train.second_moment = "union_estimate"`: the gradients of the first half of a step's
+    /// rows, kept through the second half's backward.
+    pub estimate: Option<UnionEstimate>,
     /// Memory in use before the first tensor: the CUDA context and kernels on a GPU, the
     /// process with libtorch loaded on CPU.
     pub runtime_bytes: u64,
@@ -59,6 +62,9 @@ pub struct MemoryPlan {
     pub activations: u64,
     /// The larger of the LM head's chunk working set and one block's backward buffers.
     pub workspace: u64,
+    /// fp32 gradients of the averaged tensors after the first half of the rows
+    /// (`train.second_moment = "union_estimate"`; 0 without).
+    pub second_moment_estimate: u64,
     pub runtime: u64,
     /// The allocator's headroom ([`MemoryInput::slack`]).
     pub slack: u64,
@@ -75,6 +81,7 @@ impl MemoryPlan {
             + self.weight_copies
             + self.activations
             + self.workspace
+            + self.second_moment_estimate
             + self.runtime
             + self.slack
     }
@@ -137,6 +144,7 @@ impl MemoryInput {
             grouped_experts: moe_kernel(t.moe_kernel, device, compute_kind(t.precision, device))
                 == MoeKernel::Grouped,
             frozen_bf16: bf16 && frozen_experts_bf16(t.frozen_experts_bf16, device),
+            estimate: UnionEstimate::of(cfg),
             logits_chunk: 1 << 26,
             runtime_bytes: 1 << 30,
             slack: 0.1,
@@ -230,6 +238,9 @@ pub fn plan(i: &MemoryInput) -> MemoryPlan {
         weight_copies,
         activations,
         workspace: head.max(per_layer),
+        second_moment_estimate: i
+            .estimate
+            .map_or(0, |e| 4 * if e.experts { trainable } else { shared }),
         runtime: 0,
         slack: 0,
         host_frozen_masters: if i.frozen_bf16 { 4 * frozen } else { 0 },
@@ -282,10 +293,30 @@ mod tests {
             activation_checkpointing: false,
             grouped_experts: true,
             frozen_bf16: false,
+            estimate: None,
             logits_chunk: 1 << 26,
             runtime_bytes: 1 << 30,
             slack: 0.0,
         }
+    }
+
+    /// The second-moment estimate keeps one fp32 gradient of the averaged tensors: the shared
+    /// ones in SPES, every trained one in DiLoCo.
+    #[test]
+    fn the_second_moment_estimate_costs_one_gradient_of_the_averaged_tensors() {
+        let i = input("1b", 1);
+        let counts = i.model.param_counts();
+        let with = |experts| {
+            plan(&MemoryInput {
+                estimate: Some(UnionEstimate { nodes: 16, experts }),
+                ..i.clone()
+            })
+        };
+        assert_eq!(plan(&i).second_moment_estimate, 0);
+        assert_eq!(with(false).second_moment_estimate, 4 * counts.shared);
+        assert_eq!(with(false).total() - plan(&i).total(), 4 * counts.shared);
+        let trained = counts.shared + i.model.n_layers as u64 * counts.per_expert;
+        assert_eq!(with(true).second_moment_estimate, 4 * trained);
     }
 
     #[test]

@@ -255,13 +255,14 @@ impl AdamW {
     }
 
     /// One update as [`AdamW::step`] takes it, except that the second moment of each tensor
-    /// named in `union` is fed the square of that tensor instead of its own gradient: the
-    /// oracle of `spes simulate --oracle second-moment` (a measuring tool, so one unfused
-    /// loop of PyTorch's AdamW formula, not a training path).
-    pub fn step_with_second_moment_of(
+    /// named in `squares` is fed that tensor instead of its gradient's square
+    /// (`train.second_moment = "union_estimate"`, the oracle of `spes simulate`): one loop of
+    /// PyTorch's AdamW formula per tensor, not the fused kernel, which squares the gradient
+    /// itself.
+    pub fn step_with_second_moment(
         &mut self,
         lr: f64,
-        union: &HashMap<String, Tensor>,
+        squares: &HashMap<String, Tensor>,
     ) -> Result<()> {
         self.steps += 1;
         let (b1, b2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
@@ -279,14 +280,21 @@ impl AdamW {
                 };
                 let t = (self.steps - self.started[i]) as i32;
                 let (bc1, bc2_sqrt) = (1.0 - b1.powi(t), (1.0 - b2.powi(t)).sqrt());
-                let u = union.get(&self.names[i]).unwrap_or(&g);
+                let own;
+                let fed = match squares.get(&self.names[i]) {
+                    Some(fed) => fed,
+                    None => {
+                        own = g.square();
+                        &own
+                    }
+                };
                 let mut w = self.weights[i].shallow_clone();
                 let mut m = self.exp_avg[i].shallow_clone();
                 let mut v = self.exp_avg_sq[i].shallow_clone();
                 let _ = w.g_mul_scalar_(1.0 - lr * wd);
                 let _ = m.lerp_(&g, 1.0 - b1);
                 let _ = v.g_mul_scalar_(b2);
-                let _ = v.addcmul_(u, &u.g_mul_scalar(1.0 - b2));
+                let _ = v.g_add_(&fed.g_mul_scalar(1.0 - b2));
                 let denom = (v.sqrt() / bc2_sqrt).g_add_scalar(eps);
                 let _ = w.addcdiv_(&(&m * (-lr / bc1)), &denom);
             }

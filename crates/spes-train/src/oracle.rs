@@ -100,7 +100,13 @@ pub fn lockstep(
         .iter()
         .map(|t| t.clip_step(union_norm.as_ref()))
         .collect::<Result<Vec<_>>>()?;
-    let second = oracle.second_moment.then(|| union_grads(trainers));
+    let second = oracle.second_moment.then(|| {
+        let mut union = union_grads(trainers);
+        for g in union.values_mut() {
+            *g = g.square();
+        }
+        union
+    });
     trainers
         .iter_mut()
         .zip(backwards)

@@ -7,6 +7,7 @@ use spes_model::ModelConfig;
 use spes_train::memory_plan::{
     experts_that_fit, largest_micro_batch, plan, MemoryInput, MemoryPlan,
 };
+use spes_train::trainer::UnionEstimate;
 use spes_train::{Mode, Precision, RunConfig};
 use std::path::PathBuf;
 
@@ -47,6 +48,10 @@ pub struct Args {
     /// `train.frozen_experts_bf16` is on CUDA; their fp32 masters in host memory), bf16 or fp32.
     #[arg(long, default_value = "auto", value_parser = ["auto", "bf16", "fp32"])]
     frozen_experts: String,
+    /// What a node's second moment is fed (`train.second_moment`; default: the config's, or
+    /// own): union_estimate keeps one more fp32 gradient of the averaged tensors in a step.
+    #[arg(long, value_parser = ["own", "union_estimate"])]
+    second_moment: Option<String>,
     /// GiB in use before the first tensor: CUDA context, cuBLAS/cuDNN workspaces, kernels.
     #[arg(long, default_value_t = 1.0)]
     runtime_gb: f64,
@@ -118,6 +123,15 @@ fn input(a: &Args) -> Result<MemoryInput> {
             "auto" => compute_bytes == 2,
             f => f == "bf16",
         },
+        estimate: match (a.second_moment.as_deref(), &cfg) {
+            (Some("union_estimate"), _) => Some(UnionEstimate {
+                nodes,
+                experts: all,
+            }),
+            (Some(_), _) => None,
+            (None, Some(c)) => UnionEstimate::of(c),
+            (None, None) => None,
+        },
         logits_chunk: 1 << 26,
         runtime_bytes: (a.runtime_gb * GIB) as u64,
         slack: a.slack.max(0.0),
@@ -165,7 +179,7 @@ pub fn run(a: Args) -> Result<()> {
     let (plain, ckpt) = (&variants[0].1, &variants[1].1);
     println!("| GiB per rank | plain | activation checkpointing |");
     println!("|---|---|---|");
-    let rows: [Row; 10] = [
+    let rows: [Row; 11] = [
         ("frozen expert weights", |p| p.frozen_weights),
         ("trainable weights (fp32)", |p| p.trainable_weights),
         ("AdamW moments", |p| p.adamw_moments),
@@ -177,6 +191,9 @@ pub fn run(a: Args) -> Result<()> {
         ("activations of a micro-batch", |p| p.activations),
         ("workspace (LM-head chunk, backward buffers)", |p| {
             p.workspace
+        }),
+        ("second-moment estimate (first half's gradients)", |p| {
+            p.second_moment_estimate
         }),
         ("runtime (CUDA context, kernels)", |p| p.runtime),
         ("allocator headroom", |p| p.slack),

@@ -105,6 +105,18 @@ pub enum Precision {
     Bf16,
 }
 
+/// What a node's AdamW second moment is fed for the tensors every node trains and the server
+/// averages (docs/results/quality.md#oracles-which-statistic-of-a-nodes-batch-costs-the-gap-2026-12-06).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SecondMoment {
+    /// The square of the node's own gradient, as in PyTorch's AdamW.
+    Own,
+    /// An estimate of the square of the gradient of every node's batch together: the node's
+    /// own square less its share of the noise, which the two halves of its batch measure.
+    UnionEstimate,
+}
+
 /// How MoE layers run their experts (spes-model's `MoeKernel`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -149,6 +161,11 @@ pub struct TrainConfig {
     pub beta2: f64,
     pub eps: f64,
     pub grad_clip: f64,
+    /// `own`, or `union_estimate`: in SPES and DiLoCo, the second moment of each averaged
+    /// tensor is fed an estimate of the square the nodes' batches together would give, so the
+    /// averaged steps keep the centralized step's length (the step's backward runs in two
+    /// halves of its rows; one gradient-sized buffer more during the step).
+    pub second_moment: SecondMoment,
     pub z_loss_weight: f64,
     pub lb_loss_weight: f64,
     pub router_z_loss_weight: f64,
@@ -245,6 +262,7 @@ impl Default for TrainConfig {
             beta2: 0.95,
             eps: 1e-8,
             grad_clip: 1.0,
+            second_moment: SecondMoment::Own,
             z_loss_weight: 1e-4,
             lb_loss_weight: 0.01,
             router_z_loss_weight: 0.001,
@@ -525,6 +543,14 @@ impl RunConfig {
         }
         if !(t.lr > 0.0 && t.lr.is_finite()) {
             bail!("train.lr must be a positive number, got {}", t.lr);
+        }
+        if t.second_moment == SecondMoment::UnionEstimate {
+            if self.sync.mode == Mode::Centralized {
+                bail!("train.second_moment = \"union_estimate\" estimates for the nodes of a decentralized run; a centralized run has only its own batch (use \"own\")");
+            }
+            if t.batch_size * t.grad_accum < 2 {
+                bail!("train.second_moment = \"union_estimate\" splits a step's rows in two halves: it needs train.batch_size × train.grad_accum ≥ 2");
+            }
         }
         if t.t_max != 0 && t.t_max <= t.warmup_steps {
             bail!(

@@ -3,7 +3,7 @@
 //! recipe nobody tuned on gets rates and schedules that follow it. Explicit numbers override.
 //! The measurements behind each rule are in docs/results/quality.md (the recipe grid).
 
-use super::{Mode, RunConfig};
+use super::{Mode, RunConfig, SecondMoment};
 use anyhow::{bail, Result};
 
 /// One value a rule derived: the key, the value and the rule in words, as the resolved config
@@ -24,11 +24,13 @@ impl std::fmt::Display for Derived {
 
 /// Nodes' rate for the shared parameters over the centralized rate `train.lr`: averaging n
 /// nodes' AdamW steps cancels part of their noise, so the mean moves about 1/√n as far as one
-/// step on the n-fold batch; √n gives it back. 1 for a centralized run.
-pub fn node_lr_scale(mode: Mode, nodes: usize) -> f64 {
-    match mode {
-        Mode::Centralized => 1.0,
-        Mode::Spes | Mode::Diloco => (nodes as f64).sqrt(),
+/// step on the n-fold batch; √n gives it back. 1 for a centralized run, and for nodes whose
+/// second moment estimates the n-fold batch's (`train.second_moment = "union_estimate"`),
+/// whose mean step is already as long.
+pub fn node_lr_scale(mode: Mode, nodes: usize, second_moment: SecondMoment) -> f64 {
+    match (mode, second_moment) {
+        (Mode::Centralized, _) | (_, SecondMoment::UnionEstimate) => 1.0,
+        (Mode::Spes | Mode::Diloco, SecondMoment::Own) => (nodes as f64).sqrt(),
     }
 }
 
@@ -70,8 +72,8 @@ struct Rule {
 const RULES: [Rule; 5] = [
     Rule {
         key: "train.node_lr_scale",
-        text: "√sync.nodes on SPES and DiLoCo nodes, 1 centralized",
-        derive: |c| node_lr_scale(c.sync.mode, c.sync.nodes).into(),
+        text: "√sync.nodes on SPES and DiLoCo nodes, 1 centralized or with train.second_moment = \"union_estimate\"",
+        derive: |c| node_lr_scale(c.sync.mode, c.sync.nodes, c.train.second_moment).into(),
     },
     Rule {
         key: "train.expert_lr_scale",

@@ -1,9 +1,11 @@
 //! The training loop: micro-batches, clipping, AdamW, evaluation, metrics, checkpoints, resume.
 
 pub mod lead;
+mod second_moment;
 mod step;
 mod union;
 
+pub use second_moment::UnionEstimate;
 pub use step::{backward_batches, step_on_batches, Backward, StepOptions};
 
 use crate::checkpoint::{self, TrainState};
@@ -141,7 +143,10 @@ impl Trainer {
         let loader =
             Loader::open_share(&sources, seq, cfg.train.seed, data_position, cfg.data.share)?;
         let val = ValWindows::open_mixture(&sources, seq)?;
-        let options = StepOptions::from_config(&cfg.train);
+        let options = StepOptions {
+            estimate: UnionEstimate::of(&cfg),
+            ..StepOptions::from_config(&cfg.train)
+        };
         Ok(Trainer {
             cfg,
             model,
@@ -167,6 +172,9 @@ impl Trainer {
     /// rows of each batch and averages gradients with the other ranks. Every rank starts from
     /// rank 0's weights and optimizer state.
     pub fn set_data_parallel(&mut self, mut dp: DataParallel) -> Result<()> {
+        if self.options.estimate.is_some() && dp.world() > 1 {
+            bail!("train.second_moment = \"union_estimate\" is not built for a node of several ranks yet; use \"own\"");
+        }
         let mut state: Vec<Tensor> = self.model.params().into_iter().map(|p| p.tensor).collect();
         state.extend(self.opt.moment_tensors());
         dp.broadcast_from_first(&state)?;

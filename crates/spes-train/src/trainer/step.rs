@@ -1,11 +1,12 @@
 //! One optimizer step: forward and backward over a step's micro-batches, then clipping and
 //! AdamW, alone or as one rank of a data-parallel node.
 
+use super::second_moment::{clip_squares, FirstHalf, UnionEstimate};
 use super::StepStats;
 use crate::data_parallel::DataParallel;
 use crate::metrics::StepLosses;
 use crate::optim::AdamW;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use spes_ext::dist::PendingMean;
 use spes_model::{LossWeights, MoeModel};
 use std::time::Instant;
@@ -21,6 +22,8 @@ pub struct StepOptions {
     pub checkpoint: bool,
     /// Data parallel: reduce each stage's gradients as soon as backward completes them.
     pub overlap_reduce: bool,
+    /// `train.second_moment = "union_estimate"` in a decentralized run (else `None`).
+    pub estimate: Option<UnionEstimate>,
 }
 
 impl StepOptions {
@@ -34,6 +37,7 @@ impl StepOptions {
             grad_clip: t.grad_clip,
             checkpoint: t.activation_checkpointing,
             overlap_reduce: t.overlap_grad_reduce,
+            estimate: None,
         }
     }
 }
@@ -48,6 +52,8 @@ pub struct Backward {
     /// Data parallel: the last batch's gradient reductions under way.
     reducing: Vec<PendingMean>,
     failed: Option<anyhow::Error>,
+    /// With [`StepOptions::estimate`]: the gradients after the first half of the rows.
+    first_half: Option<FirstHalf>,
 }
 
 impl Backward {
@@ -84,12 +90,36 @@ pub fn step_on_batches(
     lr: f64,
     batches: &[Tensor],
 ) -> Result<StepStats> {
+    let halves;
+    let batches = match (o.estimate, batches) {
+        (Some(_), _) if dp.is_some() => {
+            bail!("train.second_moment = \"union_estimate\" is not built for a node of several ranks yet; use \"own\"")
+        }
+        // The estimate needs two halves of the rows: one batch becomes two.
+        (Some(_), [one]) => {
+            let rows = one.size()[0];
+            halves = one.split_with_sizes([rows / 2, rows - rows / 2], 0);
+            &halves[..]
+        }
+        _ => batches,
+    };
     let mut b = backward_batches(model, o, dp, batches);
     let optimizer = spes_ext::count::enter(spes_ext::count::Phase::Optimizer);
     let grad_norm = match dp {
         None => {
+            let fed = b
+                .first_half
+                .take()
+                .zip(o.estimate)
+                .map(|(half, e)| e.squares(model, half));
             let norm = opt.clip_grad_norm(o.grad_clip)?;
-            opt.step(lr)?;
+            match fed {
+                Some(mut fed) => {
+                    clip_squares(&mut fed, &norm, o.grad_clip);
+                    opt.step_with_second_moment(lr, &fed)?;
+                }
+                None => opt.step(lr)?,
+            }
             opt.zero_grad()?;
             norm
         }
@@ -146,9 +176,19 @@ pub fn backward_batches(
     // while its backward runs on (the earlier batches only accumulate).
     let mut reducing = Vec::new();
     let mut failed = None;
+    // With the estimate, the first half of the batches (by count) is one half of the rows.
+    let half = o
+        .estimate
+        .filter(|_| dp.is_none() && batches.len() >= 2)
+        .map(|e| (e, batches.len() / 2));
+    let mut first_half = None;
     // Mixed precision: every micro-batch multiplies by one set of bf16 copies, made here.
     model.begin_step();
     for (i, batch) in batches.iter().enumerate() {
+        if let Some((e, n)) = half.filter(|&(_, n)| n == i) {
+            let r1: i64 = batches[..n].iter().map(rows_of).sum();
+            first_half = Some(e.first_half(model, (r1, total_rows - r1)));
+        }
         let (rows, cols) = batch.size2().expect("batch is [rows, seq+1]");
         tokens += (rows * (cols - 1)) as u64;
         let l = match dp.filter(|_| o.overlap_reduce && i + 1 == batches.len()) {
@@ -186,5 +226,69 @@ pub fn backward_batches(
         tokens,
         reducing,
         failed,
+        first_half,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TrainConfig;
+    use spes_model::ModelConfig;
+
+    /// Two micro models from one seed, each stepped once on `batch`: one with the union
+    /// estimate for 4 nodes, one with its own second moment on the same two halves of the
+    /// rows; the largest difference of their weights after the step.
+    fn estimate_moves(batch: &Tensor) -> f64 {
+        let cfg = ModelConfig::preset("micro").unwrap();
+        let t = TrainConfig {
+            grad_clip: 0.1,
+            ..TrainConfig::default()
+        };
+        let halves = batch.split(2, 0);
+        let weights = |estimate: Option<UnionEstimate>| {
+            let mut model = MoeModel::seeded(&cfg, Device::Cpu, 3).unwrap();
+            model.set_trainable(|_| true);
+            let mut opt = AdamW::new(model.trainable_params(), &t);
+            let o = StepOptions {
+                estimate,
+                ..StepOptions::from_config(&t)
+            };
+            let batches = match estimate {
+                Some(_) => vec![batch.shallow_clone()],
+                None => halves.iter().map(Tensor::shallow_clone).collect(),
+            };
+            step_on_batches(&model, &mut opt, &o, None, 1e-2, &batches).unwrap();
+            model
+                .params()
+                .into_iter()
+                .map(|p| p.tensor.detach().copy())
+                .collect::<Vec<_>>()
+        };
+        let est = UnionEstimate {
+            nodes: 4,
+            experts: true,
+        };
+        weights(Some(est))
+            .iter()
+            .zip(weights(None))
+            .map(|(a, b)| (a - b).abs().max().double_value(&[]))
+            .fold(0.0, f64::max)
+    }
+
+    /// A batch whose two halves are the same rows shows no noise, so the estimate feeds the
+    /// node's own square and the step is AdamW's; halves of different rows step further.
+    #[test]
+    fn the_estimate_changes_the_step_only_by_the_noise_the_halves_show() {
+        let rows = Tensor::randint(512, [2, 17], (Kind::Int64, Device::Cpu));
+        let same = Tensor::cat(&[&rows, &rows], 0);
+        assert!(estimate_moves(&same) < 1e-6, "{}", estimate_moves(&same));
+        let other = Tensor::randint(512, [2, 17], (Kind::Int64, Device::Cpu));
+        let different = Tensor::cat(&[&rows, &other], 0);
+        assert!(
+            estimate_moves(&different) > 1e-3,
+            "{}",
+            estimate_moves(&different)
+        );
     }
 }

@@ -17,6 +17,9 @@ impl Trainer {
         if rows == 0 {
             bail!("a training step needs at least one row");
         }
+        if self.options.estimate.is_some() {
+            bail!("an oracle measures against a node's own second moment: leave train.second_moment at \"own\"");
+        }
         Ok(self.draw_rows(rows))
     }
 
@@ -53,7 +56,7 @@ impl Trainer {
         }
     }
 
-    /// AdamW's update, its second moment fed `second_moment`'s tensors where given, then the
+    /// AdamW's update, its second moment fed `second_moment`'s squares where given, then the
     /// step is counted as [`Trainer::train_rows`] counts it.
     pub(crate) fn finish_step(
         &mut self,
@@ -63,7 +66,7 @@ impl Trainer {
     ) -> Result<StepStats> {
         let lr = lr_at(self.step, &self.cfg.train);
         match second_moment {
-            Some(union) => self.opt.step_with_second_moment_of(lr, union)?,
+            Some(squares) => self.opt.step_with_second_moment(lr, squares)?,
             None => self.opt.step(lr)?,
         }
         self.opt.zero_grad()?;
