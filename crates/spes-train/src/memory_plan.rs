@@ -62,8 +62,9 @@ pub struct MemoryPlan {
     pub activations: u64,
     /// The larger of the LM head's chunk working set and one block's backward buffers.
     pub workspace: u64,
-    /// fp32 gradients of the averaged tensors after the first half of the rows
-    /// (`train.second_moment = "union_estimate"`; 0 without).
+    /// `train.second_moment = "union_estimate"` (0 without): per averaged tensor its noise
+    /// average (AdamW state, this rank's share) and its gradient after the first half of the
+    /// rows, kept through the second half's backward.
     pub second_moment_estimate: u64,
     pub runtime: u64,
     /// The allocator's headroom ([`MemoryInput::slack`]).
@@ -238,9 +239,10 @@ pub fn plan(i: &MemoryInput) -> MemoryPlan {
         weight_copies,
         activations,
         workspace: head.max(per_layer),
-        second_moment_estimate: i
-            .estimate
-            .map_or(0, |e| 4 * if e.experts { trainable } else { shared }),
+        second_moment_estimate: i.estimate.map_or(0, |e| {
+            let averaged = if e.experts { trainable } else { shared };
+            4 * averaged.div_ceil(i.ranks.max(1) as u64) + 4 * averaged
+        }),
         runtime: 0,
         slack: 0,
         host_frozen_masters: if i.frozen_bf16 { 4 * frozen } else { 0 },
@@ -300,10 +302,10 @@ mod tests {
         }
     }
 
-    /// The second-moment estimate keeps one fp32 gradient of the averaged tensors: the shared
-    /// ones in SPES, every trained one in DiLoCo.
+    /// The second-moment estimate keeps two fp32 values per averaged tensor (the shared ones in
+    /// SPES, every trained one in DiLoCo): the noise average and the first half's gradient.
     #[test]
-    fn the_second_moment_estimate_costs_one_gradient_of_the_averaged_tensors() {
+    fn the_second_moment_estimate_costs_two_values_of_the_averaged_tensors() {
         let i = input("1b", 1);
         let counts = i.model.param_counts();
         let with = |experts| {
@@ -313,10 +315,10 @@ mod tests {
             })
         };
         assert_eq!(plan(&i).second_moment_estimate, 0);
-        assert_eq!(with(false).second_moment_estimate, 4 * counts.shared);
-        assert_eq!(with(false).total() - plan(&i).total(), 4 * counts.shared);
+        assert_eq!(with(false).second_moment_estimate, 8 * counts.shared);
+        assert_eq!(with(false).total() - plan(&i).total(), 8 * counts.shared);
         let trained = counts.shared + i.model.n_layers as u64 * counts.per_expert;
-        assert_eq!(with(true).second_moment_estimate, 4 * trained);
+        assert_eq!(with(true).second_moment_estimate, 8 * trained);
     }
 
     #[test]

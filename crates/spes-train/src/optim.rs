@@ -26,6 +26,9 @@ pub struct AdamW {
     counts: Vec<Tensor>,
     /// Per tensor, whether it is an expert matrix (stepped at `lr · expert_lr_scale`).
     expert: Vec<bool>,
+    /// Per tensor a `"union_estimate"` node estimates for, the average of its gradient's noise
+    /// variance ([`AdamW::step_with_noise`]), made at its first such step.
+    noise: HashMap<String, Tensor>,
     /// Optimizer steps taken.
     pub steps: i64,
     expert_lr_scale: f64,
@@ -56,6 +59,7 @@ impl AdamW {
             started: Vec::new(),
             counts: Vec::new(),
             expert: Vec::new(),
+            noise: HashMap::new(),
             steps: 0,
             expert_lr_scale: cfg.expert_lr_scale,
             beta1: cfg.beta1,
@@ -91,6 +95,7 @@ impl AdamW {
         self.exp_avg
             .iter()
             .chain(&self.exp_avg_sq)
+            .chain(self.noise.values())
             .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
             .sum()
     }
@@ -147,6 +152,8 @@ impl AdamW {
         }
         report.dropped = old.into_keys().collect();
         report.dropped.sort();
+        let names = &self.names;
+        self.noise.retain(|n, _| names.contains(n));
         report
     }
 
@@ -255,14 +262,60 @@ impl AdamW {
     }
 
     /// One update as [`AdamW::step`] takes it, except that the second moment of each tensor
-    /// named in `squares` is fed that tensor instead of its gradient's square
-    /// (`train.second_moment = "union_estimate"`, the oracle of `spes simulate`): one loop of
-    /// PyTorch's AdamW formula per tensor, not the fused kernel, which squares the gradient
-    /// itself.
+    /// named in `squares` is fed that tensor instead of its gradient's square (the oracle of
+    /// `spes simulate --oracle second-moment`).
     pub fn step_with_second_moment(
         &mut self,
         lr: f64,
         squares: &HashMap<String, Tensor>,
+    ) -> Result<()> {
+        let b2 = self.beta2;
+        self.unfused_step(lr, |name, g, v| {
+            let _ = v.g_mul_scalar_(b2);
+            let _ = match squares.get(name) {
+                Some(fed) => v.g_add_(&fed.g_mul_scalar(1.0 - b2)),
+                None => v.addcmul_(g, &g.g_mul_scalar(1.0 - b2)),
+            };
+            v.shallow_clone()
+        })
+    }
+
+    /// One update as [`AdamW::step`] takes it, except that each tensor named in `noise` (the
+    /// noise variance of its gradient, as `train.second_moment = "union_estimate"` measures
+    /// it) divides by the second moment of the union of `nodes` nodes' batches instead of its
+    /// own: the second moment less (1 − 1/nodes) times the noise, both averaged over steps
+    /// alike, and at least 1/nodes of it. The noise average is state like the moments.
+    pub fn step_with_noise(
+        &mut self,
+        lr: f64,
+        noise: &HashMap<String, Tensor>,
+        nodes: usize,
+    ) -> Result<()> {
+        let (b2, m) = (self.beta2, nodes.max(1) as f64);
+        let mut averages = std::mem::take(&mut self.noise);
+        let result = self.unfused_step(lr, |name, g, v| {
+            let _ = v.g_mul_scalar_(b2);
+            let _ = v.addcmul_(g, &g.g_mul_scalar(1.0 - b2));
+            let Some(step) = noise.get(name) else {
+                return v.shallow_clone();
+            };
+            let avg = averages
+                .entry(name.to_string())
+                .or_insert_with(|| zeros_like(v));
+            let _ = avg.g_mul_scalar_(b2);
+            let _ = avg.g_add_(&step.g_mul_scalar(1.0 - b2));
+            (&*v - &*avg * (1.0 - 1.0 / m)).maximum(&(&*v / m))
+        });
+        self.noise = averages;
+        result
+    }
+
+    /// PyTorch's AdamW formula, one tensor at a time, where `second(name, grad, v)` updates
+    /// the second moment `v` in place and returns the one the step divides by.
+    fn unfused_step(
+        &mut self,
+        lr: f64,
+        mut second: impl FnMut(&str, &Tensor, &mut Tensor) -> Tensor,
     ) -> Result<()> {
         self.steps += 1;
         let (b1, b2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
@@ -280,22 +333,13 @@ impl AdamW {
                 };
                 let t = (self.steps - self.started[i]) as i32;
                 let (bc1, bc2_sqrt) = (1.0 - b1.powi(t), (1.0 - b2.powi(t)).sqrt());
-                let own;
-                let fed = match squares.get(&self.names[i]) {
-                    Some(fed) => fed,
-                    None => {
-                        own = g.square();
-                        &own
-                    }
-                };
                 let mut w = self.weights[i].shallow_clone();
                 let mut m = self.exp_avg[i].shallow_clone();
                 let mut v = self.exp_avg_sq[i].shallow_clone();
                 let _ = w.g_mul_scalar_(1.0 - lr * wd);
                 let _ = m.lerp_(&g, 1.0 - b1);
-                let _ = v.g_mul_scalar_(b2);
-                let _ = v.g_add_(&fed.g_mul_scalar(1.0 - b2));
-                let denom = (v.sqrt() / bc2_sqrt).g_add_scalar(eps);
+                let divide_by = second(&self.names[i], &g, &mut v);
+                let denom = (divide_by.sqrt() / bc2_sqrt).g_add_scalar(eps);
                 let _ = w.addcdiv_(&(&m * (-lr / bc1)), &denom);
             }
             Ok(())
@@ -357,6 +401,9 @@ impl AdamW {
             if *s != 0 {
                 out.push((format!("started.{name}"), Tensor::from(*s)));
             }
+            if let Some(n) = self.noise.get(name) {
+                out.push((format!("noise.{name}"), n.shallow_clone()));
+            }
         }
         out
     }
@@ -369,11 +416,25 @@ impl AdamW {
         source: &str,
     ) -> Result<()> {
         let mut map: HashMap<String, Tensor> = named.into_iter().collect();
-        for (name, s) in self.names.iter().zip(&mut self.started) {
+        self.noise.clear();
+        for ((name, s), w) in self.names.iter().zip(&mut self.started).zip(&self.weights) {
             *s = match map.remove(&format!("started.{name}")) {
                 Some(t) => t.int64_value(&[]),
                 None => 0,
             };
+            if let Some(n) = map.remove(&format!("noise.{name}")) {
+                if n.size() != w.size() {
+                    bail!(
+                        "{source}: tensor `noise.{name}` has shape {:?}, expected {:?}",
+                        n.size(),
+                        w.size()
+                    );
+                }
+                // A copy of its own, as the moments get: `n` may share the saver's storage.
+                let mut own = zeros_like(w);
+                tch::no_grad(|| own.copy_(&n));
+                self.noise.insert(name.clone(), own);
+            }
         }
         if map.len() != 2 * self.names.len() {
             bail!(
@@ -756,5 +817,35 @@ mod tests {
         let mut back = AdamW::new(vec![pb2, pc2], &cfg);
         back.load_state(opt.state(), opt.steps, "test").unwrap();
         assert_eq!(back.started, vec![0, 3]);
+    }
+
+    /// The noise average is optimizer state: saved with the moments, it resumes the same steps.
+    #[test]
+    fn the_noise_average_is_saved_and_resumed() {
+        let cfg = TrainConfig::default();
+        let make = || {
+            let (p, w) = param("w", &[1.0, -2.0, 0.5]);
+            (AdamW::new(vec![p], &cfg), w)
+        };
+        let step = |opt: &mut AdamW, w: &Tensor, k: f64| {
+            opt.zero_grad().unwrap();
+            (w * w * k).sum(Kind::Float).backward();
+            let noise = HashMap::from([("w".to_string(), w.grad().square() * 0.5)]);
+            opt.step_with_noise(1e-2, &noise, 4).unwrap();
+        };
+        let (mut a, wa) = make();
+        step(&mut a, &wa, 1.0);
+        assert_eq!(a.state_bytes(), 3 * 3 * 4, "m, v and the noise average");
+        let (mut b, mut wb) = make();
+        tch::no_grad(|| wb.copy_(&wa));
+        b.load_state(a.state(), a.steps, "a's state").unwrap();
+        for k in [2.0, 3.0] {
+            step(&mut a, &wa, k);
+            step(&mut b, &wb, k);
+        }
+        assert_eq!(
+            Vec::<f32>::try_from(&wa).unwrap(),
+            Vec::<f32>::try_from(&wb).unwrap()
+        );
     }
 }

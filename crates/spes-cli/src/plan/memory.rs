@@ -49,7 +49,7 @@ pub struct Args {
     #[arg(long, default_value = "auto", value_parser = ["auto", "bf16", "fp32"])]
     frozen_experts: String,
     /// What a node's second moment is fed (`train.second_moment`; default: the config's, or
-    /// own): union_estimate keeps one more fp32 gradient of the averaged tensors in a step.
+    /// own): union_estimate keeps two more fp32 values per averaged tensor.
     #[arg(long, value_parser = ["own", "union_estimate"])]
     second_moment: Option<String>,
     /// GiB in use before the first tensor: CUDA context, cuBLAS/cuDNN workspaces, kernels.
@@ -192,9 +192,10 @@ pub fn run(a: Args) -> Result<()> {
         ("workspace (LM-head chunk, backward buffers)", |p| {
             p.workspace
         }),
-        ("second-moment estimate (first half's gradients)", |p| {
-            p.second_moment_estimate
-        }),
+        (
+            "second-moment estimate (noise average, first half's gradients)",
+            |p| p.second_moment_estimate,
+        ),
         ("runtime (CUDA context, kernels)", |p| p.runtime),
         ("allocator headroom", |p| p.slack),
         ("**total**", MemoryPlan::total),

@@ -112,8 +112,8 @@ pub enum Precision {
 pub enum SecondMoment {
     /// The square of the node's own gradient, as in PyTorch's AdamW.
     Own,
-    /// An estimate of the square of the gradient of every node's batch together: the node's
-    /// own square less its share of the noise, which the two halves of its batch measure.
+    /// An estimate of the second moment of every node's batch together: the node's own less
+    /// its share of the noise, which the two halves of its batch measure.
     UnionEstimate,
 }
 
@@ -161,10 +161,11 @@ pub struct TrainConfig {
     pub beta2: f64,
     pub eps: f64,
     pub grad_clip: f64,
-    /// `own`, or `union_estimate`: in SPES and DiLoCo, the second moment of each averaged
-    /// tensor is fed an estimate of the square the nodes' batches together would give, so the
-    /// averaged steps keep the centralized step's length (the step's backward runs in two
-    /// halves of its rows; one gradient-sized buffer more during the step).
+    /// `own`, or `union_estimate`: in SPES and DiLoCo, each averaged tensor's step divides by
+    /// an estimate of the second moment of the nodes' batches together, so the averaged steps
+    /// keep the centralized step's length (the step's backward runs in two halves of its
+    /// rows; two fp32 values more per averaged tensor: a noise average and the first half's
+    /// gradient).
     pub second_moment: SecondMoment,
     pub z_loss_weight: f64,
     pub lb_loss_weight: f64,

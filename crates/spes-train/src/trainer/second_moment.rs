@@ -1,5 +1,5 @@
-//! `train.second_moment = "union_estimate"`: what a node's AdamW second moment is fed for the
-//! tensors the server averages over the nodes.
+//! `train.second_moment = "union_estimate"`: what a node's AdamW divides by for the tensors
+//! the server averages over the nodes.
 //!
 //! One step on the union of M nodes' batches has the mean gradient μ and 1/M of a node's
 //! noise variance σ²/B, so its square is on average μ² + σ²/(MB), where a node's own is
@@ -7,8 +7,11 @@
 //! of the nodes' steps up to √M shorter there than the centralized step (the oracles of
 //! docs/results/quality.md measure what that costs). Two halves of the node's batch, of r₁
 //! and r₂ rows, give gradients g₁ and g₂ whose squared difference measures the noise of
-//! their mean g: s = (g₁ − g₂)² · r₁r₂ / (r₁ + r₂)² has expectation σ²/B. So the node feeds
-//! g² − (1 − 1/M)·s, kept within [g²/M, g²], the range the union's square lies in.
+//! their mean g: s = (g₁ − g₂)² · r₁r₂ / (r₁ + r₂)² has expectation σ²/B. One step's s is
+//! a one-sample estimate, too noisy to subtract step by step (kept within its range, it
+//! would recover only a third of the correction), so AdamW averages it over steps as it
+//! averages g² ([`crate::optim::AdamW::step_with_noise`]) and divides by
+//! v − (1 − 1/M)·s̄, at least v/M.
 
 use crate::config::{Mode, RunConfig, SecondMoment};
 use spes_model::{MoeModel, Role};
@@ -51,9 +54,9 @@ impl UnionEstimate {
         FirstHalf { grads, rows }
     }
 
-    /// What each tensor's second moment is fed, from the whole step's gradients before
-    /// clipping and the first half's.
-    pub(super) fn squares(&self, model: &MoeModel, half: FirstHalf) -> HashMap<String, Tensor> {
+    /// The noise variance of each estimated tensor's step gradient, from the whole step's
+    /// gradients before clipping and the first half's.
+    pub(super) fn noise(&self, model: &MoeModel, half: FirstHalf) -> HashMap<String, Tensor> {
         let grads: HashMap<String, Tensor> = model
             .trainable_params()
             .into_iter()
@@ -63,28 +66,27 @@ impl UnionEstimate {
             half.grads
                 .into_iter()
                 .map(|(name, h1)| {
-                    let fed = fed(&grads[&name], &h1, half.rows, self.nodes);
-                    (name, fed)
+                    let noise = noise(&grads[&name], &h1, half.rows);
+                    (name, noise)
                 })
                 .collect()
         })
     }
 }
 
-/// The estimated union square of one tensor: `g` its step's gradient, `h1` the gradient as it
-/// stood after the first `rows.0` of the step's rows (`rows.0 / (rows.0 + rows.1) · g₁`).
-fn fed(g: &Tensor, h1: &Tensor, rows: (i64, i64), nodes: usize) -> Tensor {
+/// The noise variance of one tensor's step gradient `g`, from `h1`, the gradient as it stood
+/// after the first `rows.0` of the step's rows (`rows.0 / (rows.0 + rows.1) · g₁`).
+fn noise(g: &Tensor, h1: &Tensor, rows: (i64, i64)) -> Tensor {
     let (r1, r2) = (rows.0 as f64, rows.1 as f64);
     let total = r1 + r2;
     let g1 = h1 * (total / r1);
     let g2 = (g - h1) * (total / r2);
-    let noise = (g1 - g2).square() * (r1 * r2 / (total * total));
-    let own = g.square();
-    (&own - noise * (1.0 - 1.0 / nodes as f64)).maximum(&(&own / nodes as f64))
+    (g1 - g2).square() * (r1 * r2 / (total * total))
 }
 
-/// Scales squared gradients as clipping to `max_norm` scaled gradients of pre-clip norm
-/// `norm`: by min(1, max_norm / (norm + 1e-6))², torch's clip_grad_norm_ coefficient.
+/// Scales squares of gradients (their noise variances) as clipping to `max_norm` scaled
+/// gradients of pre-clip norm `norm`: by min(1, max_norm / (norm + 1e-6))², torch's
+/// clip_grad_norm_ coefficient.
 pub(super) fn clip_squares(squares: &mut HashMap<String, Tensor>, norm: &Tensor, max_norm: f64) {
     let k = (norm.to_kind(Kind::Float) + 1e-6)
         .reciprocal()
@@ -102,22 +104,18 @@ pub(super) fn clip_squares(squares: &mut HashMap<String, Tensor>, norm: &Tensor,
 mod tests {
     use super::*;
 
-    /// Where the halves agree the gradient is all signal and is fed whole; where they cancel
-    /// it is all noise and is fed at the union's 1/M.
+    /// The halves' difference is the noise: none where they agree, a quarter of its square
+    /// for equal halves, weighed by rows for unequal ones.
     #[test]
-    fn signal_is_fed_whole_and_noise_at_one_over_the_nodes() {
+    fn the_halves_difference_measures_the_noise() {
         let g1 = Tensor::from_slice(&[2.0f32, 1.0, 3.0]);
         let g2 = Tensor::from_slice(&[0.0f32, 1.0, -1.0]);
-        // Two halves of 2 rows: the step's gradient is their mean, h1 half of g1.
         let g = (&g1 + &g2) / 2.0;
-        let got = Vec::<f32>::try_from(fed(&g, &(&g1 / 2.0), (2, 2), 4)).unwrap();
-        // g = [1, 1, 1]; noise (g1 − g2)²/4 = [1, 0, 4]; g² − ¾·noise = [0.25, 1, −2], at
-        // least g²/4.
-        assert_eq!(got, [0.25, 1.0, 0.25]);
-        // Halves of 1 and 3 rows weigh their gradients by rows.
+        let got = Vec::<f32>::try_from(noise(&g, &(&g1 / 2.0), (2, 2))).unwrap();
+        assert_eq!(got, [1.0, 0.0, 4.0]);
+        // 1 and 3 rows: (g1 − g2)² · 3/16.
         let g = (&g1 * 1.0 + &g2 * 3.0) / 4.0;
-        let got = Vec::<f32>::try_from(fed(&g, &(&g1 / 4.0), (1, 3), 1)).unwrap();
-        let own = Vec::<f32>::try_from(g.square()).unwrap();
-        assert_eq!(got, own, "one node: its own square");
+        let got = Vec::<f32>::try_from(noise(&g, &(&g1 / 4.0), (1, 3))).unwrap();
+        assert_eq!(got, [0.75, 0.0, 3.0]);
     }
 }

@@ -107,16 +107,16 @@ pub fn step_on_batches(
     let optimizer = spes_ext::count::enter(spes_ext::count::Phase::Optimizer);
     let grad_norm = match dp {
         None => {
-            let fed = b
+            let noise = b
                 .first_half
                 .take()
                 .zip(o.estimate)
-                .map(|(half, e)| e.squares(model, half));
+                .map(|(half, e)| (e.noise(model, half), e.nodes));
             let norm = opt.clip_grad_norm(o.grad_clip)?;
-            match fed {
-                Some(mut fed) => {
-                    clip_squares(&mut fed, &norm, o.grad_clip);
-                    opt.step_with_second_moment(lr, &fed)?;
+            match noise {
+                Some((mut noise, nodes)) => {
+                    clip_squares(&mut noise, &norm, o.grad_clip);
+                    opt.step_with_noise(lr, &noise, nodes)?;
                 }
                 None => opt.step(lr)?,
             }
