@@ -95,8 +95,9 @@ pub fn step_on_batches(
         (Some(_), _) if dp.is_some() => {
             bail!("train.second_moment = \"union_estimate\" is not built for a node of several ranks yet; use \"own\"")
         }
-        // The estimate needs two halves of the rows: one batch becomes two.
-        (Some(_), [one]) => {
+        // The estimate needs two halves of the rows: one batch becomes two (a step of one
+        // row, which a round by tokens may give, is taken whole and measures no noise).
+        (Some(_), [one]) if one.size()[0] >= 2 => {
             let rows = one.size()[0];
             halves = one.split_with_sizes([rows / 2, rows - rows / 2], 0);
             &halves[..]
