@@ -185,3 +185,32 @@ fn with_every_union_statistic_diloco_at_one_step_a_round_is_the_centralized_run(
         );
     }
 }
+
+/// A SPES run with the union estimate trains (ownership, merges and the wire as usual) and
+/// takes other steps than with each node's own second moment; a centralized config is refused.
+#[test]
+fn the_union_estimate_runs_in_a_spes_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = spes_data::testing::small_corpus(dir.path(), 60_000);
+    let run = |extra: &[&str]| {
+        simulate(&config(&data, extra), Device::Cpu, &SimOptions::default())
+            .unwrap()
+            .final_val_loss
+    };
+    let own = run(&[]);
+    let estimate = run(&["train.second_moment=union_estimate"]);
+    assert!(
+        estimate.is_finite() && estimate != own,
+        "{estimate} vs {own}"
+    );
+    let e = RunConfig::parse(
+        &format!(
+            "[model]\npreset = \"micro\"\n[data]\npath = \"{}\"\n[train]\nseq_len = 32\nsecond_moment = \"union_estimate\"\n",
+            data.display()
+        ),
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("train.second_moment"), "{e}");
+}
