@@ -122,7 +122,9 @@ fn tops(root: &Path) -> Vec<String> {
     for dir in [root.to_path_buf(), root.join("crates")] {
         for e in std::fs::read_dir(dir).unwrap().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if !matches!(name.as_str(), "target" | ".git" | ".venv") {
+            // Ignored folders (.gitignore) are what builds and runs write, not the
+            // repository's: a clone that ran `spes demo` has `runs/`, a fresh one not.
+            if !matches!(name.as_str(), "target" | ".git" | ".venv" | "runs") {
                 out.push(name);
             }
         }
