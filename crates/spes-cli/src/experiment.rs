@@ -563,7 +563,7 @@ fn measure(
         held_out_bpb.push(s.bits_per_byte);
     }
     let val = spes_data::loader::ValWindows::open_mixture(&cfg.data.sources(), cfg.train.seq_len)?;
-    let val_ce = spes_train::validation_stats(&model, &val, 16, usize::MAX / 32, device).0;
+    let val_ce = spes_train::every_window_loss(&model, &val, device);
     let params: i64 = model.params().iter().map(|p| p.tensor.numel() as i64).sum();
     let (optimizer_bytes, bytes_per_round) = if centralized {
         (params as u64 * 8, 0.0)

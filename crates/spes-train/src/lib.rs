@@ -22,6 +22,6 @@ pub use config::{
 };
 pub use trainer::lead::follow;
 pub use trainer::{
-    compute_kind, grouped_kernel_native, moe_kernel, run, validation_loss, validation_stats,
-    RunSummary, StepOptions, StepStats, Trainer,
+    compute_kind, every_window_loss, grouped_kernel_native, moe_kernel, run, validation_loss,
+    validation_stats, RunSummary, StepOptions, StepStats, Trainer,
 };

@@ -12,7 +12,7 @@
 use crate::trainer::{StepStats, Trainer};
 use anyhow::{bail, Result};
 use std::collections::HashMap;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 /// Which statistics come from the union of the nodes' batches.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -95,7 +95,10 @@ pub fn lockstep(
             t.model.set_lb_counts(None);
         }
     }
-    let union_norm = oracle.clip.then(|| norm(&union_grads(trainers)));
+    let union_norm = match oracle.clip {
+        true => Some(norm(&union_grads(trainers))?),
+        false => None,
+    };
     let norms = trainers
         .iter()
         .map(|t| t.clip_step(union_norm.as_ref()))
@@ -119,7 +122,7 @@ pub fn lockstep(
 fn union_grads(trainers: &[&mut Trainer]) -> HashMap<String, Tensor> {
     let mut sums: HashMap<String, (Tensor, usize)> = HashMap::new();
     for t in trainers {
-        for (name, g) in t.named_grads() {
+        for (name, g) in t.opt.named_grads() {
             match sums.get_mut(&name) {
                 Some((sum, n)) => {
                     let _ = sum.g_add_(&g);
@@ -137,13 +140,10 @@ fn union_grads(trainers: &[&mut Trainer]) -> HashMap<String, Tensor> {
 }
 
 /// The global L2 norm of some tensors, an fp32 scalar.
-fn norm(grads: &HashMap<String, Tensor>) -> Tensor {
+fn norm(grads: &HashMap<String, Tensor>) -> Result<Tensor> {
     let mut names: Vec<&String> = grads.keys().collect();
     // A fixed order: a sum over a hash map's order would vary in its last bits.
     names.sort();
-    names
-        .iter()
-        .map(|n| grads[*n].square().sum(Kind::Float))
-        .reduce(|a, b| a + b)
-        .map_or_else(|| Tensor::from(0f32), |s| s.sqrt())
+    let ts: Vec<Tensor> = names.iter().map(|n| grads[*n].shallow_clone()).collect();
+    Ok(spes_ext::sq_norm(&ts)?.map_or_else(|| Tensor::from(0f32), |s| s.sqrt()))
 }

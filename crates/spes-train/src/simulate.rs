@@ -13,7 +13,7 @@
 
 use crate::config::RunConfig;
 use crate::oracle::{self, Oracle};
-use crate::trainer::{validation_stats, Trainer};
+use crate::trainer::{every_window_loss, validation_stats, Trainer};
 use anyhow::{bail, Context, Result};
 use spes_data::ValWindows;
 use spes_model::MoeModel;
@@ -210,7 +210,7 @@ pub fn simulate(cfg: &RunConfig, device: Device, opts: &SimOptions) -> Result<Si
     }
     let final_val_loss = curve.last().expect("the last round is scored").1;
     scorer.load(coord.global().0, "the global model")?;
-    let final_all_windows = validation_stats(&scorer, &val, 16, usize::MAX / 32, device).0;
+    let final_all_windows = every_window_loss(&scorer, &val, device);
     let counted = (rounds.saturating_sub(1).max(1) * nodes.len() as u64) as f64;
     let bytes_per_round = before_last as f64 / counted;
     Ok(SimResult {

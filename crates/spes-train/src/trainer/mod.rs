@@ -483,6 +483,12 @@ pub fn validation_loss(
     validation_stats(model, val, batch, max_batches, device).0
 }
 
+/// Mean token cross-entropy of `model` on every window of the validation split, 16 a batch:
+/// the score `spes experiment` and `spes simulate` give a run's final model.
+pub fn every_window_loss(model: &MoeModel, val: &ValWindows, device: Device) -> f64 {
+    validation_loss(model, val, 16, usize::MAX / 32, device)
+}
+
 /// Validation loss and each layer's share of top-k assignments per expert (`[layers][E]`).
 pub fn validation_stats(
     model: &MoeModel,

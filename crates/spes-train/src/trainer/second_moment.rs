@@ -28,8 +28,9 @@ pub struct UnionEstimate {
 
 /// The gradients of a step's first half of rows, kept when the second half starts.
 pub struct FirstHalf {
-    /// `(name, r₁/(r₁+r₂) · g₁)`: the step's gradient as it stood after the first half.
-    grads: Vec<(String, Tensor)>,
+    /// `(name, tensor, r₁/(r₁+r₂) · g₁)`: each estimated tensor (sharing storage) and its
+    /// gradient as it stood after the first half.
+    grads: Vec<(String, Tensor, Tensor)>,
     rows: (i64, i64),
 }
 
@@ -49,26 +50,23 @@ impl UnionEstimate {
             .trainable_params()
             .into_iter()
             .filter(|p| self.experts || !matches!(p.role, Role::Expert { .. }))
-            .map(|p| (p.name, p.tensor.grad().detach().copy()))
+            .map(|p| {
+                let h1 = p.tensor.grad().detach().copy();
+                (p.name, p.tensor, h1)
+            })
             .collect();
         FirstHalf { grads, rows }
     }
+}
 
+impl FirstHalf {
     /// The noise variance of each estimated tensor's step gradient, from the whole step's
-    /// gradients before clipping and the first half's.
-    pub(super) fn noise(&self, model: &MoeModel, half: FirstHalf) -> HashMap<String, Tensor> {
-        let grads: HashMap<String, Tensor> = model
-            .trainable_params()
-            .into_iter()
-            .map(|p| (p.name, p.tensor.grad()))
-            .collect();
+    /// gradients (before clipping) and the first half's.
+    pub(super) fn noise(self) -> HashMap<String, Tensor> {
         tch::no_grad(|| {
-            half.grads
+            self.grads
                 .into_iter()
-                .map(|(name, h1)| {
-                    let noise = noise(&grads[&name], &h1, half.rows);
-                    (name, noise)
-                })
+                .map(|(name, t, h1)| (name, noise(&t.grad(), &h1, self.rows)))
                 .collect()
         })
     }

@@ -112,7 +112,7 @@ pub fn step_on_batches(
                 .first_half
                 .take()
                 .zip(o.estimate)
-                .map(|(half, e)| (e.noise(model, half), e.nodes));
+                .map(|(half, e)| (half.noise(), e.nodes));
             let norm = opt.clip_grad_norm(o.grad_clip)?;
             match noise {
                 Some((mut noise, nodes)) => {

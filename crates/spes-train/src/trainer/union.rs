@@ -38,11 +38,6 @@ impl Trainer {
         backward_batches(&self.model, &self.options, None, batches)
     }
 
-    /// Every trained tensor's gradient by name (sharing storage).
-    pub(crate) fn named_grads(&self) -> Vec<(String, Tensor)> {
-        self.opt.named_grads()
-    }
-
     /// Clips the gradients as a global norm of `norm` (the union's) would, or by their own
     /// norm when `None`; returns the norm used.
     pub(crate) fn clip_step(&self, norm: Option<&Tensor>) -> Result<Tensor> {
