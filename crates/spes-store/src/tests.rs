@@ -1,0 +1,112 @@
+use super::*;
+
+#[test]
+fn a_manifest_is_created_once_and_a_second_writer_sees_the_first_ones_content() {
+    for store in [RunStore::memory(), local().1] {
+        let a = Bytes::from_static(b"{\"round\": 1}");
+        assert_eq!(
+            store.create("state/1.json", a.clone()).unwrap(),
+            Created::Written
+        );
+        assert_eq!(
+            store
+                .create("state/1.json", Bytes::from_static(b"other"))
+                .unwrap(),
+            Created::Exists(a.clone()),
+            "{store:?}"
+        );
+        assert_eq!(store.get("state/1.json").unwrap(), Some(a));
+        store.delete("state/1.json").unwrap();
+        store.delete("state/1.json").unwrap(); // gone already: not an error
+        assert_eq!(store.get("state/1.json").unwrap(), None);
+    }
+}
+
+#[test]
+fn files_go_up_in_parts_and_come_back_whole_with_keys_relative_to_the_prefix() {
+    let (dir, store) = local();
+    let big = dir.path().join("big.bin");
+    // Just over one part: a multipart upload of two parts.
+    let bytes: Vec<u8> = (0..PART + 4099).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&big, &bytes).unwrap();
+    store.put_file("checkpoints/big.bin", &big).unwrap();
+    let small = dir.path().join("small.bin");
+    std::fs::write(&small, b"abc").unwrap();
+    store.put_file("global/small.bin", &small).unwrap();
+    let back = dir.path().join("back/big.bin");
+    assert!(store.get_file("checkpoints/big.bin", &back).unwrap());
+    assert!(std::fs::read(&back).unwrap() == bytes);
+    assert!(!store.get_file("global/none.bin", &back).unwrap());
+    let keys: Vec<_> = store.list("").unwrap().into_iter().map(|l| l.key).collect();
+    assert_eq!(keys, ["checkpoints/big.bin", "global/small.bin"]);
+    assert_eq!(store.list("global").unwrap()[0].bytes, 3);
+    // Under the prefix only: the same folder one level up sees it nested.
+    let up = RunStore::open(dir.path().to_str().unwrap(), &StoreOptions::default()).unwrap();
+    assert!(up
+        .list("")
+        .unwrap()
+        .iter()
+        .any(|l| l.key == "store/global/small.bin"));
+    store.check().unwrap();
+}
+
+#[test]
+fn keys_in_a_file_others_can_read_and_plain_http_without_the_flag_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    std::fs::write(
+        &keys,
+        "access_key_id = \"AKID\"\nsecret_access_key = \"very-secret\"\nendpoint = \"http://127.0.0.1:1\"\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let opts = StoreOptions {
+        allow_http: false,
+        credentials: Some(keys.clone()),
+    };
+    let e = RunStore::open("s3://bucket/run", &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("readable by others") && e.contains("chmod 600"),
+        "{e}"
+    );
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let e = RunStore::open("s3://bucket/run", &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("plain HTTP") && e.contains("--store-allow-http"),
+        "{e}"
+    );
+    let allowed = StoreOptions {
+        allow_http: true,
+        ..opts
+    };
+    let store = RunStore::open("s3://bucket/run", &allowed).unwrap();
+    assert!(!format!("{store:?}").contains("very-secret"));
+    std::fs::write(
+        &keys,
+        "access_key_id = \"AKID\"\nsecret = \"very-secret\"\n",
+    )
+    .unwrap();
+    let e = RunStore::open("s3://bucket/run", &allowed)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("not a credentials file") && !e.contains("very-secret"),
+        "{e}"
+    );
+    let e = RunStore::open("ftp://x/y", &allowed)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unknown scheme"), "{e}");
+}
+
+fn local() -> (tempfile::TempDir, RunStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file://{}/store", dir.path().display());
+    let store = RunStore::open(&url, &StoreOptions::default()).unwrap();
+    (dir, store)
+}
