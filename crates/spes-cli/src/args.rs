@@ -125,3 +125,58 @@ pub fn parse_moe_kernel(s: &str) -> Result<MoeKernelChoice, String> {
         _ => Err(format!("expected auto, loop or grouped, got `{s}`")),
     }
 }
+
+/// Where the server keeps the run's state besides `--out`.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct StoreArgs {
+    /// Keep the run's state in object storage too (`s3://bucket/prefix`; `gs://`, `az://` in
+    /// builds with those features; a path): a new server on another machine with an empty
+    /// --out resumes from it. Keys come from the environment (AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION) or --store-credentials.
+    #[arg(long, value_name = "URL")]
+    pub store: Option<String>,
+    /// An owner-only TOML file with the store's keys (access_key_id, secret_access_key,
+    /// optional endpoint, region, session_token).
+    #[arg(long, value_name = "FILE", requires = "store")]
+    pub store_credentials: Option<PathBuf>,
+    /// Accept a plain http:// store endpoint (loopback, or a network you trust).
+    #[arg(long, requires = "store")]
+    pub store_allow_http: bool,
+}
+
+impl StoreArgs {
+    /// The store of server shard `i` of `k` (its own prefix when `k` > 1), its keys and clock
+    /// checked; `None` without `--store`.
+    pub fn open(&self, (i, k): (usize, usize)) -> Result<Option<spes_store::RunStore>> {
+        let Some(url) = &self.store else {
+            return Ok(None);
+        };
+        let url = if k > 1 {
+            format!("{}/shard-{i}-of-{k}", url.trim_end_matches('/'))
+        } else {
+            url.clone()
+        };
+        let opts = spes_store::StoreOptions {
+            allow_http: self.store_allow_http,
+            credentials: self.store_credentials.clone(),
+        };
+        let store = spes_store::RunStore::open(&url, &opts)?;
+        store.check()?;
+        Ok(Some(store))
+    }
+
+    /// The same flags, for a `spes server` this process starts.
+    pub fn to_args(&self) -> Vec<std::ffi::OsString> {
+        let mut a: Vec<std::ffi::OsString> = Vec::new();
+        if let Some(url) = &self.store {
+            a.extend(["--store".into(), url.into()]);
+        }
+        if let Some(c) = &self.store_credentials {
+            a.extend(["--store-credentials".into(), c.into()]);
+        }
+        if self.store_allow_http {
+            a.push("--store-allow-http".into());
+        }
+        a
+    }
+}

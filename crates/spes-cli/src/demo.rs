@@ -220,6 +220,9 @@ pub struct Args {
     /// smaller memory budget; repeatable).
     #[arg(long, value_name = "PEER:KEY=VALUE", value_parser = parse_node_set)]
     pub node_set: Vec<(usize, String)>,
+    /// The server keeps the run's state in this object store too (`spes server --store`).
+    #[command(flatten)]
+    pub store: crate::args::StoreArgs,
 }
 
 /// `PEER:KEY=VALUE`.
@@ -258,6 +261,8 @@ pub struct Extras {
     pub slowdown: Vec<(usize, f64)>,
     /// Other `--set`s of one node each.
     pub node_set: Vec<(usize, String)>,
+    /// The server's `--store` flags.
+    pub store: crate::args::StoreArgs,
 }
 
 /// Runs the demo: data, server and nodes, then `summary.json` and `report.md`.
@@ -272,6 +277,7 @@ pub fn run(a: Args) -> Result<()> {
         http,
         slowdown,
         node_set,
+        store,
     } = a;
     let started = Instant::now();
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
@@ -299,6 +305,7 @@ pub fn run(a: Args) -> Result<()> {
             http,
             slowdown,
             node_set,
+            store,
         },
     )
     .map_err(|e| {
@@ -365,6 +372,7 @@ pub fn launch(
         .args(["--linger-s", "30"])
         .arg("--secret-file")
         .arg(&secret);
+    server.args(extras.store.to_args());
     if let Some(addr) = extras.http {
         server.args(["--http", &addr.to_string()]);
         eprintln!("live run page: http://{addr}/ (Prometheus: http://{addr}/metrics)");

@@ -1,7 +1,7 @@
 //! `spes server`: the parameter server of a decentralized run (spes-net's `server`), behind the
 //! checks that keep credentials and models off the network in plaintext.
 
-use crate::args::{ConfigArgs, RuntimeArgs};
+use crate::args::{ConfigArgs, RuntimeArgs, StoreArgs};
 use crate::auth::secret_from;
 use anyhow::{Context, Result};
 use std::net::SocketAddr;
@@ -16,7 +16,8 @@ pub struct Args {
     /// Address to serve on. Anything but loopback needs TLS (or --insecure).
     #[arg(long, default_value = "0.0.0.0:50051")]
     pub listen: SocketAddr,
-    /// Output directory: metrics.jsonl, global/, checkpoints/, server.json (restart point).
+    /// Output directory: metrics.jsonl, global/, checkpoints/, server.json (restart point);
+    /// with --store, a working copy of what the store keeps.
     #[arg(long)]
     pub out: PathBuf,
     /// File whose first line is the run secret that node credentials derive from
@@ -57,6 +58,8 @@ pub struct Args {
     #[arg(long)]
     pub http: Option<SocketAddr>,
     #[command(flatten)]
+    pub store: StoreArgs,
+    #[command(flatten)]
     pub runtime: RuntimeArgs,
 }
 
@@ -77,6 +80,7 @@ pub fn run(a: Args) -> Result<()> {
         linger_s,
         shard,
         http,
+        store,
         runtime,
     } = a;
     let cfg = config.load()?;
@@ -119,7 +123,16 @@ pub fn run(a: Args) -> Result<()> {
         }
         None => None,
     };
+    let store = store.open(shard)?;
+    if let Some(s) = &store {
+        tracing::info!(
+            "keeping the run's state in {} besides {}",
+            s.url(),
+            out.display()
+        );
+    }
     let opts = spes_net::ServerOptions {
+        store,
         cfg,
         out,
         secret,

@@ -5,7 +5,8 @@
 //! its round-R upload is queued), `download@R` (node, after the header of round R arrived),
 //! `publish@R` (server, after round R's file is written, before the restart point is),
 //! `joined@R` (server, after a join in open round R changed the restart point and it is
-//! durable, before the reply).
+//! durable, before the reply), `acked@R` (server, 50 ms after it acknowledged an upload of
+//! round R).
 
 use std::sync::OnceLock;
 
@@ -34,5 +35,15 @@ pub fn point(name: &str, n: u64) {
         unsafe {
             libc::kill(libc::getpid(), libc::SIGKILL);
         }
+    }
+}
+
+/// [`point`] 50 ms from now, on a task of the current runtime: a point just after a reply left.
+pub fn point_soon(name: &'static str, n: u64) {
+    if points().iter().any(|(p, m)| p == name && *m == n) {
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            point(name, n);
+        });
     }
 }

@@ -6,6 +6,7 @@
 //! With `--shard i/k` the server owns only `Layout::shard(i, k)` and does not score.
 
 mod closer;
+mod mirror;
 mod progress;
 mod service;
 mod status;
@@ -18,6 +19,7 @@ use crate::view::{History, Watch};
 use crate::{payload, refusal};
 use anyhow::{Context, Result};
 use closer::{run_closer, run_scorer, shallow, Evaluator, RoundIo, ScoreJob};
+use mirror::Mirror;
 use progress::Progress;
 use serde::Serialize;
 use service::Service;
@@ -59,6 +61,8 @@ pub struct ServerOptions {
     pub shard: (usize, usize),
     /// The operator's HTTP listener (live page, `/api/run`, `/metrics`), already bound.
     pub http: Option<(std::net::TcpListener, HttpOptions)>,
+    /// The object store the run's state is kept in besides `out` (`--store`), checked already.
+    pub store: Option<spes_store::RunStore>,
 }
 
 /// What one client may cost the server.
@@ -155,7 +159,7 @@ impl State {
             (newest == round).then(|| closer::shallow(global))?
         };
         let file = format!("global/round-{round:06}.model.safetensors");
-        let stored = match self.store.write(&file, &global, tch::Kind::Float) {
+        let stored = match self.store.write_local(&file, &global, tch::Kind::Float) {
             Ok(s) => s,
             Err(e) => {
                 tracing::error!("cannot write round {round}'s model for a fetch: {e:#}");
@@ -265,7 +269,7 @@ impl State {
     fn reapply_pending(&self) -> Result<()> {
         let mut coord = self.coord.lock().unwrap();
         let open = coord.round();
-        store::remove_pending(&self.store.out, |r| r != open);
+        self.store.remove_pending(|r| r != open);
         for peer in coord.scope().members() {
             let path = self.store.pending_path(open, peer);
             if path.exists() {
@@ -338,9 +342,9 @@ struct Started {
 
 /// Opens the run's state under `opts.out` (or starts a fresh run): the restart point, the
 /// coordinator resumed on it, the evaluator and the metrics log.
-fn start(opts: &ServerOptions) -> Result<Started> {
+fn start(opts: &ServerOptions, mirror: Option<Arc<Mirror>>) -> Result<Started> {
     let cfg = opts.cfg.clone();
-    let opened = store::open(opts)?;
+    let opened = store::open(opts, mirror.as_deref())?;
     let layout = opened.layout.clone();
     // Who owned what in the round before the open one, from the round published before the
     // newest (each published round names the next one's owners): handovers are checked on it.
@@ -420,11 +424,12 @@ fn start(opts: &ServerOptions) -> Result<Started> {
         store: Store {
             out: opts.out.clone(),
             keep: cfg.sync.keep_checkpoints,
+            mirror: mirror.clone(),
         },
         served: Mutex::new(None),
         published,
         clock,
-        progress: Progress::new(progress, opts.out.clone()),
+        progress: Progress::new(progress, opts.out.clone(), mirror),
         io: Mutex::new(RoundIo::default()),
         upload_slots: tokio::sync::Semaphore::new(opts.limits.max_concurrent_uploads.max(1)),
         wake: wake_tx,
@@ -590,7 +595,7 @@ fn http(
 /// (or `linger_s` passed), or until `shutdown` resolves: the state opened ([`start`]), the
 /// closer and scorer threads, the gRPC service and the HTTP listener; then their ends.
 pub async fn serve(
-    opts: ServerOptions,
+    mut opts: ServerOptions,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<ServerSummary> {
@@ -602,7 +607,10 @@ pub async fn serve(
         global,
         fresh,
         logged,
-    } = start(&opts)?;
+    } = {
+        let mirror = opts.store.take().map(|s| Arc::new(Mirror::new(s)));
+        start(&opts, mirror)?
+    };
     let (score_tx, score_rx) = mpsc::channel();
     first_publication(&state, global, fresh, logged.as_ref(), &score_tx)?;
     state.reapply_pending()?;

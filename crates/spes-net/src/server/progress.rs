@@ -6,10 +6,11 @@
 //! Lock order of the server (`State`): coordinator → progress → io → watch, each held only for
 //! memory work; the writer's lock is taken with none of them held, and `served` alone.
 
+use super::mirror::Mirror;
 use super::store::ServerState;
 use anyhow::Result;
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// [`ServerState`] as the server runs it.
 pub(super) struct Progress {
@@ -18,15 +19,18 @@ pub(super) struct Progress {
     /// The version on disk.
     written: Mutex<u64>,
     out: PathBuf,
+    mirror: Option<Arc<Mirror>>,
 }
 
 impl Progress {
-    /// The state as opened from (and written to) `<out>/server.json`.
-    pub fn new(state: ServerState, out: PathBuf) -> Progress {
+    /// The state as opened from (and written to) `<out>/server.json`, and to a new manifest
+    /// in `mirror`'s store after it.
+    pub fn new(state: ServerState, out: PathBuf, mirror: Option<Arc<Mirror>>) -> Progress {
         Progress {
             state: Mutex::new((state, 0)),
             written: Mutex::new(0),
             out,
+            mirror,
         }
     }
 
@@ -50,7 +54,13 @@ impl Progress {
     /// Makes version `v` durable: writes the newest state unless a version at least as new is
     /// on disk already (it holds `v`'s change too).
     pub fn commit(&self, v: u64) -> Result<()> {
-        self.commit_with(v, |st| st.save(&self.out))
+        self.commit_with(v, |st| {
+            st.save(&self.out)?;
+            match &self.mirror {
+                Some(m) => m.write(st),
+                None => Ok(()),
+            }
+        })
     }
 
     /// [`Progress::commit`] with `write` in place of the file write (tests slow it down).
@@ -90,7 +100,7 @@ mod tests {
 
     #[test]
     fn a_slow_write_holds_up_no_reader_or_change_and_never_writes_an_older_state() {
-        let p = Arc::new(Progress::new(state(), PathBuf::from("unused")));
+        let p = Arc::new(Progress::new(state(), PathBuf::from("unused"), None));
         let ((), v1) = p.change(|st| {
             st.gone = vec![1];
             ((), true)

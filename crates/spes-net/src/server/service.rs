@@ -285,6 +285,7 @@ impl Spes for Service {
                 w.bytes_in += bytes;
             }
             let _ = s.wake.try_send(());
+            crate::fault::point_soon("acked", round);
             Ok(UploadReply { round })
         }
         .await;
@@ -296,7 +297,8 @@ impl Spes for Service {
 
 impl State {
     /// Parses a received upload, folds it into the open round and keeps its file in
-    /// `pending/` until the round is published, so an acknowledged upload survives a crash.
+    /// `pending/` (and the store) until the round is published, so an acknowledged upload
+    /// survives a crash, and with a store the loss of the machine.
     fn accept(&self, peer: usize, header: &PayloadHeader, part: &Path) -> Result<(), Status> {
         let accepted = (|| {
             let mut coord = self.coord.lock().unwrap();
@@ -322,6 +324,10 @@ impl State {
                 .map_err(|e| Status::internal(format!("cannot keep the upload: {e}")))
         })();
         let _ = std::fs::remove_file(part);
-        accepted
+        accepted?;
+        // Outside the coordinator's lock: a store call may retry for minutes.
+        self.store
+            .mirror_pending(header.round, peer)
+            .map_err(|e| Status::unavailable(format!("cannot keep the upload in the store: {e:#}")))
     }
 }

@@ -13,6 +13,7 @@
 //! Every file is written to a temp name, fsynced and renamed, and its directory fsynced;
 //! `server.json` is rewritten last, so a crash between leaves the previous round intact.
 
+use super::mirror::Mirror;
 use super::progress::Progress;
 use super::ServerOptions;
 use crate::payload;
@@ -24,6 +25,7 @@ use spes_sync::{delta, Layout, Named, PartBook, RoundDelta, Scope};
 use spes_train::metrics::RoundRecord;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 pub(super) const STATE_FILE: &str = "server.json";
 /// 3: whole models only every `checkpoint_every_rounds`, rounds replayed from their deltas
@@ -239,6 +241,8 @@ pub(super) struct Store {
     pub out: PathBuf,
     /// Newest whole models kept (0: all).
     pub keep: usize,
+    /// The object store every file a restart needs is put in too (`--store`).
+    pub mirror: Option<Arc<Mirror>>,
 }
 
 impl Store {
@@ -280,9 +284,12 @@ impl Store {
         });
         progress.commit(version.expect("a publication changes the restart point"))?;
         for file in dropped {
-            let _ = std::fs::remove_file(self.out.join(file));
+            let _ = std::fs::remove_file(self.out.join(&file));
+            if let Some(m) = &self.mirror {
+                m.delete(&file);
+            }
         }
-        remove_pending(&self.out, |r| r <= p.round);
+        self.remove_pending(|r| r <= p.round);
         Ok(())
     }
 
@@ -342,14 +349,46 @@ impl Store {
         })
     }
 
-    /// Writes `named` to `file` (relative to `--out`) as a payload.
+    /// Writes `named` to `file` (relative to `--out`) as a payload, and puts it in the store.
     pub fn write(&self, file: &str, named: &Named, kind: tch::Kind) -> Result<Stored> {
+        let stored = self.write_local(file, named, kind)?;
+        if let Some(m) = &self.mirror {
+            m.put(&self.out, file)?;
+        }
+        Ok(stored)
+    }
+
+    /// [`Store::write`] to `--out` only: a file no restart needs.
+    pub fn write_local(&self, file: &str, named: &Named, kind: tch::Kind) -> Result<Stored> {
         let (bytes, xxh3) = payload::write(&self.out.join(file), named, kind)?;
         Ok(Stored {
             file: file.to_owned(),
             bytes,
             xxh3: hex_of(xxh3),
         })
+    }
+
+    /// Puts the kept upload of `peer` for `round` (and what it reported) in the store.
+    pub fn mirror_pending(&self, round: u64, peer: usize) -> Result<()> {
+        let Some(m) = &self.mirror else {
+            return Ok(());
+        };
+        for path in [
+            self.pending_work_path(round, peer),
+            self.pending_path(round, peer),
+        ] {
+            let file = path.strip_prefix(&self.out).expect("under --out");
+            m.put(&self.out, &file.display().to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Removes the kept uploads of the rounds `drop` selects, here and in the store.
+    pub fn remove_pending(&self, drop: impl Fn(u64) -> bool) {
+        remove_pending(&self.out, &drop);
+        if let Some(m) = &self.mirror {
+            m.delete_pending(drop);
+        }
     }
 
     pub fn pending_path(&self, round: u64, peer: usize) -> PathBuf {
@@ -393,7 +432,7 @@ fn prune(st: &mut ServerState, keep: usize) -> Vec<String> {
 }
 
 /// Removes pending uploads whose round matches `drop`.
-pub(super) fn remove_pending(out: &Path, drop: impl Fn(u64) -> bool) {
+fn remove_pending(out: &Path, drop: impl Fn(u64) -> bool) {
     let Ok(entries) = std::fs::read_dir(out.join("pending")) else {
         return;
     };
@@ -422,7 +461,7 @@ pub(super) struct Opened {
 }
 
 /// Whether the stored file exists under `out` and has its checksum.
-fn intact(out: &Path, s: &Stored) -> bool {
+pub(super) fn intact(out: &Path, s: &Stored) -> bool {
     payload::digest(&out.join(&s.file))
         .ok()
         .is_some_and(|(_, x)| hex_of(x) == s.xxh3)
@@ -500,7 +539,10 @@ fn replay(
 /// Loads the newest round it can rebuild — the newest intact whole model, then every kept
 /// delta after it in order (stopping before a missing or corrupt one) — or creates θ⁰
 /// (fresh init from the seed, or `init`) as round 0.
-pub(super) fn open(opts: &ServerOptions) -> Result<Opened> {
+pub(super) fn open(opts: &ServerOptions, mirror: Option<&Mirror>) -> Result<Opened> {
+    if let Some(m) = mirror {
+        m.restore(&opts.out)?;
+    }
     for dir in ["global", "checkpoints", "incoming", "pending"] {
         let d = opts.out.join(dir);
         std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
@@ -596,7 +638,7 @@ pub(super) fn open(opts: &ServerOptions) -> Result<Opened> {
 }
 
 /// Reads `server.json`, of this format or the one before.
-fn read_state(path: &Path) -> Result<ServerState> {
+pub(super) fn read_state(path: &Path) -> Result<ServerState> {
     let text = std::fs::read_to_string(path)?;
     #[derive(Deserialize)]
     struct Version {

@@ -41,11 +41,12 @@ fn state(out: &std::path::Path) -> Arc<State> {
         store: Store {
             out: out.to_owned(),
             keep: 0,
+            mirror: None,
         },
         served: Mutex::new(None),
         published,
         clock: Instant::now(),
-        progress: Progress::new(progress, out.to_owned()),
+        progress: Progress::new(progress, out.to_owned(), None),
         io: Mutex::new(RoundIo::default()),
         upload_slots: tokio::sync::Semaphore::new(1),
         wake,

@@ -159,6 +159,7 @@ pub fn options(
         limits,
         shard,
         http: None,
+        store: None,
     }
 }
 
