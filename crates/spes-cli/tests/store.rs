@@ -1,0 +1,305 @@
+//! A run whose state lives in a real S3-compatible store (SeaweedFS on loopback,
+//! `common::S3Server`): the server is killed 50 ms after it acknowledged an upload of round 5,
+//! its whole `--out` is taken away (a lost machine), and a new server started on an empty
+//! folder with the same store resumes the run: it re-applies that acknowledged upload, serves
+//! every round from the newest the lost one published, and every node ends bit-identical to
+//! the final published model. No log line, `spes status`, live-page data or `/metrics` shows
+//! the store's secret key. Bounded: 180 s. Then the store's faults: stopped for 30 s mid-run
+//! (the run waits and completes, every round published once, the retries logged); wrong keys
+//! and a clock 20 minutes off (libfaketime) each one clear error at start.
+
+mod common;
+
+use common::{rounds_logged, tensors, Loopback, Proc, S3Server};
+use std::time::{Duration, Instant};
+
+const NODES: usize = 3;
+const MAX_STEPS: u64 = 16;
+const SYNC_STEPS: u64 = 2;
+const SECRET: &str = "store-test-secret";
+
+#[test]
+fn a_lost_server_machine_loses_nothing_when_the_run_is_in_a_store() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let s3 = S3Server::start(dir);
+    let data = spes_data::testing::small_corpus(dir, 60000);
+    let config = dir.join("store.toml");
+    // Whole models every 3 rounds: the new server rebuilds the newest round from one and the
+    // deltas after it, all read from the store.
+    let sync = format!(
+        "mode = \"spes\"\nnodes = {NODES}\nsync_steps = {SYNC_STEPS}\ncheckpoint_every_rounds = 3\n\
+         round_timeout_s = 60\n"
+    );
+    std::fs::write(&config, common::micro_config(&data, 6, MAX_STEPS, &sync)).unwrap();
+    let run = Loopback::new(dir, Some(SECRET));
+    let config_args = ["--config".to_string(), config.display().to_string()];
+    let http = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut server_args = config_args.to_vec();
+    server_args.extend(["--linger-s".into(), "20".into()]);
+    server_args.extend(["--http".into(), http.to_string()]);
+    server_args.extend(s3.flags("runs/lost-server"));
+    let mut server = run.server(&server_args);
+    (server.fault, server.restart) = (Some("acked@5"), true);
+    server.wipe = Some(run.server_out());
+    let mut procs = vec![server];
+    for peer in 0..NODES {
+        let mut args = config_args.to_vec();
+        // Node 2 uploads well after the others: round 5 is still open when the server dies.
+        if peer == 2 {
+            args.extend(["--set".into(), "train.slowdown=20".into()]);
+        }
+        procs.push(run.node(peer, &args));
+    }
+    for p in &mut procs {
+        p.spawn();
+    }
+    // The live page's data and `spes status`, while the run runs.
+    let mut answers = String::new();
+    let started = Instant::now();
+    while procs.iter().any(Proc::running) || procs.iter().any(|p| p.exit.is_none()) {
+        for p in &mut procs {
+            p.poll();
+        }
+        if answers.is_empty() && procs[0].kills == 1 && rounds_logged(&run.server_out()).len() > 1 {
+            let cred = dir.join("node-0.credential");
+            let cred = cred.to_str().unwrap();
+            answers = common::text(&common::spes(&[
+                "status",
+                "--server",
+                &run.url,
+                "--credential-file",
+                cred,
+            ]));
+            for path in ["/api/run", "/metrics"] {
+                if let Ok(reply) = spes_net::view::browser::get(http, path) {
+                    answers.push_str(&reply.text());
+                }
+            }
+        }
+        if started.elapsed() > Duration::from_secs(180) {
+            for p in &procs {
+                eprintln!("--- {} ---\n{}", p.name, p.output());
+            }
+            panic!("the run did not finish within 180 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for p in &procs {
+        assert!(
+            p.exit.unwrap().success(),
+            "{} failed:\n{}",
+            p.name,
+            p.output()
+        );
+    }
+    assert_eq!(
+        procs[0].kills,
+        1,
+        "the server was not killed:\n{}",
+        procs[0].output()
+    );
+
+    // The new server restored the lost one's newest round from the store and re-applied the
+    // upload it had acknowledged.
+    let log = procs[0].output();
+    let lost = rounds_logged(&dir.join("server-lost"));
+    let lost_newest = lost.last().map_or(0, |l| l["round"].as_u64().unwrap());
+    assert!(
+        lost_newest >= 2,
+        "the lost server published round {lost_newest}"
+    );
+    let resumed: u64 = log
+        .lines()
+        .find_map(|l| l.split("resuming after round ").nth(1))
+        .and_then(|r| r.split(':').next())
+        .unwrap_or_else(|| panic!("the new server did not resume:\n{log}"))
+        .parse()
+        .unwrap();
+    assert!(
+        resumed >= lost_newest,
+        "resumed after {resumed}, the lost server logged {lost_newest}"
+    );
+    // Round 5 was open, so round 4 the newest published: the whole model of round 3 and the
+    // delta of round 4, both read from the store.
+    assert!(
+        log.contains("resuming after round 4: whole model of round 3 plus 1 replayed deltas"),
+        "{log}"
+    );
+    assert!(log.contains("from the store"), "{log}");
+    assert!(
+        log.contains("re-applied the acknowledged upload"),
+        "the acknowledged upload of round 5 was not re-applied:\n{log}"
+    );
+    // Every round after it was published once, to the last.
+    let final_round = MAX_STEPS / SYNC_STEPS;
+    let rounds: Vec<u64> = rounds_logged(&run.server_out())
+        .iter()
+        .map(|l| l["round"].as_u64().unwrap())
+        .collect();
+    assert_eq!(rounds, (resumed..=final_round).collect::<Vec<_>>(), "{log}");
+
+    // Every node ends bit-identical to the final published model.
+    let global = tensors(
+        &run.server_out()
+            .join(format!("checkpoints/round-{final_round:06}.safetensors")),
+    );
+    for peer in 0..NODES {
+        let ck = run
+            .node_out(peer)
+            .join(format!("checkpoints/step-{MAX_STEPS}/model.safetensors"));
+        let local = tensors(&ck);
+        assert_eq!(local.len(), global.len());
+        for (name, g) in &global {
+            assert!(local[name].equal(g), "node {peer}: `{name}` differs");
+        }
+    }
+
+    // The store's secret key is in no log line, status or live-page answer.
+    let mut seen = answers.clone();
+    for p in &procs {
+        seen.push_str(&p.output());
+    }
+    assert!(
+        !answers.is_empty(),
+        "no status or live-page answer was read"
+    );
+    assert!(
+        !seen.contains(&s3.secret_key),
+        "the store's secret key was shown"
+    );
+}
+
+#[test]
+fn the_store_stopped_for_30_s_mid_run_loses_no_round() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut s3 = S3Server::start(dir);
+    let data = spes_data::testing::small_corpus(dir, 60000);
+    let config = dir.join("store.toml");
+    let sync = format!("mode = \"spes\"\nnodes = {NODES}\nsync_steps = {SYNC_STEPS}\n");
+    std::fs::write(&config, common::micro_config(&data, 6, MAX_STEPS, &sync)).unwrap();
+    let run = Loopback::new(dir, Some(SECRET));
+    let config_args = ["--config".to_string(), config.display().to_string()];
+    let mut server_args = config_args.to_vec();
+    server_args.extend(["--linger-s".into(), "20".into()]);
+    server_args.extend(s3.flags("runs/outage"));
+    let mut procs = vec![run.server(&server_args)];
+    for peer in 0..NODES {
+        procs.push(run.node(peer, &config_args));
+    }
+    for p in &mut procs {
+        p.spawn();
+    }
+    let (started, mut stopped) = (Instant::now(), None);
+    let mut restarted = false;
+    while procs.iter().any(|p| p.exit.is_none()) {
+        for p in &mut procs {
+            p.poll();
+        }
+        if stopped.is_none() && rounds_logged(&run.server_out()).len() >= 3 {
+            s3.stop();
+            stopped = Some(Instant::now());
+        }
+        if !restarted && stopped.is_some_and(|s| s.elapsed() >= Duration::from_secs(30)) {
+            s3.resume();
+            restarted = true;
+        }
+        if started.elapsed() > Duration::from_secs(180) {
+            for p in &procs {
+                eprintln!("--- {} ---\n{}", p.name, p.output());
+            }
+            panic!("the run did not finish within 180 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for p in &procs {
+        assert!(
+            p.exit.unwrap().success(),
+            "{} failed:\n{}",
+            p.name,
+            p.output()
+        );
+    }
+    assert!(restarted, "the run ended before the store came back");
+    let log = procs[0].output();
+    let rounds: Vec<u64> = rounds_logged(&run.server_out())
+        .iter()
+        .map(|l| l["round"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        rounds,
+        (0..=MAX_STEPS / SYNC_STEPS).collect::<Vec<_>>(),
+        "{log}"
+    );
+    assert!(
+        log.contains("failed, retrying in"),
+        "no retry was logged:\n{log}"
+    );
+}
+
+#[test]
+fn wrong_store_keys_and_a_skewed_clock_are_each_one_clear_error_at_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let s3 = S3Server::start(dir);
+    let config = dir.join("store.toml");
+    let data = spes_data::testing::small_corpus(dir, 20000);
+    std::fs::write(
+        &config,
+        common::micro_config(&data, 4, 4, "mode = \"spes\"\nnodes = 2\nsync_steps = 2\n"),
+    )
+    .unwrap();
+    let server = |flags: Vec<String>, faketime: Option<&str>| {
+        let mut cmd = match faketime {
+            Some(offset) => {
+                let mut c = std::process::Command::new("faketime");
+                c.args(["-f", offset, env!("CARGO_BIN_EXE_spes")]);
+                c
+            }
+            None => std::process::Command::new(env!("CARGO_BIN_EXE_spes")),
+        };
+        cmd.args([
+            "server",
+            "--no-auth",
+            "--listen",
+            "127.0.0.1:0",
+            "--device",
+            "cpu",
+        ])
+        .arg("--config")
+        .arg(&config)
+        .arg("--out")
+        .arg(dir.join("server"))
+        .args(flags)
+        .env("DONT_FAKE_MONOTONIC", "1");
+        let o = cmd
+            .output()
+            .expect("spes (and faketime: scripts/setup.sh --tests)");
+        assert!(!o.status.success());
+        common::text(&o)
+    };
+    let wrong = dir.join("wrong.toml");
+    let keys = std::fs::read_to_string(&s3.credentials).unwrap();
+    std::fs::write(&wrong, keys.replace(&s3.secret_key, "not-the-secret")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&wrong, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mut flags = s3.flags("runs/keys");
+    flags[3] = wrong.display().to_string();
+    let text = server(flags, None);
+    assert!(text.contains("refused the keys"), "{text}");
+    assert_eq!(text.matches("refused the keys").count(), 1, "{text}");
+    assert!(!text.contains("not-the-secret"), "{text}");
+    let text = server(s3.flags("runs/clock"), Some("-20m"));
+    assert!(
+        text.contains("clock is") && text.contains("set the clock"),
+        "{text}"
+    );
+    assert!(
+        !dir.join("server").join("server.json").exists(),
+        "nothing is written"
+    );
+}
