@@ -6,7 +6,8 @@
 //! the final published model. No log line, `spes status`, live-page data or `/metrics` shows
 //! the store's secret key. Bounded: 180 s. Then the store's faults: stopped for 30 s mid-run
 //! (the run waits and completes, every round published once, the retries logged); wrong keys
-//! and a clock 20 minutes off (libfaketime) each one clear error at start.
+//! and a clock 20 minutes off (libfaketime) each one clear error at start; the server's own
+//! create-only writes and multipart uploads as spes uses them.
 
 mod common;
 
@@ -293,6 +294,37 @@ fn wrong_store_keys_and_a_skewed_clock_are_each_one_clear_error_at_start() {
     assert!(text.contains("refused the keys"), "{text}");
     assert_eq!(text.matches("refused the keys").count(), 1, "{text}");
     assert!(!text.contains("not-the-secret"), "{text}");
+    // What spes relies on, on the real server: a second create of a name is refused (412),
+    // and a file above one part goes up in parts and comes back whole.
+    let opts = spes_store::StoreOptions {
+        allow_http: true,
+        credentials: Some(s3.credentials.clone()),
+    };
+    let store = spes_store::RunStore::open("s3://spes/runs/rules", &opts).unwrap();
+    let first = spes_store::Bytes::from_static(b"first");
+    assert_eq!(
+        store.create("state/0.json", first.clone()).unwrap(),
+        spes_store::Created::Written
+    );
+    assert_eq!(
+        store
+            .create("state/0.json", spes_store::Bytes::from_static(b"second"))
+            .unwrap(),
+        spes_store::Created::Exists(first)
+    );
+    let big = dir.join("big.bin");
+    let content: Vec<u8> = (0..spes_store::PART + 1000)
+        .map(|i| (i % 253) as u8)
+        .collect();
+    std::fs::write(&big, &content).unwrap();
+    store.put_file("checkpoints/big.bin", &big).unwrap();
+    let back = dir.join("back.bin");
+    assert!(store.get_file("checkpoints/big.bin", &back).unwrap());
+    assert!(
+        std::fs::read(&back).unwrap() == content,
+        "the multipart file came back changed"
+    );
+
     let text = server(s3.flags("runs/clock"), Some("-20m"));
     assert!(
         text.contains("clock is") && text.contains("set the clock"),

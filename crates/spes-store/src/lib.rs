@@ -17,13 +17,13 @@
 
 mod credentials;
 
-pub use credentials::Credentials;
+use credentials::Credentials;
 
-use bytes::Bytes;
+/// The byte buffers calls take and return.
+pub use bytes::Bytes;
 use futures::StreamExt;
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::local::LocalFileSystem;
-use object_store::memory::InMemory;
 use object_store::path::Path as Key;
 use object_store::{
     ClientOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
@@ -98,6 +98,7 @@ pub enum Created {
 pub struct Listed {
     /// Relative to the prefix.
     pub key: String,
+    /// Its size.
     pub bytes: u64,
 }
 
@@ -139,6 +140,18 @@ impl RunStore {
         if scheme != "file" && bucket.is_empty() {
             return Err(config("no bucket named".into()));
         }
+        if scheme != "file" && bucket.contains('@') {
+            return Err(config(
+                "keys in the URL would be shown wherever the URL is: give them in the \
+                 environment or --store-credentials"
+                    .into(),
+            ));
+        }
+        if opts.credentials.is_some() && (scheme == "gs" || scheme == "az") {
+            return Err(config(format!(
+                "--store-credentials holds S3 keys; a {scheme}:// store takes its own from the environment"
+            )));
+        }
         let (inner, endpoint, prefix): (Arc<dyn ObjectStore>, _, _) = match scheme {
             "s3" => {
                 let (s3, endpoint) = s3(bucket, opts).map_err(config)?;
@@ -154,7 +167,9 @@ impl RunStore {
                 })?;
                 let local = LocalFileSystem::new_with_prefix(&dir)
                     .map_err(|e| config(e.to_string()))?
-                    .with_automatic_cleanup(true);
+                    .with_automatic_cleanup(true)
+                    // A manifest must never outlive the files it names on a power loss.
+                    .with_fsync(true);
                 (Arc::new(local), None, "")
             }
             other => {
@@ -173,9 +188,10 @@ impl RunStore {
     }
 
     /// A store in memory, for unit tests.
+    #[cfg(test)]
     pub fn memory() -> RunStore {
         RunStore {
-            inner: Arc::new(InMemory::new()),
+            inner: Arc::new(object_store::memory::InMemory::new()),
             prefix: Key::default(),
             url: "memory://".into(),
             endpoint: None,
@@ -191,13 +207,17 @@ impl RunStore {
     /// At start: that this machine's clock is within [`MAX_CLOCK_SKEW`] of the store's, and
     /// that the keys may write, read and delete under the prefix (one small probe object).
     pub fn check(&self) -> Result<(), StoreError> {
-        if let Some(skew_s) = self.clock_skew() {
-            if skew_s.abs() > MAX_CLOCK_SKEW.as_secs_f64() {
+        match (self.clock_skew(), &self.endpoint) {
+            (Some(skew_s), _) if skew_s.abs() > MAX_CLOCK_SKEW.as_secs_f64() => {
                 return Err(StoreError::Clock {
                     url: self.url.clone(),
                     skew_s,
-                });
+                })
             }
+            (None, Some(endpoint)) => tracing::warn!(
+                "{endpoint} sent no Date to check this machine's clock against; not checked"
+            ),
+            _ => {}
         }
         let probe = format!("probes/{:016x}", rand::random::<u64>());
         let denied = |e: StoreError| {
@@ -307,10 +327,14 @@ impl RunStore {
                 let mut w = WriteMultipart::new_with_chunk_size(upload, PART);
                 let mut buf = vec![0u8; PART];
                 loop {
-                    let n = read_full(&mut file, &mut buf).map_err(local)?;
-                    if n == 0 {
-                        break;
-                    }
+                    let n = match read_full(&mut file, &mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => n,
+                        Err(e) => {
+                            let _ = w.abort().await;
+                            return Err(local(e));
+                        }
+                    };
                     if let Err(e) = w.wait_for_capacity(PARTS_IN_FLIGHT).await {
                         let _ = w.abort().await;
                         return Err(self.call("put a part of", key, e));
@@ -337,8 +361,9 @@ impl RunStore {
         })
     }
 
-    /// Downloads `key` to `path` through a temp file (fsynced, renamed, directory fsynced);
-    /// `false` if there is no such object.
+    /// Downloads `key` to `path` through a temp file (fsynced, renamed, directory fsynced),
+    /// in ranges of [`PART`] bytes, each retried on its own, so a long download of a large
+    /// file resumes where a failure stopped it; `false` if there is no such object.
     pub fn get_file(&self, key: &str, path: &Path) -> Result<bool, StoreError> {
         let local = |source| StoreError::Local {
             path: path.to_owned(),
@@ -347,40 +372,41 @@ impl RunStore {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(local)?;
         }
-        let tmp = path.with_extension(format!("part-{}", std::process::id()));
         let k = self.key(key);
-        let got = self.retrying("get", key, || {
-            self.block(async {
-                let reply = match self.inner.get(&k).await {
-                    Ok(r) => r,
-                    Err(object_store::Error::NotFound { .. }) => return Ok(false),
-                    Err(e) => return Err(self.call("get", key, e)),
-                };
-                let mut out = std::fs::File::create(&tmp).map_err(local)?;
-                let mut body = reply.into_stream();
-                while let Some(chunk) = body.next().await {
-                    let chunk = chunk.map_err(|e| self.call("get", key, e))?;
-                    out.write_all(&chunk).map_err(local)?;
-                }
-                out.sync_all().map_err(local)?;
-                Ok(true)
-            })
-        });
-        match got {
-            Ok(true) => {
-                std::fs::rename(&tmp, path).map_err(local)?;
-                if let Some(dir) = path.parent() {
-                    std::fs::File::open(dir)
-                        .and_then(|d| d.sync_all())
-                        .map_err(local)?;
-                }
-                Ok(true)
+        let size = match self.retrying("head", key, || match self.block(self.inner.head(&k)) {
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.call("head", key, e)),
+        })? {
+            Some(size) => size,
+            None => return Ok(false),
+        };
+        let tmp = temp_sibling(path);
+        let written = (|| {
+            let mut out = std::fs::File::create(&tmp).map_err(local)?;
+            let mut at = 0;
+            while at < size {
+                let range = at..(at + PART as u64).min(size);
+                let chunk = self.retrying("get", key, || {
+                    self.block(self.inner.get_range(&k, range.clone()))
+                        .map_err(|e| self.call("get", key, e))
+                })?;
+                out.write_all(&chunk).map_err(local)?;
+                at = range.end;
             }
-            other => {
-                let _ = std::fs::remove_file(&tmp);
-                other
-            }
+            out.sync_all().map_err(local)
+        })();
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
         }
+        std::fs::rename(&tmp, path).map_err(local)?;
+        if let Some(dir) = path.parent() {
+            std::fs::File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(local)?;
+        }
+        Ok(true)
     }
 
     /// Every object under `dir` (relative to the prefix), by key.
@@ -428,10 +454,14 @@ impl RunStore {
         key: &str,
         mut call: impl FnMut() -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let started = Instant::now();
+        // The budget counts from the first failure, not the call's start: a long transfer
+        // that fails late is retried as any other.
+        let mut failing_since: Option<Instant> = None;
         let mut pause = Duration::from_secs(1);
         loop {
-            match call() {
+            let result = call();
+            let started = *failing_since.get_or_insert_with(Instant::now);
+            match result {
                 Err(e) if transient(&e) && started.elapsed() + pause < RETRY_TIMEOUT => {
                     tracing::warn!(
                         "store {}: {op} {key} failed, retrying in {} s: {e}",
@@ -502,6 +532,14 @@ fn runtime() -> tokio::runtime::Runtime {
 /// failed; object_store's own retries of it ran out).
 fn transient(e: &StoreError) -> bool {
     matches!(e, StoreError::Call { source, .. } if matches!(**source, object_store::Error::Generic { .. }))
+}
+
+/// `<path>.tmp-<pid>` beside `path`: the repository's temp name, which no reader of the folder
+/// takes for a real file.
+fn temp_sibling(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    path.with_file_name(name)
 }
 
 /// Reads until `buf` is full or the file ends.

@@ -270,6 +270,7 @@ fn publish(
     let mut pause = Duration::from_millis(500);
     let publishing = Instant::now();
     while let Err(e) = s.store.publish(&s.progress, &publication) {
+        super::mirror::exit_if_fenced(&e);
         tracing::error!(
             "publishing round {} failed, retrying in {:.1} s: {e:#}",
             report.round,

@@ -41,6 +41,15 @@ pub(super) struct Conflict {
     other: String,
 }
 
+/// Stops this process if `e` says another server writes the store: going on would overwrite
+/// that server's files (the manifests fence; the files they name are plain puts).
+pub(super) fn exit_if_fenced(e: &anyhow::Error) {
+    if let Some(c) = e.downcast_ref::<Conflict>() {
+        tracing::error!("{c}");
+        std::process::exit(3);
+    }
+}
+
 /// The store a server mirrors its state to.
 pub(super) struct Mirror {
     store: RunStore,
@@ -50,6 +59,7 @@ pub(super) struct Mirror {
 }
 
 impl Mirror {
+    /// A mirror to `store`, as a new writer (a random id names its manifests).
     pub fn new(store: RunStore) -> Mirror {
         Mirror {
             store,
@@ -58,6 +68,7 @@ impl Mirror {
         }
     }
 
+    /// The store's URL.
     pub fn url(&self) -> &str {
         self.store.url()
     }
@@ -100,6 +111,8 @@ impl Mirror {
             let key = manifest_key(*next);
             match self.store.create(&key, body.clone().into())? {
                 Created::Written => break,
+                // Our own earlier try of this very manifest, whose reply was lost.
+                Created::Exists(there) if there == body => break,
                 Created::Exists(there) => {
                     let other = serde_json::from_slice::<Manifest>(&there)
                         .map(|m| m.writer)
@@ -124,27 +137,44 @@ impl Mirror {
         Ok(())
     }
 
-    /// Before the server opens `out`: makes it hold the store's newest restart point and the
-    /// files it names, unless `out`'s own is as new; a store that has none yet is given
-    /// `out`'s (a run moved into a store). Numbers the next manifest after the newest.
+    /// Before the server opens `out`: makes it hold the newer of its own restart point and
+    /// the store's newest (its own when they tie), with every file it names that `out` lacks
+    /// and the open round's acknowledged uploads; a store that has none yet is given `out`'s
+    /// (a run moved into a store). Then claims the store: writes the restart point as this
+    /// server's first manifest, so a server still writing there is refused at its next write.
     pub fn restore(&self, out: &Path) -> Result<()> {
+        self.restore_files(out)?;
+        let state_path = out.join(STATE_FILE);
+        if state_path.exists() {
+            self.write(&read_state(&state_path)?)?;
+        }
+        Ok(())
+    }
+
+    fn restore_files(&self, out: &Path) -> Result<()> {
         let listed = self.store.list(STATE_DIR)?;
         let mut seqs: Vec<u64> = listed.iter().filter_map(|l| manifest_seq(&l.key)).collect();
         seqs.sort_unstable();
         *self.next.lock().unwrap() = seqs.last().map_or(0, |s| s + 1);
-        let mut remote = None;
-        for &seq in seqs.iter().rev() {
-            let key = manifest_key(seq);
-            let parsed = self.store.get(&key)?.and_then(|b| {
-                serde_json::from_slice::<Manifest>(&b)
-                    .map_err(|e| tracing::error!("{key} in the store is unreadable: {e}"))
-                    .ok()
-            });
-            if let Some(m) = parsed {
-                remote = Some((key, m.state));
-                break;
+        // The newest manifest or a clear error: an older one would roll the run back.
+        let remote = match seqs.last() {
+            None => None,
+            Some(&seq) => {
+                let key = manifest_key(seq);
+                let bytes = self
+                    .store
+                    .get(&key)?
+                    .with_context(|| format!("{key} was listed in {} but is gone", self.url()))?;
+                let m: Manifest = serde_json::from_slice(&bytes).with_context(|| {
+                    format!(
+                        "{key} in {} is not a spes restart point; move it aside to resume \
+                         from the one before",
+                        self.url()
+                    )
+                })?;
+                Some((key, m.state))
             }
-        }
+        };
         for &seq in seqs.iter().rev().skip(KEEP_MANIFESTS as usize + 1) {
             self.delete(&manifest_key(seq));
         }
@@ -162,20 +192,31 @@ impl Mirror {
                     out.display()
                 );
                 for s in stored_files(&local) {
-                    self.put(out, &s.file)?;
+                    // The opener falls back past a missing or torn file: so does the copy.
+                    if intact(out, s) {
+                        self.put(out, &s.file)?;
+                    } else {
+                        tracing::warn!("{} is missing or torn: not put in the store", s.file);
+                    }
                 }
                 for l in local_pending(out)? {
                     self.put(out, &l)?;
                 }
-                self.write(&local)
+                Ok(())
             }
-            (Some((_, remote)), Some(local))
+            (Some((key, remote)), Some(local))
                 if local.rounds.last().map(|r| r.round)
                     >= remote.rounds.last().map(|r| r.round) =>
             {
-                Ok(())
+                // `out` is as new: it only gets what it lacks of its own state.
+                self.download(out, &key, &local)
             }
-            (Some((key, remote)), _) => self.download(out, &key, &remote),
+            (Some((key, remote)), _) => {
+                self.download(out, &key, &remote)?;
+                std::fs::create_dir_all(out)
+                    .with_context(|| format!("cannot create {}", out.display()))?;
+                remote.save(out)
+            }
         }
     }
 
@@ -183,15 +224,16 @@ impl Mirror {
     /// acknowledged uploads, then writes `st` as its restart point.
     fn download(&self, out: &Path, key: &str, st: &ServerState) -> Result<()> {
         let newest = st.rounds.last().map_or(0, |r| r.round);
-        tracing::info!(
-            "restoring {} from the store {} ({key}: published round {newest})",
-            out.display(),
-            self.url()
-        );
-        for s in stored_files(st) {
-            if intact(out, s) {
-                continue;
-            }
+        let missing: Vec<&Stored> = stored_files(st).filter(|s| !intact(out, s)).collect();
+        if !missing.is_empty() {
+            tracing::info!(
+                "restoring {} from the store {} ({key}: published round {newest}; {} files)",
+                out.display(),
+                self.url(),
+                missing.len()
+            );
+        }
+        for s in missing {
             // A missing or torn file is left to the opener, which falls back past it.
             if !self.store.get_file(&s.file, &out.join(&s.file))? {
                 tracing::error!("{} is named by {key} but not in the store", s.file);
@@ -199,12 +241,11 @@ impl Mirror {
         }
         let open = newest + 1;
         for l in self.store.list("pending")? {
-            if pending_round(&l.key) == Some(open) {
+            if pending_round(&l.key) == Some(open) && !out.join(&l.key).exists() {
                 self.store.get_file(&l.key, &out.join(&l.key))?;
             }
         }
-        std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-        st.save(out)
+        Ok(())
     }
 }
 
@@ -213,7 +254,8 @@ fn manifest_key(seq: u64) -> String {
 }
 
 fn manifest_seq(key: &str) -> Option<u64> {
-    key.strip_prefix("state/")?
+    key.strip_prefix(STATE_DIR)?
+        .strip_prefix('/')?
         .strip_suffix(".json")?
         .parse()
         .ok()
@@ -251,11 +293,8 @@ fn local_pending(out: &Path) -> Result<Vec<String>> {
         }
         keys.push(format!("pending/{name}"));
     }
-    if keys.iter().any(|k| pending_round(k).is_none()) {
-        bail!(
-            "{}: a file that is not an upload",
-            out.join("pending").display()
-        );
+    if let Some(k) = keys.iter().find(|k| pending_round(k).is_none()) {
+        bail!("{}: not an upload of a round", out.join(k).display());
     }
     Ok(keys)
 }
@@ -313,6 +352,14 @@ mod tests {
             .into_iter()
             .map(|l| l.key)
             .collect();
-        assert_eq!(seqs, ["state/0000000003.json", "state/0000000004.json"]);
+        // Its restore claimed the store with manifest 2 (round 2), then rounds 3 to 5.
+        assert_eq!(seqs, ["state/0000000004.json", "state/0000000005.json"]);
+        // A newest manifest that does not parse stops a restore, naming it, rather than roll
+        // the run back to the one before.
+        c.store
+            .put("state/0000000006.json", "{torn".into())
+            .unwrap();
+        let e = open().restore(&dir.path().join("d")).unwrap_err();
+        assert!(format!("{e:#}").contains("state/0000000006.json"), "{e:#}");
     }
 }

@@ -258,6 +258,7 @@ impl State {
         };
         if let Some(v) = version {
             if let Err(e) = self.progress.commit(v) {
+                mirror::exit_if_fenced(&e);
                 tracing::error!("cannot record {}: {e:#}", changed.join(", "));
             }
             crate::fault::point("joined", published + 1);
@@ -267,9 +268,10 @@ impl State {
 
     /// After a restart: folds in the open round's uploads that were acknowledged before.
     fn reapply_pending(&self) -> Result<()> {
-        let mut coord = self.coord.lock().unwrap();
-        let open = coord.round();
+        let open = self.coord.lock().unwrap().round();
+        // Outside the coordinator's lock: it may call the store.
         self.store.remove_pending(|r| r != open);
+        let mut coord = self.coord.lock().unwrap();
         for peer in coord.scope().members() {
             let path = self.store.pending_path(open, peer);
             if path.exists() {

@@ -36,14 +36,20 @@ impl Spes for Service {
     async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinReply>, Status> {
         let s = &self.state;
         let peer = authorize(&req, req.get_ref().peer)?;
-        let r = req.get_ref();
-        let (standing, scope, published_round) = s.join(
-            peer,
-            r.session,
-            r.join,
-            Some(&r.data_parts),
-            r.max_experts.map(|k| k as usize),
-        )?;
+        let r = req.get_ref().clone();
+        // A join may make the restart point durable (disk, and a store): off the runtime.
+        let state = s.clone();
+        let (standing, scope, published_round) = tokio::task::spawn_blocking(move || {
+            state.join(
+                peer,
+                r.session,
+                r.join,
+                Some(&r.data_parts),
+                r.max_experts.map(|k| k as usize),
+            )
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
         let owned = (0..s.cfg.model.n_experts)
             .filter(|&e| {
                 standing == Standing::Member
@@ -76,8 +82,11 @@ impl Spes for Service {
     ) -> Result<Response<HeartbeatReply>, Status> {
         let s = &self.state;
         let peer = authorize(&req, req.get_ref().peer)?;
+        let (state, session) = (s.clone(), req.get_ref().session);
         let (standing, _, published_round) =
-            s.join(peer, req.get_ref().session, false, None, None)?;
+            tokio::task::spawn_blocking(move || state.join(peer, session, false, None, None))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))??;
         s.coord
             .lock()
             .unwrap()

@@ -377,6 +377,10 @@ impl Store {
             self.pending_work_path(round, peer),
             self.pending_path(round, peer),
         ] {
+            // Published (and removed) meanwhile: nothing of it needs keeping any more.
+            if !path.exists() {
+                return Ok(());
+            }
             let file = path.strip_prefix(&self.out).expect("under --out");
             m.put(&self.out, &file.display().to_string())?;
         }
