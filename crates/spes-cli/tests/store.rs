@@ -81,22 +81,10 @@ fn a_lost_server_machine_loses_nothing_when_the_run_is_in_a_store() {
                 }
             }
         }
-        if started.elapsed() > Duration::from_secs(180) {
-            for p in &procs {
-                eprintln!("--- {} ---\n{}", p.name, p.output());
-            }
-            panic!("the run did not finish within 180 s");
-        }
+        give_up_after_180_s(&procs, started);
         std::thread::sleep(Duration::from_millis(100));
     }
-    for p in &procs {
-        assert!(
-            p.exit.unwrap().success(),
-            "{} failed:\n{}",
-            p.name,
-            p.output()
-        );
-    }
+    assert_all_succeeded(&procs);
     assert_eq!(
         procs[0].kills,
         1,
@@ -209,22 +197,10 @@ fn the_store_stopped_for_30_s_mid_run_loses_no_round() {
             s3.resume();
             restarted = true;
         }
-        if started.elapsed() > Duration::from_secs(180) {
-            for p in &procs {
-                eprintln!("--- {} ---\n{}", p.name, p.output());
-            }
-            panic!("the run did not finish within 180 s");
-        }
+        give_up_after_180_s(&procs, started);
         std::thread::sleep(Duration::from_millis(100));
     }
-    for p in &procs {
-        assert!(
-            p.exit.unwrap().success(),
-            "{} failed:\n{}",
-            p.name,
-            p.output()
-        );
-    }
+    assert_all_succeeded(&procs);
     assert!(restarted, "the run ended before the store came back");
     let log = procs[0].output();
     let rounds: Vec<u64> = rounds_logged(&run.server_out())
@@ -334,4 +310,21 @@ fn wrong_store_keys_and_a_skewed_clock_are_each_one_clear_error_at_start() {
         !dir.join("server").join("server.json").exists(),
         "nothing is written"
     );
+}
+
+/// Fails the test with every process's log once the run has taken 180 s.
+fn give_up_after_180_s(procs: &[Proc], started: Instant) {
+    if started.elapsed() > Duration::from_secs(180) {
+        for p in procs {
+            eprintln!("--- {} ---\n{}", p.name, p.output());
+        }
+        panic!("the run did not finish within 180 s");
+    }
+}
+
+fn assert_all_succeeded(procs: &[Proc]) {
+    for p in procs {
+        let exit = p.exit.unwrap();
+        assert!(exit.success(), "{} failed:\n{}", p.name, p.output());
+    }
 }

@@ -386,7 +386,7 @@ impl S3Server {
         std::fs::create_dir_all(&data).unwrap();
         let (access_key, secret_key) = (
             "spes-test-access".to_string(),
-            format!("spes-test-secret-{:016x}", rand_u64()),
+            format!("spes-test-secret-{:016x}", rand::random::<u64>()),
         );
         let config = dir.join("weed-s3.json");
         std::fs::write(
@@ -512,22 +512,10 @@ fn weed() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/weed"))
 }
 
-fn rand_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos(),
-    );
-    h.finish()
-}
-
 /// `n` ports p in 10000..20000 where both p and p + 10000 are free on 127.0.0.1.
 fn free_port_pairs(n: usize) -> Vec<u16> {
     let mut ports = Vec::new();
-    let mut p = 10000 + (rand_u64() % 9000) as u16;
+    let mut p = 10000 + (rand::random::<u64>() % 9000) as u16;
     while ports.len() < n {
         p = if p >= 19999 { 10000 } else { p + 1 };
         let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();

@@ -312,6 +312,15 @@ mod tests {
         .unwrap()
     }
 
+    fn manifests(m: &Mirror) -> Vec<String> {
+        m.store
+            .list(STATE_DIR)
+            .unwrap()
+            .into_iter()
+            .map(|l| l.key)
+            .collect()
+    }
+
     #[test]
     fn a_second_server_on_the_same_store_is_refused_and_a_lost_reply_is_not_a_conflict() {
         let dir = tempfile::tempdir().unwrap();
@@ -329,13 +338,7 @@ mod tests {
         // A's create went through but its reply was lost: trying again is not a conflict.
         *a.next.lock().unwrap() = 0;
         a.write(&state(2)).unwrap();
-        let seqs: Vec<_> = a
-            .store
-            .list("state")
-            .unwrap()
-            .into_iter()
-            .map(|l| l.key)
-            .collect();
+        let seqs = manifests(&a);
         assert_eq!(seqs, ["state/0000000000.json", "state/0000000001.json"]);
         // A third server restores the newest and numbers after it; old manifests go.
         let c = open();
@@ -345,13 +348,7 @@ mod tests {
         for r in 3..6 {
             c.write(&state(r)).unwrap();
         }
-        let seqs: Vec<_> = c
-            .store
-            .list("state")
-            .unwrap()
-            .into_iter()
-            .map(|l| l.key)
-            .collect();
+        let seqs = manifests(&c);
         // Its restore claimed the store with manifest 2 (round 2), then rounds 3 to 5.
         assert_eq!(seqs, ["state/0000000004.json", "state/0000000005.json"]);
         // A newest manifest that does not parse stops a restore, naming it, rather than roll
