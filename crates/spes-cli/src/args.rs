@@ -142,6 +142,15 @@ pub struct StoreArgs {
     /// Accept a plain http:// store endpoint (loopback, or a network you trust).
     #[arg(long, requires = "store")]
     pub store_allow_http: bool,
+    /// Nodes download rounds from the store (S3, GCS, Azure) through presigned GET URLs the
+    /// server hands out, valid this long (seconds); a node whose URL expired asks again.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 600.0,
+        requires = "store"
+    )]
+    pub store_url_lifetime_s: f64,
 }
 
 impl StoreArgs {
@@ -151,6 +160,11 @@ impl StoreArgs {
         let Some(url) = &self.store else {
             return Ok(None);
         };
+        let lifetime = self.store_url_lifetime_s;
+        // S3 signs for at most 7 days.
+        if !(1.0..=604_800.0).contains(&lifetime) {
+            anyhow::bail!("--store-url-lifetime-s {lifetime}: expected 1 to 604800 seconds");
+        }
         let url = if k > 1 {
             format!("{}/shard-{i}-of-{k}", url.trim_end_matches('/'))
         } else {
@@ -176,6 +190,12 @@ impl StoreArgs {
         }
         if self.store_allow_http {
             a.push("--store-allow-http".into());
+        }
+        if self.store.is_some() {
+            a.extend([
+                "--store-url-lifetime-s".into(),
+                self.store_url_lifetime_s.to_string().into(),
+            ]);
         }
         a
     }

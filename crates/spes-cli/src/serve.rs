@@ -123,6 +123,7 @@ pub fn run(a: Args) -> Result<()> {
         }
         None => None,
     };
+    let url_lifetime = std::time::Duration::from_secs_f64(store.store_url_lifetime_s);
     let store = store.open(shard)?;
     if let Some(s) = &store {
         tracing::info!(
@@ -145,6 +146,7 @@ pub fn run(a: Args) -> Result<()> {
         limits: spes_net::Limits {
             max_concurrent_uploads,
             idle_timeout: std::time::Duration::from_secs_f64(idle_timeout_s),
+            url_lifetime,
             ..Default::default()
         },
     };

@@ -3,11 +3,15 @@
 //! its whole `--out` is taken away (a lost machine), and a new server started on an empty
 //! folder with the same store resumes the run: it re-applies that acknowledged upload, serves
 //! every round from the newest the lost one published, and every node ends bit-identical to
-//! the final published model. No log line, `spes status`, live-page data or `/metrics` shows
-//! the store's secret key. Bounded: 180 s. Then the store's faults: stopped for 30 s mid-run
-//! (the run waits and completes, every round published once, the retries logged); wrong keys
-//! and a clock 20 minutes off (libfaketime) each one clear error at start; the server's own
-//! create-only writes and multipart uploads as spes uses them.
+//! the final published model; every node read every round from the store through presigned
+//! URLs. No log line, `spes status`, live-page data or `/metrics` shows the store's secret key
+//! or a URL's signature. Bounded: 180 s. Then the store's faults: stopped for 30 s mid-run
+//! (the run waits and completes, every round published once, the retries logged; a node whose
+//! download it broke takes the round from the server, counted); a URL that expired before
+//! its node read it is renewed; a corrupt object is refused by its checksum, asked for again,
+//! then read from the server; wrong keys and a clock 20 minutes off (libfaketime) each one
+//! clear error at start; the server's own create-only writes and multipart uploads as spes
+//! uses them.
 
 mod common;
 
@@ -131,23 +135,17 @@ fn a_lost_server_machine_loses_nothing_when_the_run_is_in_a_store() {
         .collect();
     assert_eq!(rounds, (resumed..=final_round).collect::<Vec<_>>(), "{log}");
 
-    // Every node ends bit-identical to the final published model.
-    let global = tensors(
-        &run.server_out()
-            .join(format!("checkpoints/round-{final_round:06}.safetensors")),
-    );
-    for peer in 0..NODES {
-        let ck = run
-            .node_out(peer)
-            .join(format!("checkpoints/step-{MAX_STEPS}/model.safetensors"));
-        let local = tensors(&ck);
-        assert_eq!(local.len(), global.len());
-        for (name, g) in &global {
-            assert!(local[name].equal(g), "node {peer}: `{name}` differs");
-        }
-    }
+    assert_every_node_holds_the_final_model(&run);
 
-    // The store's secret key is in no log line, status or live-page answer.
+    // Every node read every round from the store, none from the server, through URLs no log
+    // line, status or live-page answer shows in full; nor the store's secret key.
+    for peer in 0..NODES {
+        let (store, server) = downloads(&run, peer);
+        assert!(
+            store > 0 && server == 0,
+            "node {peer}: {store} bytes from the store, {server} from the server"
+        );
+    }
     let mut seen = answers.clone();
     for p in &procs {
         seen.push_str(&p.output());
@@ -157,9 +155,79 @@ fn a_lost_server_machine_loses_nothing_when_the_run_is_in_a_store() {
         "no status or live-page answer was read"
     );
     assert!(
+        answers.contains("spes_store_links_total"),
+        "/metrics counts no links:\n{answers}"
+    );
+    assert!(
         !seen.contains(&s3.secret_key),
         "the store's secret key was shown"
     );
+    assert!(
+        !seen.contains("X-Amz-Signature"),
+        "a presigned URL was shown in full"
+    );
+}
+
+#[test]
+fn an_expired_url_is_renewed_and_a_corrupt_object_is_refused_then_read_from_the_server() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let s3 = S3Server::start(dir);
+    let data = spes_data::testing::small_corpus(dir, 60000);
+    let config = dir.join("store.toml");
+    let sync = format!("mode = \"spes\"\nnodes = {NODES}\nsync_steps = {SYNC_STEPS}\n");
+    std::fs::write(&config, common::micro_config(&data, 6, MAX_STEPS, &sync)).unwrap();
+    let run = Loopback::new(dir, Some(SECRET));
+    let config_args = ["--config".to_string(), config.display().to_string()];
+    let mut server_args = config_args.to_vec();
+    server_args.extend(s3.flags("runs/links"));
+    // URLs live 2 s; node 1 waits 3 s before reading round 2's. Round 5 is put in the store
+    // with a byte changed.
+    server_args.extend(["--store-url-lifetime-s".into(), "2".into()]);
+    let mut server = run.server(&server_args);
+    server.fault = Some("corrupt-store@5");
+    let mut procs = vec![server];
+    for peer in 0..NODES {
+        procs.push(run.node(peer, &config_args));
+    }
+    procs[2].fault = Some("store-wait@2");
+    for p in &mut procs {
+        p.spawn();
+    }
+    let started = Instant::now();
+    while procs.iter().any(|p| p.exit.is_none()) {
+        for p in &mut procs {
+            p.poll();
+        }
+        give_up_after_180_s(&procs, started);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_all_succeeded(&procs);
+    let waited = procs[2].output();
+    assert!(
+        waited.contains("round 2 from the store")
+            && waited.contains("expired or no longer valid; asking the server for a new URL"),
+        "node 1's URL did not expire:\n{waited}"
+    );
+    for (peer, p) in procs[1..].iter().enumerate() {
+        let log = p.output();
+        assert!(
+            log.contains("round 5 from the store")
+                && log.contains("part 0 fails its checksum; taking it from the server instead"),
+            "node {peer} took the corrupt round:\n{log}"
+        );
+        let (store, server) = downloads(&run, peer);
+        assert!(
+            store > 0 && server > 0,
+            "node {peer}: {store} bytes from the store, {server} from the server"
+        );
+    }
+    let fallbacks: u64 = rounds_logged(&run.server_out())
+        .iter()
+        .map(|l| l["store_fallbacks"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(fallbacks >= NODES as u64, "{fallbacks} fallbacks counted");
+    assert_every_node_holds_the_final_model(&run);
 }
 
 #[test]
@@ -180,6 +248,8 @@ fn the_store_stopped_for_30_s_mid_run_loses_no_round() {
     for peer in 0..NODES {
         procs.push(run.node(peer, &config_args));
     }
+    // Node 0 waits 3 s between round 2's URL and reading it: the store stops meanwhile.
+    procs[1].fault = Some("store-wait@2");
     for p in &mut procs {
         p.spawn();
     }
@@ -216,6 +286,19 @@ fn the_store_stopped_for_30_s_mid_run_loses_no_round() {
         log.contains("failed, retrying in"),
         "no retry was logged:\n{log}"
     );
+    // The node the store failed took round 2 from the server, counted there.
+    let node = procs[1].output();
+    assert!(
+        node.contains("round 2 from the store")
+            && node.contains("taking it from the server instead"),
+        "node 0 did not fall back to the server:\n{node}"
+    );
+    let fallbacks: u64 = rounds_logged(&run.server_out())
+        .iter()
+        .map(|l| l["store_fallbacks"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(fallbacks >= 1, "no fallback counted:\n{log}");
+    assert_every_node_holds_the_final_model(&run);
 }
 
 #[test]
@@ -320,6 +403,39 @@ fn give_up_after_180_s(procs: &[Proc], started: Instant) {
         }
         panic!("the run did not finish within 180 s");
     }
+}
+
+/// Every node ends bit-identical to the final published model.
+fn assert_every_node_holds_the_final_model(run: &Loopback) {
+    let final_round = MAX_STEPS / SYNC_STEPS;
+    let global = tensors(
+        &run.server_out()
+            .join(format!("checkpoints/round-{final_round:06}.safetensors")),
+    );
+    for peer in 0..NODES {
+        let ck = run
+            .node_out(peer)
+            .join(format!("checkpoints/step-{MAX_STEPS}/model.safetensors"));
+        let local = tensors(&ck);
+        assert_eq!(local.len(), global.len());
+        for (name, g) in &global {
+            assert!(local[name].equal(g), "node {peer}: `{name}` differs");
+        }
+    }
+}
+
+/// The payload bytes node `peer` read from the store and from the server (its sync lines).
+fn downloads(run: &Loopback, peer: usize) -> (u64, u64) {
+    let text = std::fs::read_to_string(run.node_out(peer).join("metrics.jsonl")).unwrap();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "sync")
+        .fold((0, 0), |(a, b), v| {
+            (
+                a + v["bytes_down_store"].as_u64().unwrap_or(0),
+                b + v["bytes_down_server"].as_u64().unwrap_or(0),
+            )
+        })
 }
 
 fn assert_all_succeeded(procs: &[Proc]) {

@@ -6,7 +6,9 @@
 //! `publish@R` (server, after round R's file is written, before the restart point is),
 //! `joined@R` (server, after a join in open round R changed the restart point and it is
 //! durable, before the reply), `acked@R` (server, 50 ms after it acknowledged an upload of
-//! round R).
+//! round R). Not crashes: `store-wait@R` (node, waits 3 s between getting round R's URL and
+//! reading it), `corrupt-store@R` (server, puts round R's delta in the store with one byte
+//! changed, the local file intact).
 
 use std::sync::OnceLock;
 
@@ -25,6 +27,32 @@ fn points() -> &'static [(String, u64)] {
             })
             .collect()
     })
+}
+
+/// Whether `name@n` is a configured point.
+pub fn active(name: &str, n: u64) -> bool {
+    points().iter().any(|(p, m)| p == name && *m == n)
+}
+
+/// Sleeps `pause` the first time this process reaches `name@n`, if it is a configured point
+/// (a slow moment, not a crash).
+pub fn pause(name: &str, n: u64, pause: std::time::Duration) {
+    static PAUSED: std::sync::Mutex<Vec<(String, u64)>> = std::sync::Mutex::new(Vec::new());
+    if !active(name, n) {
+        return;
+    }
+    let first = {
+        let mut paused = PAUSED.lock().unwrap();
+        let key = (name.to_owned(), n);
+        !paused.contains(&key) && {
+            paused.push(key);
+            true
+        }
+    };
+    if first {
+        eprintln!("{ENV}: pausing {:.0} s at {name}@{n}", pause.as_secs_f64());
+        std::thread::sleep(pause);
+    }
 }
 
 /// SIGKILLs this process if `name@n` is a configured crash point.

@@ -10,7 +10,7 @@
 use crate::proto::{chunk::Part as ChunkPart, Chunk, Part, PayloadHeader};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, TensorInfo};
-use std::io::{Read, Write};
+use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tch::{Device, Kind, Tensor};
@@ -161,6 +161,43 @@ pub fn write(path: &Path, named: &[(String, Tensor)], kind: Kind) -> Result<(u64
     Ok(digest)
 }
 
+/// Writes several tensor groups as safetensors back to back in one file (temp file, fsync,
+/// rename, as [`write`]): a round's parts, read as a whole or by range. Returns each part's
+/// size and xxh3, then the whole file's.
+pub fn write_parts(
+    path: &Path,
+    groups: &[Vec<(String, Tensor)>],
+    kind: Kind,
+) -> Result<(Vec<Part>, (u64, u64))> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let write = || -> std::io::Result<(Vec<Part>, (u64, u64))> {
+        let file = std::fs::File::create(&tmp)?;
+        let mut whole = Hashing {
+            inner: std::io::BufWriter::with_capacity(CHUNK_BYTES, file),
+            hasher: xxhash_rust::xxh3::Xxh3::new(),
+            bytes: 0,
+        };
+        let mut parts = Vec::with_capacity(groups.len());
+        for named in groups {
+            let (bytes, digest, _) = write_into(&mut whole, named, kind)?;
+            parts.push(part(bytes, digest));
+        }
+        let total = (whole.bytes, whole.hasher.digest());
+        whole
+            .inner
+            .into_inner()
+            .map_err(|e| e.into_error())?
+            .sync_all()?;
+        Ok((parts, total))
+    };
+    let written = write().with_context(|| format!("cannot write payload {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    spes_data::shard::sync_dir(path).with_context(|| format!("cannot sync {}", path.display()))?;
+    Ok(written)
+}
+
 /// Tensors as safetensors bytes in memory (floats as `kind`, see [`write`]), and their xxh3.
 pub fn encode(named: &[(String, Tensor)], kind: Kind) -> (Vec<u8>, u64) {
     let (_, digest, bytes) =
@@ -285,7 +322,35 @@ pub fn upload_header(
 
 /// The header's part for a file of this size and checksum.
 pub fn part(bytes: u64, xxh3: u64) -> Part {
-    Part { bytes, xxh3 }
+    Part {
+        bytes,
+        xxh3,
+        offset: 0,
+    }
+}
+
+/// Checks that `bytes` holds `parts` back to back, each with its size and checksum.
+pub fn check_parts(bytes: &mut impl Read, parts: &[Part]) -> Result<(), String> {
+    let mut buf = vec![0u8; CHUNK_BYTES];
+    for (i, p) in parts.iter().enumerate() {
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut left = p.bytes;
+        while left > 0 {
+            let want = left.min(buf.len() as u64) as usize;
+            let n = bytes
+                .read(&mut buf[..want])
+                .map_err(|e| format!("cannot read part {i}: {e}"))?;
+            if n == 0 {
+                return Err(format!("part {i} ends {left} bytes short"));
+            }
+            hasher.update(&buf[..n]);
+            left -= n as u64;
+        }
+        if hasher.digest() != p.xxh3 {
+            return Err(format!("part {i} fails its checksum"));
+        }
+    }
+    Ok(())
 }
 
 /// Size and xxh3-64 of a file.
@@ -309,6 +374,12 @@ pub fn digest(path: &Path) -> Result<(u64, u64)> {
 /// Where a part of a payload being sent is.
 pub enum Source {
     File(PathBuf),
+    /// `len` bytes of a file from `offset`: one part of a file of several.
+    Range {
+        path: PathBuf,
+        offset: u64,
+        len: u64,
+    },
     Bytes(std::sync::Arc<Vec<u8>>),
 }
 
@@ -339,6 +410,20 @@ pub fn send(
                         return;
                     }
                 },
+                Source::Range { path, offset, len } => {
+                    let opened = std::fs::File::open(&path).and_then(|mut f| {
+                        f.seek(std::io::SeekFrom::Start(offset))?;
+                        Ok(f)
+                    });
+                    match opened {
+                        Ok(f) => Box::new(f.take(len)),
+                        Err(_) => {
+                            let _ =
+                                tx.blocking_send(Err(Status::internal("payload file vanished")));
+                            return;
+                        }
+                    }
+                }
                 Source::Bytes(bytes) => Box::new(std::io::Cursor::new(ArcBytes(bytes))),
             };
             loop {

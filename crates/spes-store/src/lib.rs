@@ -16,6 +16,7 @@
 //! in `spawn_blocking` or (at start-up) in an async task use it directly.
 
 mod credentials;
+pub mod links;
 
 use credentials::Credentials;
 
@@ -25,12 +26,14 @@ use futures::StreamExt;
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as Key;
+use object_store::signer::Signer;
 use object_store::{
     ClientOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
     WriteMultipart,
 };
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -105,6 +108,10 @@ pub struct Listed {
 /// A run's folder in a store.
 pub struct RunStore {
     inner: Arc<dyn ObjectStore>,
+    /// What presigns GET URLs (`None`: a store without them, local disk).
+    signer: Option<Arc<dyn Signer>>,
+    /// Bytes this process put in the store (whole files and parts), for the run's egress.
+    bytes_put: AtomicU64,
     prefix: Key,
     url: String,
     /// Where a signed request would go, for the clock check (`None`: not an HTTP store).
@@ -152,10 +159,11 @@ impl RunStore {
                 "--store-credentials holds S3 keys; a {scheme}:// store takes its own from the environment"
             )));
         }
-        let (inner, endpoint, prefix): (Arc<dyn ObjectStore>, _, _) = match scheme {
+        let ((inner, signer), endpoint, prefix): (WithSigner, _, _) = match scheme {
             "s3" => {
                 let (s3, endpoint) = s3(bucket, opts).map_err(config)?;
-                (Arc::new(s3), Some(endpoint), prefix)
+                let s3 = Arc::new(s3);
+                ((s3.clone(), Some(s3)), Some(endpoint), prefix)
             }
             "gs" => (gcs(bucket).map_err(config)?, None, prefix),
             "az" => (azure(bucket).map_err(config)?, None, prefix),
@@ -170,7 +178,7 @@ impl RunStore {
                     .with_automatic_cleanup(true)
                     // A manifest must never outlive the files it names on a power loss.
                     .with_fsync(true);
-                (Arc::new(local), None, "")
+                ((Arc::new(local), None), None, "")
             }
             other => {
                 return Err(config(format!(
@@ -180,6 +188,8 @@ impl RunStore {
         };
         Ok(RunStore {
             inner,
+            signer,
+            bytes_put: AtomicU64::new(0),
             prefix: Key::from(prefix),
             url: url.to_owned(),
             endpoint,
@@ -192,6 +202,8 @@ impl RunStore {
     pub fn memory() -> RunStore {
         RunStore {
             inner: Arc::new(object_store::memory::InMemory::new()),
+            signer: None,
+            bytes_put: AtomicU64::new(0),
             prefix: Key::default(),
             url: "memory://".into(),
             endpoint: None,
@@ -202,6 +214,29 @@ impl RunStore {
     /// The URL it was opened with (no keys are ever part of it).
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// Bytes this process has put in the store so far.
+    pub fn bytes_put(&self) -> u64 {
+        self.bytes_put.load(Ordering::Relaxed)
+    }
+
+    /// Whether [`RunStore::presign_get`] can hand out URLs (S3, GCS and Azure stores can).
+    pub fn presigns(&self) -> bool {
+        self.signer.is_some()
+    }
+
+    /// A URL that lets its holder GET `key`, and nothing else, for `lifetime`; `None` for a
+    /// store that cannot presign. Signed locally: no call to the store. The URL is a
+    /// credential until it expires: log it only through [`links::redact`].
+    pub fn presign_get(&self, key: &str, lifetime: Duration) -> Result<Option<String>, StoreError> {
+        let Some(signer) = &self.signer else {
+            return Ok(None);
+        };
+        let k = self.key(key);
+        self.block(signer.signed_url(http_get(), &k, lifetime))
+            .map(|u| Some(u.to_string()))
+            .map_err(|e| self.call("presign", key, e))
     }
 
     /// At start: that this machine's clock is within [`MAX_CLOCK_SKEW`] of the store's, and
@@ -276,7 +311,10 @@ impl RunStore {
             self.block(self.inner.put(&k, PutPayload::from(bytes.clone())))
                 .map(drop)
                 .map_err(|e| self.call("put", key, e))
-        })
+        })?;
+        self.bytes_put
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Creates `key` with `bytes` unless an object of that name exists; then returns its
@@ -294,6 +332,8 @@ impl RunStore {
             Err(e) => Err(self.call("create", key, e)),
         })?;
         if created {
+            self.bytes_put
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
             return Ok(Created::Written);
         }
         match self.get(key)? {
@@ -346,7 +386,9 @@ impl RunStore {
                     .map(drop)
                     .map_err(|e| self.call("put", key, e))
             })
-        })
+        })?;
+        self.bytes_put.fetch_add(size, Ordering::Relaxed);
+        Ok(())
     }
 
     /// The content of `key`; `None` if there is no such object.
@@ -518,6 +560,10 @@ impl RunStore {
     }
 }
 
+fn http_get() -> object_store::signer::Method {
+    object_store::signer::Method::GET
+}
+
 /// The store's own runtime: two threads, enough for parts in flight.
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -610,33 +656,38 @@ fn s3(bucket: &str, opts: &StoreOptions) -> Result<(object_store::aws::AmazonS3,
     Ok((s3, endpoint))
 }
 
+/// A store and its URL signer, one client.
+type WithSigner = (Arc<dyn ObjectStore>, Option<Arc<dyn Signer>>);
+
 #[cfg(feature = "gcs")]
-fn gcs(bucket: &str) -> Result<Arc<dyn ObjectStore>, String> {
+fn gcs(bucket: &str) -> Result<WithSigner, String> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    object_store::gcp::GoogleCloudStorageBuilder::from_env()
+    let s = object_store::gcp::GoogleCloudStorageBuilder::from_env()
         .with_bucket_name(bucket)
         .build()
-        .map(|s| Arc::new(s) as Arc<dyn ObjectStore>)
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    let s = Arc::new(s);
+    Ok((s.clone(), Some(s)))
 }
 
 #[cfg(not(feature = "gcs"))]
-fn gcs(_: &str) -> Result<Arc<dyn ObjectStore>, String> {
+fn gcs(_: &str) -> Result<WithSigner, String> {
     Err("this spes was built without GCS: cargo build --features spes-store/gcs".into())
 }
 
 #[cfg(feature = "azure")]
-fn azure(container: &str) -> Result<Arc<dyn ObjectStore>, String> {
+fn azure(container: &str) -> Result<WithSigner, String> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    object_store::azure::MicrosoftAzureBuilder::from_env()
+    let s = object_store::azure::MicrosoftAzureBuilder::from_env()
         .with_container_name(container)
         .build()
-        .map(|s| Arc::new(s) as Arc<dyn ObjectStore>)
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    let s = Arc::new(s);
+    Ok((s.clone(), Some(s)))
 }
 
 #[cfg(not(feature = "azure"))]
-fn azure(_: &str) -> Result<Arc<dyn ObjectStore>, String> {
+fn azure(_: &str) -> Result<WithSigner, String> {
     Err("this spes was built without Azure: cargo build --features spes-store/azure".into())
 }
 

@@ -74,6 +74,12 @@ pub struct SyncRecord {
     pub round: u64,
     pub bytes_up: u64,
     pub bytes_down: u64,
+    /// Payload bytes the node read since its previous sync (its first model included): from
+    /// the run's store through presigned URLs, and streamed by the server.
+    #[serde(default)]
+    pub bytes_down_store: u64,
+    #[serde(default)]
+    pub bytes_down_server: u64,
     /// From the upload to the loaded model.
     pub sync_s: f64,
     /// Training stood still for it (with overlap, only the wait for the result), the node's
@@ -206,7 +212,18 @@ pub struct RoundClose {
     /// Why the aggregate was discarded (the previous model kept), if it was.
     pub discarded: Option<String>,
     pub bytes_in: u64,
+    /// Bytes the server sent nodes: fetch headers, and payloads the store did not send.
     pub bytes_out: u64,
+    /// With a store (`--store`): bytes the server put in it since the previous round was
+    /// published (its deltas, whole models, uploads kept, manifests).
+    #[serde(default)]
+    pub store_bytes_out: u64,
+    /// Fetches answered with a presigned URL of the store, and fetches the store failed for
+    /// a node, served by the server instead.
+    #[serde(default)]
+    pub store_links: u64,
+    #[serde(default)]
+    pub store_fallbacks: u64,
     pub aggregation_s: f64,
     pub round_s: f64,
     pub merge_alpha: Option<f64>,
@@ -539,6 +556,8 @@ mod tests {
             round: 1,
             bytes_up: 7,
             bytes_down: 8,
+            bytes_down_store: 8,
+            bytes_down_server: 0,
             sync_s: 0.5,
             idle_s: 1.0,
             compute_s: 3.0,

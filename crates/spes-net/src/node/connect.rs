@@ -51,6 +51,8 @@ impl Link {
             data_parts: Vec::new(),
             max_experts: None,
             activity: Default::default(),
+            store: super::transport::StoreLinks::new(),
+            read: Default::default(),
         })
     }
 }

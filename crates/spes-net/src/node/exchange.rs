@@ -181,12 +181,15 @@ impl Node {
         self.checkpoint(loaded)?;
         let compute_s = self.meter.take_round_compute_s();
         let bytes_written = self.meter.take_bytes_written();
+        let (bytes_down_store, bytes_down_server) = self.meter.take_downloads(&self.link.read);
         self.meter.log_sync(SyncRecord {
             event: Event::Sync,
             step: self.trainer.step,
             round: loaded,
             bytes_up: up,
             bytes_down: down,
+            bytes_down_store,
+            bytes_down_server,
             sync_s,
             idle_s: idle_from.elapsed().as_secs_f64(),
             compute_s,

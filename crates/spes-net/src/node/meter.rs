@@ -28,6 +28,8 @@ pub(super) struct Meter {
     round_compute_s: f64,
     /// The process's bytes written to disk at the last sync.
     written: u64,
+    /// The payload bytes read from the store and the server by the last sync.
+    downloaded: (u64, u64),
     pub started: Instant,
     /// The newest step and sync, which the heartbeat sends the server.
     pub report: Arc<Mutex<Option<NodeReport>>>,
@@ -72,6 +74,7 @@ impl Meter {
             window: (0, 0.0),
             round_compute_s: 0.0,
             written: spes_train::process::bytes_written(),
+            downloaded: (0, 0),
             started: Instant::now(),
             report: Arc::default(),
             synced: Arc::default(),
@@ -119,6 +122,13 @@ impl Meter {
     pub fn take_bytes_written(&mut self) -> u64 {
         let now = spes_train::process::bytes_written();
         now.saturating_sub(std::mem::replace(&mut self.written, now))
+    }
+
+    /// The payload bytes read from the store and from the server since the last sync.
+    pub fn take_downloads(&mut self, read: &super::transport::Downloads) -> (u64, u64) {
+        let now = read.totals();
+        let before = std::mem::replace(&mut self.downloaded, now);
+        (now.0 - before.0, now.1 - before.1)
     }
 
     /// Logs a sync.

@@ -8,12 +8,13 @@ use crate::proto::refusal::Kind as Refused;
 use crate::proto::{DoneRequest, FetchRequest, JoinReply, JoinRequest, PayloadHeader};
 use crate::{fault, payload, refusal};
 use anyhow::Result;
+use spes_store::links::{redact, LinkReader};
 use spes_sync::delta::tensor_of;
 use spes_sync::{FetchPlan, Named, Work};
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tonic::{Code, Request, Status};
 
@@ -22,6 +23,11 @@ const IDLE: Duration = Duration::from_secs(20);
 const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long a fetch asks the server to wait for an unpublished round.
 const FETCH_WAIT: Duration = Duration::from_secs(20);
+/// URLs a fetch tries (the first expired, a download broke or failed its checksum) before
+/// it takes the bytes from the server.
+const STORE_TRIES: usize = 2;
+/// How long after that the store counts as unreachable from this node.
+const STORE_DOWN: Duration = Duration::from_secs(300);
 
 /// Whether a failed call may succeed later (server restarting or busy, round not published).
 pub(super) fn transient(s: &Status) -> bool {
@@ -141,6 +147,107 @@ pub(super) struct Link {
     /// Steps trained and payload chunks moved by this process, which heartbeats report: the
     /// server waits for a member only while it changes (`sync.stall_s`).
     pub activity: Arc<AtomicU64>,
+    /// Downloads from the run's store, when the server hands out URLs (`None`: never asks).
+    pub store: Option<StoreLinks>,
+    /// Payload bytes read so far, by source.
+    pub read: Downloads,
+}
+
+/// Payload bytes a node read: from the run's store, and streamed by the server.
+#[derive(Clone, Default)]
+pub struct Downloads {
+    store: Arc<AtomicU64>,
+    server: Arc<AtomicU64>,
+}
+
+impl Downloads {
+    /// (from the store, from the server) so far.
+    pub fn totals(&self) -> (u64, u64) {
+        (
+            self.store.load(Ordering::Relaxed),
+            self.server.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// A node's downloads through the presigned URLs a server with a store hands out.
+#[derive(Clone)]
+pub struct StoreLinks {
+    reader: LinkReader,
+    /// Until when the store counts as unreachable from this node.
+    down_until: Arc<Mutex<Option<Instant>>>,
+    /// The GETs made of the store.
+    pub gets: Arc<AtomicU64>,
+}
+
+impl StoreLinks {
+    /// `None` (logged) if no HTTP client can be made: every download then comes from the server.
+    pub fn new() -> Option<StoreLinks> {
+        match LinkReader::new() {
+            Ok(reader) => Some(StoreLinks {
+                reader,
+                down_until: Arc::default(),
+                gets: Arc::default(),
+            }),
+            Err(e) => {
+                tracing::warn!("downloads come from the server only: {e}");
+                None
+            }
+        }
+    }
+
+    fn up(&self) -> bool {
+        self.down_until
+            .lock()
+            .unwrap()
+            .is_none_or(|t| Instant::now() >= t)
+    }
+
+    fn mark_down(&self) {
+        *self.down_until.lock().unwrap() = Some(Instant::now() + STORE_DOWN);
+    }
+
+    /// Reads the parts `header` lists from its URL, a delta into memory and a whole model into
+    /// `dest`, and checks every part's checksum.
+    fn download(
+        &self,
+        rt: &tokio::runtime::Handle,
+        header: &PayloadHeader,
+        dest: &Path,
+        read_bytes: &AtomicU64,
+    ) -> Result<Body, String> {
+        let mut ranges: Vec<std::ops::Range<u64>> = Vec::new();
+        for p in &header.parts {
+            match ranges.last_mut() {
+                Some(r) if r.end == p.offset => r.end += p.bytes,
+                _ => ranges.push(p.offset..p.offset + p.bytes),
+            }
+        }
+        let counted = |n| {
+            read_bytes.fetch_add(n, Ordering::Relaxed);
+        };
+        let read = |sink: &mut dyn std::io::Write| {
+            let gets = rt
+                .block_on(self.reader.read(&header.url, &ranges, sink, counted))
+                .map_err(|e| e.to_string())?;
+            self.gets.fetch_add(gets, Ordering::Relaxed);
+            Ok::<_, String>(())
+        };
+        if header.delta {
+            let mut bytes = Vec::with_capacity(header.total_bytes.min(1 << 30) as usize);
+            read(&mut bytes)?;
+            payload::check_parts(&mut bytes.as_slice(), &header.parts)?;
+            return Ok(Body::Memory(bytes));
+        }
+        let io = |e: std::io::Error| format!("cannot write {}: {e}", dest.display());
+        let mut file = std::io::BufWriter::new(std::fs::File::create(dest).map_err(io)?);
+        read(&mut file)?;
+        let file = file.into_inner().map_err(|e| io(e.into_error()))?;
+        file.sync_all().map_err(io)?;
+        let mut back = std::io::BufReader::new(std::fs::File::open(dest).map_err(io)?);
+        payload::check_parts(&mut back, &header.parts)?;
+        Ok(Body::File(dest.to_owned()))
+    }
 }
 
 impl Link {
@@ -240,8 +347,57 @@ impl Link {
     }
 
     /// Fetches a round from shard `i` (waiting for it): a delta into memory, a whole model
-    /// into `<out>/global-<i>.part`.
+    /// into `<out>/global-<i>.part`; from the run's store when the server hands out a URL,
+    /// from the server when it does not or the store fails this node.
     fn fetch_one(&self, i: usize, ask: &FetchPlan) -> Result<(PayloadHeader, Body), Status> {
+        let dest = self.out.join(format!("global-{i}.part"));
+        let mut failed = 0;
+        loop {
+            let store = self
+                .store
+                .as_ref()
+                .filter(|s| failed < STORE_TRIES && s.up());
+            let fell_back = self.store.is_some() && store.is_none();
+            let (header, body) = self.fetch_stream(i, ask, store.is_some(), fell_back)?;
+            let (Some(store), None) = (store, &body) else {
+                return match body {
+                    Some(body) => Ok((header, body)),
+                    None => Err(Status::internal(
+                        "the server sent a URL the node did not ask for",
+                    )),
+                };
+            };
+            fault::pause("store-wait", header.round, Duration::from_secs(3));
+            match store.download(&self.handle, &header, &dest, &self.read.store) {
+                Ok(body) => return Ok((header, body)),
+                Err(e) => {
+                    failed += 1;
+                    let next = if failed < STORE_TRIES {
+                        "asking the server for a new URL"
+                    } else {
+                        store.mark_down();
+                        "taking it from the server instead"
+                    };
+                    tracing::warn!(
+                        "node {}: round {} from the store ({}): {e}; {next}",
+                        self.peer,
+                        header.round,
+                        redact(&header.url)
+                    );
+                }
+            }
+        }
+    }
+
+    /// One fetch call to shard `i`: the header and the body it streamed, or only the header
+    /// when it answered with a URL (`links`: the node may read from the store).
+    fn fetch_stream(
+        &self,
+        i: usize,
+        ask: &FetchPlan,
+        links: bool,
+        fell_back: bool,
+    ) -> Result<(PayloadHeader, Option<Body>), Status> {
         let s = &self.shards[i];
         let dest = self.out.join(format!("global-{i}.part"));
         let (peer, full, delta_max) = (self.peer, s.full_bytes, s.delta_max);
@@ -250,6 +406,7 @@ impl Link {
             let mut c = s.client.clone();
             let d = dest.clone();
             let activity = self.activity.clone();
+            let streamed = self.read.server.clone();
             async move {
                 let mut req = Request::new(FetchRequest {
                     peer: peer as u32,
@@ -258,6 +415,8 @@ impl Link {
                     wait_ms: FETCH_WAIT.as_millis() as u32,
                     have_previous: ask.have_previous,
                     skip_own: ask.skip_own,
+                    links,
+                    fell_back,
                 });
                 req.set_timeout(FETCH_WAIT + CALL_TIMEOUT);
                 let stream = c.fetch(req).await?.into_inner();
@@ -280,13 +439,17 @@ impl Link {
                     )));
                 }
                 fault::point("download", header.round);
+                if !header.url.is_empty() {
+                    return Ok((header, None));
+                }
                 let body = if header.delta {
                     Body::Memory(payload::receive_to_memory(&mut stream, &header, IDLE).await?)
                 } else {
                     payload::receive_body(&mut stream, &d, &header, IDLE).await?;
                     Body::File(d)
                 };
-                Ok((header, body))
+                streamed.fetch_add(header.total_bytes, Ordering::Relaxed);
+                Ok((header, Some(body)))
             }
         })
     }

@@ -3,7 +3,7 @@
 //! [`Link`] (calls, retries, payload checks) a node uses. `spes bench load` drives many of them
 //! against one server, so what it measures is what nodes cost the server.
 
-use super::transport::{Exchange, Link, Shard, Upload};
+use super::transport::{Exchange, Link, Shard, StoreLinks, Upload};
 use crate::dial::client;
 use anyhow::{anyhow, Result};
 use spes_sync::{FetchPlan, Layout, Named, Work};
@@ -48,6 +48,8 @@ impl VirtualPeer {
             data_parts: Vec::new(),
             max_experts: None,
             activity: Default::default(),
+            store: StoreLinks::new(),
+            read: Default::default(),
         };
         link.set_layout(layout);
         let uploads = link.encode_upload(wire, kind, &[]);
@@ -85,6 +87,14 @@ impl VirtualPeer {
                 Err(anyhow!("peer {peer} fetch: {}", status.message()))
             }
         }
+    }
+
+    /// The store GETs this peer made so far (downloads through presigned URLs).
+    pub fn store_gets(&self) -> u64 {
+        self.link
+            .store
+            .as_ref()
+            .map_or(0, |s| s.gets.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Tells the server this peer is done.

@@ -59,6 +59,9 @@ pub(super) struct ScoreJob {
 pub(super) struct RoundIo {
     pub bytes_in: u64,
     pub bytes_out: u64,
+    /// Fetches answered with a presigned URL; fetches served because the store failed a node.
+    pub links: u64,
+    pub fallbacks: u64,
     pub rejected: Vec<String>,
     /// Nodes that said they finished (kept across rounds).
     pub done: BTreeSet<usize>,
@@ -86,6 +89,9 @@ fn round_record(
             discarded: r.discarded.clone(),
             bytes_in: io.bytes_in,
             bytes_out: io.bytes_out,
+            store_bytes_out: 0,
+            store_links: io.links,
+            store_fallbacks: io.fallbacks,
             aggregation_s,
             round_s,
             merge_alpha: r.merge_alpha,
@@ -143,6 +149,7 @@ pub(super) fn run_closer(
     let mut book = Books {
         opened_at: s.now(),
         written_before: spes_train::process::bytes_written(),
+        put_before: s.store.bytes_put(),
         last_full: Instant::now(),
     };
     while !stop.load(Ordering::Relaxed) {
@@ -172,6 +179,8 @@ pub(super) fn run_closer(
 struct Books {
     opened_at: f64,
     written_before: u64,
+    /// The bytes this process had put in the store by then.
+    put_before: u64,
     last_full: Instant,
 }
 
@@ -292,6 +301,9 @@ fn publish(
         let written = spes_train::process::bytes_written();
         close.bytes_written = written.saturating_sub(book.written_before);
         book.written_before = written;
+        let put = s.store.bytes_put();
+        close.store_bytes_out = put.saturating_sub(book.put_before);
+        book.put_before = put;
     }
     let list = |what: &str, peers: &[usize]| {
         if peers.is_empty() {

@@ -78,6 +78,30 @@ impl Mirror {
         Ok(self.store.put_file(file, &out.join(file))?)
     }
 
+    /// Bytes this process has put in the store.
+    pub fn bytes_put(&self) -> u64 {
+        self.store.bytes_put()
+    }
+
+    /// A presigned GET URL of `file` for `lifetime`; `None` if the store cannot presign.
+    pub fn presign(&self, file: &str, lifetime: std::time::Duration) -> Result<Option<String>> {
+        Ok(self.store.presign_get(file, lifetime)?)
+    }
+
+    /// The fault point `corrupt-store@R`: puts `<out>/<file>` with its first byte (in the
+    /// part every node reads) changed.
+    pub fn put_corrupted(&self, out: &Path, file: &str) -> Result<()> {
+        let mut bytes = std::fs::read(out.join(file))?;
+        if let Some(b) = bytes.first_mut() {
+            *b ^= 0x5a;
+        }
+        tracing::warn!(
+            "{}: putting {file} corrupted in the store",
+            crate::fault::ENV
+        );
+        Ok(self.store.put(file, bytes.into())?)
+    }
+
     /// Deletes `file` from the store; a failure is logged (an orphan costs space, not state).
     pub fn delete(&self, file: &str) {
         if let Err(e) = self.store.delete(file) {
@@ -273,11 +297,7 @@ fn stored_files(st: &ServerState) -> impl Iterator<Item = &Stored> {
         .fulls
         .iter()
         .flat_map(|f| std::iter::once(&f.model).chain(f.carried.as_ref()));
-    fulls.chain(
-        st.rounds
-            .iter()
-            .flat_map(|r| r.parts.iter().map(|p| &p.stored)),
-    )
+    fulls.chain(st.rounds.iter().flat_map(|r| r.files()))
 }
 
 /// The acknowledged uploads in `<out>/pending`, as keys relative to `out`.

@@ -75,6 +75,8 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// The longest a fetch may wait for a round to be published.
     pub max_wait: Duration,
+    /// How long a presigned URL of the store a fetch hands out stays valid.
+    pub url_lifetime: Duration,
 }
 
 impl Default for Limits {
@@ -84,6 +86,7 @@ impl Default for Limits {
             slot_wait: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             max_wait: Duration::from_secs(60),
+            url_lifetime: Duration::from_secs(600),
         }
     }
 }
@@ -102,6 +105,13 @@ pub struct ServerSummary {
 /// → `io` → `watch`, each held for memory work only (no file is written under `coord`;
 /// `progress` writes `server.json` under its own writer lock, with none of these held);
 /// `served` alone.
+/// The newest round's whole model as written for fetches, and whether it is in the store.
+struct Served {
+    round: u64,
+    stored: Stored,
+    in_store: bool,
+}
+
 struct State {
     cfg: RunConfig,
     store: Store,
@@ -118,7 +128,7 @@ struct State {
     final_round: u64,
     shard: (usize, usize),
     /// The newest round's whole model, written when a fetch first asks for it.
-    served: Mutex<Option<(u64, Stored)>>,
+    served: Mutex<Option<Served>>,
     /// Of the server's data's tokenizer (hex), for nodes to check theirs; empty without data.
     tokenizer_xxh3: String,
     /// What the operator's view shows beyond the coordinator's state.
@@ -148,10 +158,8 @@ impl State {
             return stored;
         }
         let mut served = self.served.lock().unwrap();
-        if let Some((r, stored)) = served.as_ref() {
-            if *r == round {
-                return Some(stored.clone());
-            }
+        if let Some(s) = served.as_ref().filter(|s| s.round == round) {
+            return Some(s.stored.clone());
         }
         let global = {
             let coord = self.coord.lock().unwrap();
@@ -166,10 +174,46 @@ impl State {
                 return None;
             }
         };
-        if let Some((_, old)) = served.replace((round, stored.clone())) {
-            let _ = std::fs::remove_file(self.store.out.join(old.file));
+        let new = Served {
+            round,
+            stored: stored.clone(),
+            in_store: false,
+        };
+        if let Some(old) = served.replace(new) {
+            let _ = std::fs::remove_file(self.store.out.join(&old.stored.file));
+            if let (true, Some(m)) = (old.in_store, &self.store.mirror) {
+                m.delete(&old.stored.file);
+            }
         }
         Some(stored)
+    }
+
+    /// A presigned URL of `file` (relative to `--out`) in the store, for a fetch; `None`
+    /// without a store that presigns, or when the store fails (the fetch streams the file).
+    fn link(&self, file: &str) -> Option<String> {
+        let m = self.store.mirror.as_ref()?;
+        {
+            // The whole model written for fetches goes to the store when first linked. Under
+            // this lock only fetches of that same file wait, and they need it there.
+            let mut served = self.served.lock().unwrap();
+            if let Some(s) = served
+                .as_mut()
+                .filter(|s| s.stored.file == file && !s.in_store)
+            {
+                if let Err(e) = m.put(&self.store.out, file) {
+                    tracing::warn!("cannot put {file} in the store for a fetch: {e:#}");
+                    return None;
+                }
+                s.in_store = true;
+            }
+        }
+        match m.presign(file, self.limits.url_lifetime) {
+            Ok(url) => url,
+            Err(e) => {
+                tracing::warn!("cannot presign {file}: {e:#}");
+                None
+            }
+        }
     }
 
     fn now(&self) -> f64 {

@@ -146,27 +146,36 @@ impl Spes for Service {
         // A delta only for a node that holds the round before it, exactly.
         let as_delta = r.have_previous && round == r.round && !meta.parts.is_empty();
         let skip = |p: &DeltaPart| r.skip_own && p.own == Some(peer);
-        let sent: Vec<Stored> = if as_delta {
+        let sent: Vec<(Stored, u64)> = if as_delta {
             meta.parts
                 .iter()
                 .filter(|p| !skip(p))
-                .map(|p| p.stored.clone())
+                .map(|p| (p.stored.clone(), p.offset))
                 .collect()
         } else {
             let state = s.clone();
             let whole = tokio::task::spawn_blocking(move || state.whole_model(round))
                 .await
                 .map_err(|e| Status::internal(e.to_string()))?;
-            vec![whole.ok_or_else(gone)?]
+            vec![(whole.ok_or_else(gone)?, 0)]
         };
         let skipped_own = as_delta && meta.parts.iter().any(skip);
-        let files = sent
-            .iter()
-            .map(|p| payload::Source::File(s.store.out.join(&p.file)))
-            .collect();
+        let url = if r.links {
+            let state = s.clone();
+            let file = sent[0].0.file.clone();
+            let one_file = sent.iter().all(|(p, _)| p.file == file);
+            tokio::task::spawn_blocking(move || one_file.then(|| state.link(&file)).flatten())
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?
+        } else {
+            None
+        };
         let parts: Vec<crate::proto::Part> = sent
             .iter()
-            .map(|p| payload::part(p.bytes, parse_hex(&p.xxh3)))
+            .map(|(p, offset)| crate::proto::Part {
+                offset: if url.is_some() { *offset } else { 0 },
+                ..payload::part(p.bytes, parse_hex(&p.xxh3))
+            })
             .collect();
         let header = PayloadHeader {
             peer: peer as u32,
@@ -179,16 +188,38 @@ impl Spes for Service {
             delta: as_delta,
             skipped_own,
             budget: meta.budget.clone(),
+            url: url.clone().unwrap_or_default(),
             ..PayloadHeader::default()
         };
-        s.io.lock().unwrap().bytes_out += header.total_bytes;
-        s.watch
-            .lock()
-            .unwrap()
-            .peers
-            .entry(peer)
-            .or_default()
-            .bytes_out += header.total_bytes;
+        // What leaves this process: the header, and the bytes unless the store sends them.
+        let out_bytes = prost::Message::encoded_len(&header) as u64
+            + if url.is_some() { 0 } else { header.total_bytes };
+        {
+            let mut io = s.io.lock().unwrap();
+            io.bytes_out += out_bytes;
+            io.links += u64::from(url.is_some());
+            io.fallbacks += u64::from(r.fell_back);
+        }
+        {
+            let mut watch = s.watch.lock().unwrap();
+            watch.peers.entry(peer).or_default().bytes_out += out_bytes;
+            watch.counters.links += u64::from(url.is_some());
+            watch.counters.fallbacks += u64::from(r.fell_back);
+        }
+        if r.fell_back {
+            tracing::info!("node {peer} takes round {round} from the server: the store failed it");
+        }
+        let files = if url.is_some() {
+            Vec::new()
+        } else {
+            sent.iter()
+                .map(|(p, offset)| payload::Source::Range {
+                    path: s.store.out.join(&p.file),
+                    offset: *offset,
+                    len: p.bytes,
+                })
+                .collect()
+        };
         Ok(Response::new(payload::send(files, header, |_| {})))
     }
 

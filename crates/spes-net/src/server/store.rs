@@ -28,9 +28,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub(super) const STATE_FILE: &str = "server.json";
+/// 4: a round's delta parts in one file (`PublishedRound::bundle`), one object to presign;
 /// 3: whole models only every `checkpoint_every_rounds`, rounds replayed from their deltas
 /// (2 wrote a whole model and the carried state every round).
-const FORMAT_VERSION: u32 = 3;
+const FORMAT_VERSION: u32 = 4;
 
 /// A published round as the restart point records it.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -41,9 +42,12 @@ pub(super) struct PublishedRound {
     /// Who trains what in the round after this one (`owners` empty in DiLoCo mode).
     pub owners: Vec<usize>,
     pub members: Vec<usize>,
-    /// Delta wires: the round's deltas from the round before, as the files a fetch streams.
+    /// Delta wires: the round's deltas from the round before, as the parts a fetch streams.
     #[serde(default)]
     pub parts: Vec<DeltaPart>,
+    /// The one file holding `parts` back to back (format 3 kept a file per part).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bundle: Option<Stored>,
     /// `sync.round_by = "tokens"`: the rows each of `members` trains in the round after this
     /// one ([`spes_sync::Coordinator::budget`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -59,13 +63,16 @@ pub(super) struct Stored {
     pub xxh3: String,
 }
 
-/// One file of a round's published delta.
+/// One part of a round's published delta: `stored.bytes` bytes of `stored.file` from
+/// `offset`, with their own checksum.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(super) struct DeltaPart {
     #[serde(flatten)]
     pub stored: Stored,
     /// The peer whose own upload (its experts) this part holds verbatim; `None`: the rest.
     pub own: Option<usize>,
+    #[serde(default)]
+    pub offset: u64,
 }
 
 /// A whole model on disk and the carried state after its round.
@@ -96,6 +103,16 @@ pub(super) struct ServerState {
     /// The most experts each node that declared one may own (`train.memory_gib`), by peer.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub caps: BTreeMap<usize, usize>,
+}
+
+impl PublishedRound {
+    /// The files holding the round's delta: its bundle, or (format 3) a file per part.
+    pub fn files(&self) -> Box<dyn Iterator<Item = &Stored> + '_> {
+        match &self.bundle {
+            Some(b) => Box::new(std::iter::once(b)),
+            None => Box::new(self.parts.iter().map(|p| &p.stored)),
+        }
+    }
 }
 
 impl ServerState {
@@ -196,8 +213,10 @@ impl From<StateV2> for ServerState {
                                 xxh3: p.xxh3,
                             },
                             own: p.own,
+                            offset: 0,
                         })
                         .collect(),
+                    bundle: None,
                     budget: Vec::new(),
                 })
                 .collect(),
@@ -249,9 +268,12 @@ impl Store {
     /// Writes the round durably and the restart point after it, then prunes what the new
     /// restart point no longer needs. Safe to retry after a failure.
     pub fn publish(&self, progress: &Progress, p: &Publication) -> Result<()> {
-        let parts = match p.delta {
-            Some(d) => self.write_delta(p.round, d)?,
-            None => Vec::new(),
+        let (parts, bundle) = match p.delta {
+            Some(d) => {
+                let (parts, bundle) = self.write_delta(p.round, d)?;
+                (parts, Some(bundle))
+            }
+            None => (Vec::new(), None),
         };
         let full = if p.full {
             Some(self.write_full(p.round, p.global, &p.carried)?)
@@ -269,6 +291,7 @@ impl Store {
             owners: p.next.owners(),
             members,
             parts,
+            bundle,
             budget,
         };
         let (dropped, version) = progress.change(|st| {
@@ -293,37 +316,59 @@ impl Store {
         Ok(())
     }
 
-    /// Writes a round's delta as one part per peer whose experts it publishes verbatim, and
-    /// one part with everything else.
-    fn write_delta(&self, round: u64, d: &RoundDelta) -> Result<Vec<DeltaPart>> {
+    /// Writes a round's delta as one file of parts: everything but the experts published
+    /// verbatim, then one part per peer whose experts it publishes verbatim (which that peer
+    /// may skip). Puts the file in the store.
+    fn write_delta(&self, round: u64, d: &RoundDelta) -> Result<(Vec<DeltaPart>, Stored)> {
         let own_of: HashMap<&str, usize> = d
             .verbatim
             .iter()
             .flat_map(|(&p, names)| names.iter().map(move |n| (n.as_str(), p)))
             .collect();
-        let mut groups: Vec<(Option<usize>, Named)> = vec![(None, Vec::new())];
-        groups.extend(d.verbatim.keys().map(|&p| (Some(p), Vec::new())));
+        let mut owners: Vec<Option<usize>> = vec![None];
+        owners.extend(d.verbatim.keys().map(|&p| Some(p)));
+        let mut groups: Vec<Named> = owners.iter().map(|_| Vec::new()).collect();
         for (name, t) in &d.delta {
             let own = own_of.get(name.as_str()).copied();
-            let g = groups
-                .iter_mut()
-                .find(|(o, _)| *o == own)
+            let g = owners
+                .iter()
+                .position(|o| *o == own)
                 .expect("a group per owner");
-            g.1.push((name.clone(), t.shallow_clone()));
+            groups[g].push((name.clone(), t.shallow_clone()));
         }
-        groups
+        let file = format!("global/round-{round:06}.delta.parts");
+        let (written, (bytes, xxh3)) =
+            payload::write_parts(&self.out.join(&file), &groups, tch::Kind::BFloat16)?;
+        if let Some(m) = &self.mirror {
+            m.put(&self.out, &file)?;
+            if crate::fault::active("corrupt-store", round) {
+                m.put_corrupted(&self.out, &file)?;
+            }
+        }
+        let mut offset = 0;
+        let parts = written
             .into_iter()
-            .map(|(own, named)| {
-                let file = match own {
-                    None => format!("global/round-{round:06}.delta.safetensors"),
-                    Some(p) => format!("global/round-{round:06}.own-{p}.safetensors"),
-                };
-                Ok(DeltaPart {
-                    stored: self.write(&file, &named, tch::Kind::BFloat16)?,
+            .zip(owners)
+            .map(|(p, own)| {
+                let part = DeltaPart {
+                    stored: Stored {
+                        file: file.clone(),
+                        bytes: p.bytes,
+                        xxh3: hex_of(p.xxh3),
+                    },
                     own,
-                })
+                    offset,
+                };
+                offset += p.bytes;
+                part
             })
-            .collect()
+            .collect();
+        let bundle = Stored {
+            file,
+            bytes,
+            xxh3: hex_of(xxh3),
+        };
+        Ok((parts, bundle))
     }
 
     /// Writes round `round`'s whole fp32 model and (if any) its carried state.
@@ -356,6 +401,11 @@ impl Store {
             m.put(&self.out, file)?;
         }
         Ok(stored)
+    }
+
+    /// Bytes this process has put in the store (0 without one).
+    pub fn bytes_put(&self) -> u64 {
+        self.mirror.as_ref().map_or(0, |m| m.bytes_put())
     }
 
     /// [`Store::write`] to `--out` only: a file no restart needs.
@@ -428,7 +478,7 @@ fn prune(st: &mut ServerState, keep: usize) -> Vec<String> {
         let kept = r.round >= since || i >= keep_from;
         i += 1;
         if !kept {
-            dropped.extend(r.parts.iter().map(|p| p.stored.file.clone()));
+            dropped.extend(r.files().map(|f| f.file.clone()));
         }
         kept
     });
@@ -513,7 +563,18 @@ fn replay(
     global: &Named,
 ) -> bool {
     let mut wire = Vec::new();
-    for p in &r.parts {
+    if let Some(b) = &r.bundle {
+        let parts: Vec<_> = r
+            .parts
+            .iter()
+            .map(|p| payload::part(p.stored.bytes, 0))
+            .collect();
+        match intact(out, b).then(|| payload::read_parts(&out.join(&b.file), &parts)) {
+            Some(Ok(named)) => wire.extend(named),
+            _ => return false,
+        }
+    }
+    for p in r.parts.iter().filter(|_| r.bundle.is_none()) {
         if !intact(out, &p.stored) {
             return false;
         }
@@ -650,13 +711,18 @@ pub(super) fn read_state(path: &Path) -> Result<ServerState> {
     }
     let bad = || {
         format!(
-            "{} is corrupt or from another spes (expected format_version {FORMAT_VERSION} or 2)",
+            "{} is corrupt or from another spes (expected format_version {FORMAT_VERSION}, 3 or 2)",
             path.display()
         )
     };
     let version: Version = serde_json::from_str(&text).with_context(bad)?;
     match version.format_version {
-        FORMAT_VERSION => serde_json::from_str(&text).with_context(bad),
+        // Format 3 reads as 4: a file per part (no bundle, offsets 0).
+        FORMAT_VERSION | 3 => {
+            let mut st: ServerState = serde_json::from_str(&text).with_context(bad)?;
+            st.format_version = FORMAT_VERSION;
+            Ok(st)
+        }
         2 => Ok(serde_json::from_str::<StateV2>(&text)
             .with_context(bad)?
             .into()),

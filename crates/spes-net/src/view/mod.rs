@@ -122,6 +122,13 @@ pub struct Counters {
     pub bad_reports: u64,
     /// The last round's durable publication.
     pub publish_s: f64,
+    /// Fetches answered with a presigned URL of the run's store (`--store`).
+    #[serde(default)]
+    pub links: u64,
+    /// Fetches of nodes the store failed (expired URLs renewed twice, broken or corrupt
+    /// downloads, a store they cannot reach), served by the server instead.
+    #[serde(default)]
+    pub fallbacks: u64,
 }
 
 /// What the server tracks per peer between rounds.

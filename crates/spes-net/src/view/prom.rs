@@ -124,6 +124,16 @@ pub fn render(view: &RunView) -> String {
         "Node reports dropped as invalid.",
         c.bad_reports,
     );
+    count(
+        "spes_store_links_total",
+        "Fetches answered with a presigned URL of the run's store.",
+        c.links,
+    );
+    count(
+        "spes_store_fallbacks_total",
+        "Fetches the store failed for a node, served by the server instead.",
+        c.fallbacks,
+    );
     let refusals = f.counter(
         "spes_refusals_total",
         "Refused calls by reason.",

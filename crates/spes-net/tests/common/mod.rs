@@ -235,6 +235,7 @@ pub fn fetch_whole(url: &str, round: u64, dir: &Path) -> spes_sync::Named {
             wait_ms: 1000,
             have_previous: false,
             skip_own: false,
+            ..Default::default()
         };
         let mut stream = c.fetch(req).await.unwrap().into_inner();
         let idle = std::time::Duration::from_secs(10);
