@@ -137,13 +137,27 @@ fn a_lost_server_machine_loses_nothing_when_the_run_is_in_a_store() {
 
     assert_every_node_holds_the_final_model(&run);
 
-    // Every node read every round from the store, none from the server, through URLs no log
+    // Every node put its uploads in the store and read every round from it, none from the
+    // server, through URLs no log
     // line, status or live-page answer shows in full; nor the store's secret key.
     for peer in 0..NODES {
         let (store, server) = downloads(&run, peer);
         assert!(
             store > 0 && server == 0,
             "node {peer}: {store} bytes from the store, {server} from the server"
+        );
+    }
+    // (The new server's first round also holds the uploads it re-applied.)
+    let reapplied = log.matches("re-applied the acknowledged upload").count() as u64;
+    for line in rounds_logged(&run.server_out()).iter().skip(1) {
+        let mut uploads = line["peers"].as_array().map_or(0, |p| p.len() as u64);
+        if line["round"] == resumed + 1 {
+            uploads -= reapplied;
+        }
+        assert!(
+            line["store_staged"] == uploads && line["store_fallbacks"] == 0,
+            "round {}: not every upload came through the store: {line}",
+            line["round"]
         );
     }
     let mut seen = answers.clone();

@@ -40,6 +40,8 @@ use std::time::{Duration, Instant, SystemTime};
 /// Files above this size go up as a multipart upload in parts of this size (S3 takes at most
 /// 5 GB in one PUT and 10,000 parts: 640 GB).
 pub const PART: usize = 64 << 20;
+/// The most one PUT takes (S3's limit: 5 GB); larger files go up in parts.
+pub const MAX_PUT: u64 = 5_000_000_000;
 /// The longest one call keeps retrying a store that fails or does not answer.
 pub const RETRY_TIMEOUT: Duration = Duration::from_secs(120);
 /// A clock further than this from the store's is refused (S3 refuses signatures past 15 min).
@@ -230,11 +232,26 @@ impl RunStore {
     /// store that cannot presign. Signed locally: no call to the store. The URL is a
     /// credential until it expires: log it only through [`links::redact`].
     pub fn presign_get(&self, key: &str, lifetime: Duration) -> Result<Option<String>, StoreError> {
+        self.presign(object_store::signer::Method::GET, key, lifetime)
+    }
+
+    /// As [`RunStore::presign_get`], a URL that lets its holder PUT `key` (one object of at
+    /// most [`MAX_PUT`] bytes).
+    pub fn presign_put(&self, key: &str, lifetime: Duration) -> Result<Option<String>, StoreError> {
+        self.presign(object_store::signer::Method::PUT, key, lifetime)
+    }
+
+    fn presign(
+        &self,
+        method: object_store::signer::Method,
+        key: &str,
+        lifetime: Duration,
+    ) -> Result<Option<String>, StoreError> {
         let Some(signer) = &self.signer else {
             return Ok(None);
         };
         let k = self.key(key);
-        self.block(signer.signed_url(http_get(), &k, lifetime))
+        self.block(signer.signed_url(method, &k, lifetime))
             .map(|u| Some(u.to_string()))
             .map_err(|e| self.call("presign", key, e))
     }
@@ -558,10 +575,6 @@ impl RunStore {
                 .expect("a store call panicked")
         })
     }
-}
-
-fn http_get() -> object_store::signer::Method {
-    object_store::signer::Method::GET
 }
 
 /// The store's own runtime: two threads, enough for parts in flight.

@@ -81,6 +81,28 @@ impl LinkReader {
         Ok(gets)
     }
 
+    /// PUTs `bytes` to `url` (one object, at most [`crate::MAX_PUT`] bytes), retried up to
+    /// [`TRIES`] times while the store fails or does not answer.
+    pub async fn put(&self, url: &str, bytes: bytes::Bytes) -> Result<(), LinkError> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let sent = self.client.put(url).body(bytes.clone()).send().await;
+            let error = match sent {
+                Ok(r) if r.status().is_success() => return Ok(()),
+                Ok(r) => match r.status().as_u16() {
+                    status @ (400 | 401 | 403) => return Err(LinkError::Refused { status }),
+                    status => LinkError::Unreachable(format!("HTTP {status} for a PUT")),
+                },
+                Err(e) => LinkError::Unreachable(e.without_url().to_string()),
+            };
+            if tries >= TRIES {
+                return Err(error);
+            }
+            tracing::debug!("{}: {error}; putting it again", redact(url));
+        }
+    }
+
     /// One GET of `range`: the bytes it wrote, or how many it wrote before it broke.
     async fn get(
         &self,

@@ -218,12 +218,15 @@ pub struct RoundClose {
     /// published (its deltas, whole models, uploads kept, manifests).
     #[serde(default)]
     pub store_bytes_out: u64,
-    /// Fetches answered with a presigned URL of the store, and fetches the store failed for
-    /// a node, served by the server instead.
+    /// Fetches answered with a presigned URL of the store, fetches the store failed for a
+    /// node (served by the server instead), and uploads read from the store, where their
+    /// nodes put them.
     #[serde(default)]
     pub store_links: u64,
     #[serde(default)]
     pub store_fallbacks: u64,
+    #[serde(default)]
+    pub store_staged: u64,
     pub aggregation_s: f64,
     pub round_s: f64,
     pub merge_alpha: Option<f64>,

@@ -4,8 +4,12 @@
 //! precomputed bf16 delta of exactly the tensors it trains and fetches the round back without
 //! its own experts through the node's own transport (`spes_net::node::VirtualPeer`: the same
 //! calls, retries and payload checks), over real gRPC on loopback. Peers do not train, so a round
-//! measures the server alone. Prints round latency (p50/p99), uploads per second and the
-//! server's peak RSS against node count, with the planner's round time beside each.
+//! measures the server alone. Prints round latency (p50/p99), uploads per second, the
+//! server's own bytes out per round (fetch headers, payloads it streamed, what it put in a
+//! store) and peak RSS against node count, with the planner's round time beside each. With
+//! `--store`, the server keeps the run in that store and peers read rounds through presigned
+//! URLs; every node count then trains one model (as many experts as the largest count), so
+//! the server's bytes out can be compared across counts, and the peers' store GETs are shown.
 
 use anyhow::{bail, Context, Result};
 use spes_net::link::LinkSpec;
@@ -27,10 +31,13 @@ pub struct Args {
     rounds: u64,
     #[arg(long, default_value = "runs/bench-load")]
     out: PathBuf,
+    /// The server's store; each node count runs under its own prefix `<URL>/<time>-nodes-N`.
+    #[command(flatten)]
+    store: crate::args::StoreArgs,
 }
 
-/// The micro model and run of `nodes` peers (one expert each) for `rounds` rounds.
-fn config(data: &Path, nodes: usize, rounds: u64) -> Result<RunConfig> {
+/// The micro model with `experts` experts and a run of `nodes` peers for `rounds` rounds.
+fn config(data: &Path, experts: usize, nodes: usize, rounds: u64) -> Result<RunConfig> {
     let text = format!(
         r#"
 [model]
@@ -41,7 +48,7 @@ n_layers = 2
 n_heads = 2
 head_dim = 32
 n_kv_heads = 2
-n_experts = {nodes}
+n_experts = {experts}
 top_k = 2
 expert_hidden = 64
 context_length = 64
@@ -79,6 +86,12 @@ struct Row {
     peak_rss_mb: f64,
     upload_bytes: u64,
     planned_s: f64,
+    /// The server's bytes out per measured round: to nodes, and put in the store.
+    out_per_round: f64,
+    store_per_round: f64,
+    /// Peers' GETs of the store per measured round, and fetches the store failed.
+    gets_per_round: f64,
+    fallbacks: u64,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -87,32 +100,58 @@ pub fn run(a: Args) -> Result<()> {
     }
     std::fs::create_dir_all(&a.out)?;
     let data = crate::demo::prepare_data(&a.out)?;
+    let largest = a.nodes.iter().copied().max().unwrap_or(1);
+    if let Some(n) = (a.store.store.is_some())
+        .then(|| a.nodes.iter().find(|&&n| largest % n != 0))
+        .flatten()
+    {
+        bail!("--nodes {n} does not divide {largest}: with --store every count trains the same {largest} experts");
+    }
     let mut rows = Vec::new();
     for &n in &a.nodes {
         eprintln!("bench load: {n} virtual peers …");
-        rows.push(measure(&a, &data, n)?);
+        rows.push(measure(&a, &data, n, largest)?);
     }
-    println!("\nOne `spes server` process, virtual peers on loopback (no training), bf16 deltas, one expert per peer, {} rounds (round 1 not measured):\n", a.rounds);
-    println!("| nodes | upload / peer | round p50 | round p99 | planned round | uploads / s | server peak RSS |");
-    println!("|---|---|---|---|---|---|---|");
+    let (experts, reads) = match &a.store.store {
+        Some(_) => (
+            format!("{largest} experts at every count"),
+            "rounds read from the store through presigned URLs",
+        ),
+        None => (
+            "one expert per peer".into(),
+            "rounds streamed by the server",
+        ),
+    };
+    println!("\nOne `spes server` process, virtual peers on loopback (no training), bf16 deltas, {experts}, {reads}, {} rounds (round 1 not measured):\n", a.rounds);
+    println!("| nodes | upload / peer | round p50 | round p99 | planned round | uploads / s | server out / round | of it to the store | store GETs / round | fallbacks | server peak RSS |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.0} | {:.0} MiB |",
+            "| {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.0} | {} | {} | {:.0} | {} | {:.0} MiB |",
             r.nodes,
             plan::human_bytes(r.upload_bytes as f64),
             r.p50_s,
             r.p99_s,
             r.planned_s,
             r.uploads_per_s,
+            plan::human_bytes(r.out_per_round + r.store_per_round),
+            plan::human_bytes(r.store_per_round),
+            r.gets_per_round,
+            r.fallbacks,
             r.peak_rss_mb
         );
     }
-    println!("\nround: from the round's first upload to the last peer holding it; planned: `spes plan sync`'s round for these shapes on unlimited loopback links with no compute (1 GB/s folding and disk).");
+    println!("\nround: from the round's first upload to the last peer holding it; planned: `spes plan sync`'s round for these shapes on unlimited loopback links with no compute (1 GB/s folding and disk); server out: the server's own counters (its round records): fetch headers, payloads it streamed, and what it put in the store (deltas, uploads kept, whole models, manifests); store GETs: made by the peers.");
     Ok(())
 }
 
-fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
-    let cfg = config(data, nodes, a.rounds)?;
+fn measure(a: &Args, data: &Path, nodes: usize, largest: usize) -> Result<Row> {
+    let experts = if a.store.store.is_some() {
+        largest
+    } else {
+        nodes
+    };
+    let cfg = config(data, experts, nodes, a.rounds)?;
     let out = a.out.join(format!("nodes-{nodes}"));
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out)?;
@@ -129,6 +168,7 @@ fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
             .args(["--device", "cpu", "--linger-s", "5"])
             .arg("--out")
             .arg(out.join("server"))
+            .args(store_args(&a.store, nodes))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(out.join("server.log"))?)
@@ -164,7 +204,11 @@ fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
     }
     let mut times = Vec::new();
     let started = Instant::now();
+    let mut gets_before = 0;
     for round in 1..=a.rounds {
+        if round == 2 {
+            gets_before = peers.iter().map(VirtualPeer::store_gets).sum();
+        }
         let t = Instant::now();
         // Every peer at once, each on its own thread, as nodes would be.
         std::thread::scope(|s| {
@@ -178,6 +222,7 @@ fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
         }
     }
     let total = started.elapsed().as_secs_f64();
+    let gets: u64 = peers.iter().map(VirtualPeer::store_gets).sum();
     let peak_rss_mb = server.peak_rss_mb();
     for p in &peers {
         p.done();
@@ -210,8 +255,27 @@ fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
         },
         WireOption::Bf16DeltaSkipOwn,
     );
+    // The server's own counters, per round it published after the first.
+    let measured: Vec<serde_json::Value> =
+        std::fs::read_to_string(out.join("server/metrics.jsonl"))?
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["round"].as_u64().is_some_and(|r| r >= 2) && v.get("bytes_out").is_some())
+            .collect();
+    let per_round = |key: &str| {
+        let sum: u64 = measured.iter().map(|v| v[key].as_u64().unwrap_or(0)).sum();
+        sum as f64 / measured.len().max(1) as f64
+    };
+    let fallbacks = measured
+        .iter()
+        .map(|v| v["store_fallbacks"].as_u64().unwrap_or(0))
+        .sum();
     Ok(Row {
         nodes,
+        out_per_round: per_round("bytes_out"),
+        store_per_round: per_round("store_bytes_out"),
+        gets_per_round: (gets - gets_before) as f64 / (a.rounds - 1) as f64,
+        fallbacks,
         p50_s: at(0.5),
         p99_s: at(0.99),
         uploads_per_s: (nodes as u64 * a.rounds) as f64 / total,
@@ -219,6 +283,18 @@ fn measure(a: &Args, data: &Path, nodes: usize) -> Result<Row> {
         upload_bytes,
         planned_s: planned.round_s,
     })
+}
+
+/// The server's `--store` flags for the run of `nodes` peers: a prefix of its own.
+fn store_args(store: &crate::args::StoreArgs, nodes: usize) -> Vec<std::ffi::OsString> {
+    let mut store = store.clone();
+    if let Some(url) = &mut store.store {
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        *url = format!("{}/{stamp}-nodes-{nodes}", url.trim_end_matches('/'));
+    }
+    store.to_args()
 }
 
 /// The server process, killed if the bench stops early.

@@ -5,7 +5,9 @@
 
 use crate::dial::Client;
 use crate::proto::refusal::Kind as Refused;
-use crate::proto::{DoneRequest, FetchRequest, JoinReply, JoinRequest, PayloadHeader};
+use crate::proto::{
+    DoneRequest, FetchRequest, JoinReply, JoinRequest, PayloadHeader, StageRequest,
+};
 use crate::{fault, payload, refusal};
 use anyhow::Result;
 use spes_store::links::{redact, LinkReader};
@@ -324,13 +326,17 @@ impl Link {
                 rows: work.rows,
                 compute_s: work.compute_s,
                 handover: u.handover.clone(),
+                staged: self.stage(s, round, u).unwrap_or_default(),
                 ..payload::upload_header(self.peer, self.session, round, size, u.xxh3)
             };
             retry(&self.handle, self.patience, "upload", || {
                 let (mut c, bytes, header) = (s.client.clone(), u.bytes.clone(), header.clone());
                 let activity = self.activity.clone();
                 async move {
-                    let sources = vec![payload::Source::Bytes(bytes)];
+                    let sources = match header.staged.is_empty() {
+                        true => vec![payload::Source::Bytes(bytes)],
+                        false => Vec::new(),
+                    };
                     let stream = payload::send(sources, header, move |i| {
                         if i == 0 {
                             fault::point("upload", round);
@@ -344,6 +350,43 @@ impl Link {
             .map(|_| ())
         });
         results.into_iter().collect()
+    }
+
+    /// Puts upload `u` of `round` in the run's store through a URL the shard hands out;
+    /// returns its key there. `None`: the shard has no such store, or the store failed this
+    /// node (logged): the upload is streamed.
+    fn stage(&self, s: &Shard, round: u64, u: &Upload) -> Option<String> {
+        let store = self.store.as_ref().filter(|st| st.up())?;
+        let req = StageRequest {
+            peer: self.peer as u32,
+            session: self.session,
+            round,
+            bytes: u.bytes.len() as u64,
+            handover: u.handover.clone(),
+        };
+        // A refusal here is the upload's own: streaming it gets the same answer, acted on there.
+        let reply = retry(&self.handle, self.patience, "stage", || {
+            let (mut c, req) = (s.client.clone(), req.clone());
+            async move { c.stage(call(req)).await }
+        })
+        .ok()?
+        .into_inner();
+        if reply.url.is_empty() {
+            return None;
+        }
+        let bytes = spes_store::Bytes::from(u.bytes.to_vec());
+        match self.handle.block_on(store.reader.put(&reply.url, bytes)) {
+            Ok(()) => Some(reply.key),
+            Err(e) => {
+                store.mark_down();
+                tracing::warn!(
+                    "node {}: round {round}'s upload to the store ({}): {e}; sending it to the server instead",
+                    self.peer,
+                    redact(&reply.url)
+                );
+                None
+            }
+        }
     }
 
     /// Fetches a round from shard `i` (waiting for it): a delta into memory, a whole model

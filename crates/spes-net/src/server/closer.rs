@@ -59,9 +59,11 @@ pub(super) struct ScoreJob {
 pub(super) struct RoundIo {
     pub bytes_in: u64,
     pub bytes_out: u64,
-    /// Fetches answered with a presigned URL; fetches served because the store failed a node.
+    /// Fetches answered with a presigned URL; fetches served because the store failed a node;
+    /// uploads read from the store, where their nodes staged them.
     pub links: u64,
     pub fallbacks: u64,
+    pub staged: u64,
     pub rejected: Vec<String>,
     /// Nodes that said they finished (kept across rounds).
     pub done: BTreeSet<usize>,
@@ -92,6 +94,7 @@ fn round_record(
             store_bytes_out: 0,
             store_links: io.links,
             store_fallbacks: io.fallbacks,
+            store_staged: io.staged,
             aggregation_s,
             round_s,
             merge_alpha: r.merge_alpha,

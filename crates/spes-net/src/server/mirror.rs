@@ -9,7 +9,8 @@
 //! it, so a create that finds its name taken tells this server's own earlier try (whose reply
 //! was lost) from a second server writing the same run, which is refused.
 
-use super::store::{intact, read_state, ServerState, Stored, STATE_FILE};
+use super::store::{hex_of, intact, read_state, ServerState, Staged, Stored, STATE_FILE};
+use crate::payload;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use spes_store::{Created, RunStore};
@@ -88,6 +89,16 @@ impl Mirror {
         Ok(self.store.presign_get(file, lifetime)?)
     }
 
+    /// A presigned PUT URL of `key` for `lifetime`; `None` if the store cannot presign.
+    pub fn presign_put(&self, key: &str, lifetime: std::time::Duration) -> Result<Option<String>> {
+        Ok(self.store.presign_put(key, lifetime)?)
+    }
+
+    /// Downloads `key` to `path`; `false` if there is no such object.
+    pub fn get_file(&self, key: &str, path: &Path) -> Result<bool> {
+        Ok(self.store.get_file(key, path)?)
+    }
+
     /// The fault point `corrupt-store@R`: puts `<out>/<file>` with its first byte (in the
     /// part every node reads) changed.
     pub fn put_corrupted(&self, out: &Path, file: &str) -> Result<()> {
@@ -109,18 +120,20 @@ impl Mirror {
         }
     }
 
-    /// Deletes the acknowledged uploads of rounds `drop` selects.
+    /// Deletes the acknowledged uploads of rounds `drop` selects, and those nodes staged.
     pub fn delete_pending(&self, drop: impl Fn(u64) -> bool) {
-        match self.store.list("pending") {
-            Ok(listed) => {
-                for l in listed
-                    .iter()
-                    .filter(|l| pending_round(&l.key).is_none_or(&drop))
-                {
-                    self.delete(&l.key);
+        for dir in ["pending", "incoming"] {
+            match self.store.list(dir) {
+                Ok(listed) => {
+                    for l in listed
+                        .iter()
+                        .filter(|l| pending_round(&l.key).is_none_or(&drop))
+                    {
+                        self.delete(&l.key);
+                    }
                 }
+                Err(e) => tracing::warn!("cannot list the store's {dir}/: {e}"),
             }
-            Err(e) => tracing::warn!("cannot list the store's pending uploads: {e}"),
         }
     }
 
@@ -267,6 +280,29 @@ impl Mirror {
         for l in self.store.list("pending")? {
             if pending_round(&l.key) == Some(open) && !out.join(&l.key).exists() {
                 self.store.get_file(&l.key, &out.join(&l.key))?;
+            }
+        }
+        // Uploads their nodes staged: fetched by their record, kept only if they check out.
+        for l in self.store.list("pending")? {
+            let Some(name) = l.key.strip_suffix(".staged.json") else {
+                continue;
+            };
+            let upload = out.join(format!("{name}.safetensors"));
+            if pending_round(&l.key) != Some(open) || upload.exists() {
+                continue;
+            }
+            let staged: Staged = serde_json::from_slice(&std::fs::read(out.join(&l.key))?)
+                .with_context(|| format!("{} is unreadable", out.join(&l.key).display()))?;
+            let fetched = self.store.get_file(&staged.key, &upload)?;
+            let intact = fetched
+                && payload::digest(&upload)
+                    .is_ok_and(|(n, x)| n == staged.bytes && hex_of(x) == staged.xxh3);
+            if !intact {
+                let _ = std::fs::remove_file(&upload);
+                tracing::error!(
+                    "the acknowledged upload {} is missing or changed in the store: not re-applied",
+                    staged.key
+                );
             }
         }
         Ok(())

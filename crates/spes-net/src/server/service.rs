@@ -9,7 +9,8 @@ use crate::proto::refusal::Kind;
 use crate::proto::spes_server::Spes;
 use crate::proto::{
     Chunk, DoneReply, DoneRequest, FetchRequest, HeartbeatReply, JoinReply, JoinRequest,
-    PayloadHeader, SettingsReply, SettingsRequest, StatusReply, StatusRequest, UploadReply,
+    PayloadHeader, SettingsReply, SettingsRequest, StageReply, StageRequest, StatusReply,
+    StatusRequest, UploadReply,
 };
 use crate::{payload, refusal};
 use spes_data::shard::write_atomic;
@@ -223,6 +224,28 @@ impl Spes for Service {
         Ok(Response::new(payload::send(files, header, |_| {})))
     }
 
+    async fn stage(&self, req: Request<StageRequest>) -> Result<Response<StageReply>, Status> {
+        let s = self.state.clone();
+        let peer = authorize(&req, req.get_ref().peer)?;
+        let r = req.into_inner();
+        let handover: Vec<usize> = r.handover.iter().map(|&e| e as usize).collect();
+        s.check_upload_header(peer, r.session, r.round, r.bytes, &handover)?;
+        let key = format!(
+            "{}{:016x}.safetensors",
+            staged_prefix(r.round, peer),
+            rand::random::<u64>()
+        );
+        let state = s.clone();
+        let k = key.clone();
+        let url = tokio::task::spawn_blocking(move || state.upload_link(&k, r.bytes))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(match url {
+            Some(url) => StageReply { url, key },
+            None => StageReply::default(),
+        }))
+    }
+
     async fn done(&self, req: Request<DoneRequest>) -> Result<Response<DoneReply>, Status> {
         let s = &self.state;
         let peer = authorize(&req, req.get_ref().peer)?;
@@ -270,25 +293,26 @@ impl Spes for Service {
             claimed = (header.peer, header.round);
             let peer = check_peer(authed, header.peer)?;
             // Everything the header allows is checked before any data is read.
-            let expected = {
-                let mut coord = s.coord.lock().unwrap();
-                coord
-                    .check_upload(peer, header.session, header.round, s.now())
-                    .map_err(|e| refusal::of_round_error(&e))?;
-                let handover: Vec<usize> = header.handover.iter().map(|&e| e as usize).collect();
-                coord
-                    .check_handover(peer, &handover)
-                    .map_err(|e| refusal::of_round_error(&e))?;
-                s.expected_upload_bytes(coord.scope(), peer, header.round, &handover)
-            };
-            if header.total_bytes != expected {
+            let handover: Vec<usize> = header.handover.iter().map(|&e| e as usize).collect();
+            s.check_upload_header(
+                peer,
+                header.session,
+                header.round,
+                header.total_bytes,
+                &handover,
+            )?;
+            if !header.staged.is_empty()
+                && !header
+                    .staged
+                    .starts_with(&staged_prefix(header.round, peer))
+            {
                 return Err(refusal::status(
                     Code::InvalidArgument,
                     Kind::Invalid,
                     0,
                     format!(
-                        "upload announces {} bytes; peer {peer}'s tensors take exactly {expected}",
-                        header.total_bytes
+                        "`{}` is not where peer {peer} stages round {}",
+                        header.staged, header.round
                     ),
                 ));
             }
@@ -308,11 +332,23 @@ impl Spes for Service {
                 header.round,
                 rand::random::<u64>()
             ));
-            if let Err(e) = payload::receive_body(&mut stream, &part, &header, idle).await {
+            let received = if header.staged.is_empty() {
+                payload::receive_body(&mut stream, &part, &header, idle).await
+            } else {
+                let (state, h, p) = (s.clone(), header.clone(), part.clone());
+                tokio::task::spawn_blocking(move || state.read_staged(&h, &p))
+                    .await
+                    .map_err(|e| Status::internal(e.to_string()))?
+            };
+            if let Err(e) = received {
                 let _ = std::fs::remove_file(&part);
                 return Err(e);
             }
-            s.io.lock().unwrap().bytes_in += header.total_bytes;
+            {
+                let mut io = s.io.lock().unwrap();
+                io.bytes_in += header.total_bytes;
+                io.staged += u64::from(!header.staged.is_empty());
+            }
             let state = s.clone();
             let (round, bytes) = (header.round, header.total_bytes);
             tokio::task::spawn_blocking(move || state.accept(peer, &header, &part))
@@ -335,11 +371,118 @@ impl Spes for Service {
     }
 }
 
+/// Where peer `peer` stages its uploads of `round` in the store: a prefix its key must have.
+fn staged_prefix(round: u64, peer: usize) -> String {
+    format!("incoming/round-{round:06}-peer-{peer}-")
+}
+
 impl State {
+    /// Checks what an upload's header (or a request to stage one) says before any data moves:
+    /// membership, round, session, duplicate, handover and the exact size.
+    fn check_upload_header(
+        &self,
+        peer: usize,
+        session: u64,
+        round: u64,
+        bytes: u64,
+        handover: &[usize],
+    ) -> Result<(), Status> {
+        let expected = {
+            let mut coord = self.coord.lock().unwrap();
+            coord
+                .check_upload(peer, session, round, self.now())
+                .map_err(|e| refusal::of_round_error(&e))?;
+            coord
+                .check_handover(peer, handover)
+                .map_err(|e| refusal::of_round_error(&e))?;
+            self.expected_upload_bytes(coord.scope(), peer, round, handover)
+        };
+        if bytes != expected {
+            return Err(refusal::status(
+                Code::InvalidArgument,
+                Kind::Invalid,
+                0,
+                format!(
+                    "upload announces {bytes} bytes; peer {peer}'s tensors take exactly {expected}"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A presigned PUT URL of `key` for an upload of `bytes`; `None` without a store that
+    /// presigns, or for an upload too large for one PUT (it is streamed).
+    fn upload_link(&self, key: &str, bytes: u64) -> Option<String> {
+        let m = self.store.mirror.as_ref()?;
+        if bytes > spes_store::MAX_PUT {
+            return None;
+        }
+        match m.presign_put(key, self.limits.url_lifetime) {
+            Ok(url) => url,
+            Err(e) => {
+                tracing::warn!("cannot presign {key}: {e:#}");
+                None
+            }
+        }
+    }
+
+    /// Reads the upload `header` says was staged in the store into `part`, checking its size
+    /// and every part's checksum.
+    fn read_staged(&self, header: &PayloadHeader, part: &Path) -> Result<(), Status> {
+        let Some(m) = self.store.mirror.as_ref() else {
+            return Err(Status::failed_precondition(
+                "this server has no store to read uploads from",
+            ));
+        };
+        let key = &header.staged;
+        match m.get_file(key, part) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(refusal::status(
+                    Code::InvalidArgument,
+                    Kind::Invalid,
+                    0,
+                    format!("nothing is staged at {key}"),
+                ))
+            }
+            Err(e) => return Err(Status::unavailable(format!("cannot read {key}: {e:#}"))),
+        }
+        let checked = std::fs::File::open(part)
+            .map_err(|e| e.to_string())
+            .and_then(|f| {
+                let size = f.metadata().map_err(|e| e.to_string())?.len();
+                if size != header.total_bytes {
+                    return Err(format!("{size} bytes, announced {}", header.total_bytes));
+                }
+                payload::check_parts(&mut std::io::BufReader::new(f), &header.parts)
+            });
+        checked.map_err(|e| {
+            refusal::status(
+                Code::InvalidArgument,
+                Kind::Invalid,
+                0,
+                format!("{key}: {e}"),
+            )
+        })
+    }
+
     /// Parses a received upload, folds it into the open round and keeps its file in
     /// `pending/` (and the store) until the round is published, so an acknowledged upload
     /// survives a crash, and with a store the loss of the machine.
     fn accept(&self, peer: usize, header: &PayloadHeader, part: &Path) -> Result<(), Status> {
+        // Staged in the store already: what a restored server fetches it by, checked.
+        let staged = match header.staged.is_empty() {
+            true => None,
+            false => {
+                let (bytes, xxh3) = payload::digest(part)
+                    .map_err(|e| Status::internal(format!("cannot read the upload: {e:#}")))?;
+                Some(super::store::Staged {
+                    key: header.staged.clone(),
+                    bytes,
+                    xxh3: super::store::hex_of(xxh3),
+                })
+            }
+        };
         let accepted = (|| {
             let mut coord = self.coord.lock().unwrap();
             let now = self.now();
@@ -359,6 +502,17 @@ impl State {
             let work = serde_json::to_vec(&work).expect("a Work serialises");
             write_atomic(&self.store.pending_work_path(header.round, peer), &work)
                 .map_err(|e| Status::internal(format!("cannot keep the upload: {e:#}")))?;
+            let staged_path = self.store.pending_staged_path(header.round, peer);
+            match &staged {
+                None => {
+                    let _ = std::fs::remove_file(&staged_path);
+                }
+                Some(st) => {
+                    let json = serde_json::to_vec(st).expect("a Staged serialises");
+                    write_atomic(&staged_path, &json)
+                        .map_err(|e| Status::internal(format!("cannot keep the upload: {e:#}")))?;
+                }
+            }
             std::fs::rename(part, &kept)
                 .and_then(|_| spes_data::shard::sync_dir(&kept))
                 .map_err(|e| Status::internal(format!("cannot keep the upload: {e}")))

@@ -75,6 +75,15 @@ pub(super) struct DeltaPart {
     pub offset: u64,
 }
 
+/// An acknowledged upload its node put in the store (`Stage`): its key there, size and
+/// checksum, kept beside it in `pending/` so a restored server fetches and checks it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(super) struct Staged {
+    pub key: String,
+    pub bytes: u64,
+    pub xxh3: String,
+}
+
 /// A whole model on disk and the carried state after its round.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(super) struct FullModel {
@@ -418,15 +427,18 @@ impl Store {
         })
     }
 
-    /// Puts the kept upload of `peer` for `round` (and what it reported) in the store.
+    /// Puts the kept upload of `peer` for `round` (and what it reported) in the store; an
+    /// upload its node staged there only gets its record.
     pub fn mirror_pending(&self, round: u64, peer: usize) -> Result<()> {
         let Some(m) = &self.mirror else {
             return Ok(());
         };
-        for path in [
-            self.pending_work_path(round, peer),
-            self.pending_path(round, peer),
-        ] {
+        let staged = self.pending_staged_path(round, peer);
+        let upload = match staged.exists() {
+            true => staged,
+            false => self.pending_path(round, peer),
+        };
+        for path in [self.pending_work_path(round, peer), upload] {
             // Published (and removed) meanwhile: nothing of it needs keeping any more.
             if !path.exists() {
                 return Ok(());
@@ -449,6 +461,13 @@ impl Store {
         self.out
             .join("pending")
             .join(format!("round-{round:06}-peer-{peer}.safetensors"))
+    }
+
+    /// Where the record of an upload its node staged in the store is kept ([`Staged`]).
+    pub fn pending_staged_path(&self, round: u64, peer: usize) -> PathBuf {
+        self.out
+            .join("pending")
+            .join(format!("round-{round:06}-peer-{peer}.staged.json"))
     }
 
     /// Where what that upload reported it trained is kept beside it (a restarted server
