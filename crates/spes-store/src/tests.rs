@@ -110,3 +110,45 @@ fn local() -> (tempfile::TempDir, RunStore) {
     let store = RunStore::open(&url, &StoreOptions::default()).unwrap();
     (dir, store)
 }
+
+#[test]
+fn urls_are_presigned_by_s3_stores_only_and_logged_without_their_signature() {
+    let (dir, store) = local();
+    assert!(!store.presigns());
+    assert_eq!(
+        store.presign_get("a", Duration::from_secs(60)).unwrap(),
+        None
+    );
+    let keys = dir.path().join("keys.toml");
+    std::fs::write(
+        &keys,
+        "access_key_id = \"key-id\"\nsecret_access_key = \"key-secret\"\n\
+         endpoint = \"http://127.0.0.1:9\"\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let opts = StoreOptions {
+        allow_http: true,
+        credentials: Some(keys),
+    };
+    // Signed locally, without a call: a store that is not there still signs.
+    let s3 = RunStore::open("s3://bucket/run", &opts).unwrap();
+    let url = s3
+        .presign_get("global/round-000001.delta.parts", Duration::from_secs(60))
+        .unwrap()
+        .unwrap();
+    assert!(
+        url.contains("X-Amz-Signature=") && url.contains("X-Amz-Expires=60"),
+        "{url}"
+    );
+    assert_eq!(
+        links::redact(&url),
+        "http://127.0.0.1:9/bucket/run/global/round-000001.delta.parts"
+    );
+    let put = s3
+        .presign_put("incoming/x", Duration::from_secs(60))
+        .unwrap()
+        .unwrap();
+    assert_ne!(put, url);
+}

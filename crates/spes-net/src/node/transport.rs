@@ -114,7 +114,7 @@ impl Fetched {
 
 /// How an upload and the fetch after it went.
 pub(super) enum Exchange {
-    Fetched { fetched: Fetched, up: u64 },
+    Fetched { fetched: Box<Fetched>, up: u64 },
     UploadRefused(Status),
     FetchFailed { status: Status, up: u64 },
 }
@@ -554,7 +554,10 @@ impl Link {
             Err(s) => return Exchange::UploadRefused(s),
         };
         match self.fetch(&ask) {
-            Ok(fetched) => Exchange::Fetched { fetched, up },
+            Ok(fetched) => Exchange::Fetched {
+                fetched: Box::new(fetched),
+                up,
+            },
             Err(status) => Exchange::FetchFailed { status, up },
         }
     }

@@ -415,4 +415,35 @@ mod tests {
         let e = open().restore(&dir.path().join("d")).unwrap_err();
         assert!(format!("{e:#}").contains("state/0000000006.json"), "{e:#}");
     }
+
+    #[test]
+    fn a_restore_fetches_the_uploads_nodes_staged_and_only_as_they_were_acknowledged() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = dir.path().join("store").display().to_string();
+        let m = Mirror::new(RunStore::open(&url, &Default::default()).unwrap());
+        m.write(&state(4)).unwrap();
+        // Peers 0 and 1 staged their round-5 uploads; peer 1's object changed after its ack.
+        for (peer, stored, acked) in [(0, "zero", "zero"), (1, "one!", "one.")] {
+            let key = format!("incoming/round-000005-peer-{peer}-00000000000000ab.safetensors");
+            m.store
+                .put(&key, stored.as_bytes().to_vec().into())
+                .unwrap();
+            let record = Staged {
+                key,
+                bytes: 4,
+                xxh3: hex_of(xxhash_rust::xxh3::xxh3_64(acked.as_bytes())),
+            };
+            let name = format!("pending/round-000005-peer-{peer}.staged.json");
+            m.store
+                .put(&name, serde_json::to_vec(&record).unwrap().into())
+                .unwrap();
+        }
+        let out = dir.path().join("out");
+        Mirror::new(RunStore::open(&url, &Default::default()).unwrap())
+            .restore(&out)
+            .unwrap();
+        let upload = |peer| out.join(format!("pending/round-000005-peer-{peer}.safetensors"));
+        assert_eq!(std::fs::read(upload(0)).unwrap(), b"zero");
+        assert!(!upload(1).exists(), "a changed staged upload was restored");
+    }
 }
