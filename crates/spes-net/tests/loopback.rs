@@ -665,7 +665,7 @@ fn a_corrupt_newest_round_falls_back_and_the_node_follows_the_rollback() {
     let s = Server::start_on(&addr.to_string(), cfg.clone(), &out, None);
     assert_eq!(s.stop().rounds, 3);
     // The newest round's delta rots on disk; the server resumes from round 2, every time.
-    let newest = out.join("global/round-000003.delta.safetensors");
+    let newest = out.join("global/round-000003.delta.parts");
     let mut bytes = std::fs::read(&newest).unwrap();
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0xff;
