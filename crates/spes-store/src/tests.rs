@@ -152,3 +152,59 @@ fn urls_are_presigned_by_s3_stores_only_and_logged_without_their_signature() {
         .unwrap();
     assert_ne!(put, url);
 }
+
+#[test]
+fn a_broken_download_resumes_with_a_range_get_from_its_last_byte() {
+    use std::io::{BufRead, BufReader, Write as _};
+    let body: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "http://{}/bucket/key?X-Amz-Signature=secret",
+        listener.local_addr().unwrap()
+    );
+    let served = body.clone();
+    // The first answer breaks after 4,000 of the bytes asked for; the next ones serve in full.
+    let server = std::thread::spawn(move || {
+        let mut ranges = Vec::new();
+        for broken in [true, false, false] {
+            let (stream, _) = listener.accept().unwrap();
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut range = String::new();
+            loop {
+                let mut line = String::new();
+                reader.read_line(&mut line).unwrap();
+                if let Some(r) = line.to_ascii_lowercase().strip_prefix("range: bytes=") {
+                    range = r.trim().to_owned();
+                }
+                if line == "\r\n" {
+                    break;
+                }
+            }
+            let (from, to) = range.split_once('-').unwrap();
+            let (from, to): (usize, usize) = (from.parse().unwrap(), to.parse().unwrap());
+            ranges.push((from, to));
+            let mut s = stream;
+            let len = to + 1 - from;
+            write!(
+                s,
+                "HTTP/1.1 206 Partial Content\r\nContent-Length: {len}\r\n\r\n"
+            )
+            .unwrap();
+            let end = if broken { from + 4000 } else { to + 1 };
+            s.write_all(&served[from..end]).unwrap();
+        }
+        ranges
+    });
+    let reader = links::LinkReader::new().unwrap();
+    let rt = runtime();
+    let mut got = Vec::new();
+    let gets = rt
+        .block_on(reader.read(&url, &[1000..9000, 9500..10_000], &mut got, |_| {}))
+        .unwrap();
+    assert_eq!(got, [&body[1000..9000], &body[9500..]].concat());
+    assert_eq!(gets, 3);
+    assert_eq!(
+        server.join().unwrap(),
+        [(1000, 8999), (5000, 8999), (9500, 9999)]
+    );
+}
