@@ -123,8 +123,10 @@ pub fn run(a: Args) -> Result<()> {
         }
         None => None,
     };
+    // Checked by `open` (with --store; without it, the default).
+    let opened = store.open(shard)?;
     let url_lifetime = std::time::Duration::from_secs_f64(store.store_url_lifetime_s);
-    let store = store.open(shard)?;
+    let store = opened;
     if let Some(s) = &store {
         tracing::info!(
             "keeping the run's state in {} besides {}",

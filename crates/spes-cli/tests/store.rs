@@ -183,7 +183,8 @@ fn a_lost_server_machine_loses_nothing_when_the_run_is_in_a_store() {
 }
 
 #[test]
-fn an_expired_url_is_renewed_and_a_corrupt_object_is_refused_then_read_from_the_server() {
+fn an_expired_url_is_renewed_a_lost_staged_upload_sent_again_and_a_corrupt_object_read_from_the_server(
+) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let s3 = S3Server::start(dir);
@@ -195,11 +196,12 @@ fn an_expired_url_is_renewed_and_a_corrupt_object_is_refused_then_read_from_the_
     let config_args = ["--config".to_string(), config.display().to_string()];
     let mut server_args = config_args.to_vec();
     server_args.extend(s3.flags("runs/links"));
-    // URLs live 2 s; node 1 waits 3 s before reading round 2's. Round 5 is put in the store
-    // with a byte changed.
+    // URLs live 2 s; node 1 waits 3 s before reading round 2's. The uploads of round 3 are
+    // gone from the store when the server reads them. Round 5 is put in the store with a byte
+    // changed.
     server_args.extend(["--store-url-lifetime-s".into(), "2".into()]);
     let mut server = run.server(&server_args);
-    server.fault = Some("corrupt-store@5");
+    server.fault = Some("drop-staged@3,corrupt-store@5");
     let mut procs = vec![server];
     for peer in 0..NODES {
         procs.push(run.node(peer, &config_args));
@@ -226,6 +228,11 @@ fn an_expired_url_is_renewed_and_a_corrupt_object_is_refused_then_read_from_the_
     for (peer, p) in procs[1..].iter().enumerate() {
         let log = p.output();
         assert!(
+            log.contains("cannot use round 3's upload staged at")
+                && log.contains("sending it to the server instead"),
+            "node {peer} did not send its round-3 upload again:\n{log}"
+        );
+        assert!(
             log.contains("round 5 from the store")
                 && log.contains("part 0 fails its checksum; taking it from the server instead"),
             "node {peer} took the corrupt round:\n{log}"
@@ -241,6 +248,19 @@ fn an_expired_url_is_renewed_and_a_corrupt_object_is_refused_then_read_from_the_
         .map(|l| l["store_fallbacks"].as_u64().unwrap_or(0))
         .sum();
     assert!(fallbacks >= NODES as u64, "{fallbacks} fallbacks counted");
+    let staged = |round: u64| {
+        rounds_logged(&run.server_out())
+            .iter()
+            .find(|l| l["round"] == round)
+            .map(|l| l["store_staged"].as_u64().unwrap())
+    };
+    // Round 3's uploads came in the stream; round 4's were staged again.
+    assert_eq!(
+        (staged(3), staged(4)),
+        (Some(0), Some(NODES as u64)),
+        "{}",
+        procs[0].output()
+    );
     assert_every_node_holds_the_final_model(&run);
 }
 

@@ -8,7 +8,8 @@
 //! durable, before the reply), `acked@R` (server, 50 ms after it acknowledged an upload of
 //! round R). Not crashes: `store-wait@R` (node, waits 3 s between getting round R's URL and
 //! reading it), `corrupt-store@R` (server, puts round R's delta in the store with one byte
-//! changed, the local file intact).
+//! changed, the local file intact), `drop-staged@R` (server, deletes each upload of round R
+//! its node staged in the store before reading it).
 
 use std::sync::OnceLock;
 

@@ -432,13 +432,8 @@ impl RunStore {
             std::fs::create_dir_all(dir).map_err(local)?;
         }
         let k = self.key(key);
-        let size = match self.retrying("head", key, || match self.block(self.inner.head(&k)) {
-            Ok(meta) => Ok(Some(meta.size)),
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(self.call("head", key, e)),
-        })? {
-            Some(size) => size,
-            None => return Ok(false),
+        let Some(size) = self.size(key)? else {
+            return Ok(false);
         };
         let tmp = temp_sibling(path);
         let written = (|| {
@@ -466,6 +461,16 @@ impl RunStore {
                 .map_err(local)?;
         }
         Ok(true)
+    }
+
+    /// The size of `key`; `None` if there is no such object.
+    pub fn size(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        let k = self.key(key);
+        self.retrying("head", key, || match self.block(self.inner.head(&k)) {
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.call("head", key, e)),
+        })
     }
 
     /// Every object under `dir` (relative to the prefix), by key.

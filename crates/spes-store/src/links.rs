@@ -48,8 +48,8 @@ impl LinkReader {
     }
 
     /// Reads the byte `ranges` of the object at `url`, in order, into `sink`, one range GET
-    /// each; a transfer that breaks resumes from its last byte (at most [`TRIES`] GETs a
-    /// range). Returns the GETs it made; `on_bytes` sees every chunk's size as it arrives.
+    /// each; a transfer that breaks after moving some bytes resumes from its last byte (at
+    /// most [`TRIES`] GETs a range); one that moves none is an error at once. Returns the GETs it made; `on_bytes` sees every chunk's size as it arrives.
     pub async fn read(
         &self,
         url: &str,
@@ -68,9 +68,9 @@ impl LinkReader {
                     Ok(n) => at += n,
                     Err(Broken { read, error }) => {
                         at += read;
-                        let refused =
-                            matches!(error, LinkError::Refused { .. } | LinkError::Missing);
-                        if refused || tries >= TRIES {
+                        // Only a transfer that moved resumes: a store that does not answer
+                        // (or refuses) is the caller's to route around, at once.
+                        if read == 0 || tries >= TRIES {
                             return Err(error);
                         }
                         tracing::debug!("{}: {error}; resuming at byte {at}", redact(url));
@@ -94,6 +94,9 @@ impl LinkReader {
                     status @ (400 | 401 | 403) => return Err(LinkError::Refused { status }),
                     status => LinkError::Unreachable(format!("HTTP {status} for a PUT")),
                 },
+                Err(e) if e.is_connect() => {
+                    return Err(LinkError::Unreachable(e.without_url().to_string()))
+                }
                 Err(e) => LinkError::Unreachable(e.without_url().to_string()),
             };
             if tries >= TRIES {

@@ -10,12 +10,13 @@ use crate::proto::{
 };
 use crate::{fault, payload, refusal};
 use anyhow::Result;
-use spes_store::links::{redact, LinkReader};
+use spes_store::links::{redact, LinkError, LinkReader};
 use spes_sync::delta::tensor_of;
 use spes_sync::{FetchPlan, Named, Work};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tonic::{Code, Request, Status};
@@ -210,14 +211,14 @@ impl StoreLinks {
     }
 
     /// Reads the parts `header` lists from its URL, a delta into memory and a whole model into
-    /// `dest`, and checks every part's checksum.
+    /// `dest`, and checks every part's checksum. `activity` moves with every chunk read.
     fn download(
         &self,
         rt: &tokio::runtime::Handle,
         header: &PayloadHeader,
         dest: &Path,
-        read_bytes: &AtomicU64,
-    ) -> Result<Body, String> {
+        (read_bytes, activity): (&AtomicU64, &AtomicU64),
+    ) -> Result<Body, StoreFailure> {
         let mut ranges: Vec<std::ops::Range<u64>> = Vec::new();
         for p in &header.parts {
             match ranges.last_mut() {
@@ -227,29 +228,43 @@ impl StoreLinks {
         }
         let counted = |n| {
             read_bytes.fetch_add(n, Ordering::Relaxed);
+            activity.fetch_add(1, Ordering::Relaxed);
         };
         let read = |sink: &mut dyn std::io::Write| {
             let gets = rt
                 .block_on(self.reader.read(&header.url, &ranges, sink, counted))
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| match e {
+                    LinkError::Unreachable(_) => StoreFailure::Down(e.to_string()),
+                    _ => StoreFailure::Renew(e.to_string()),
+                })?;
             self.gets.fetch_add(gets, Ordering::Relaxed);
-            Ok::<_, String>(())
+            Ok::<_, StoreFailure>(())
         };
         if header.delta {
             let mut bytes = Vec::with_capacity(header.total_bytes.min(1 << 30) as usize);
             read(&mut bytes)?;
-            payload::check_parts(&mut bytes.as_slice(), &header.parts)?;
+            payload::check_parts(&mut bytes.as_slice(), &header.parts)
+                .map_err(StoreFailure::Renew)?;
             return Ok(Body::Memory(bytes));
         }
-        let io = |e: std::io::Error| format!("cannot write {}: {e}", dest.display());
+        let io =
+            |e: std::io::Error| StoreFailure::Down(format!("cannot write {}: {e}", dest.display()));
         let mut file = std::io::BufWriter::new(std::fs::File::create(dest).map_err(io)?);
         read(&mut file)?;
         let file = file.into_inner().map_err(|e| io(e.into_error()))?;
         file.sync_all().map_err(io)?;
         let mut back = std::io::BufReader::new(std::fs::File::open(dest).map_err(io)?);
-        payload::check_parts(&mut back, &header.parts)?;
+        payload::check_parts(&mut back, &header.parts).map_err(StoreFailure::Renew)?;
         Ok(Body::File(dest.to_owned()))
     }
+}
+
+/// Why a download from the store failed, and what the node does next.
+enum StoreFailure {
+    /// The URL was refused (expired) or the bytes failed their checksums: ask for a new URL.
+    Renew(String),
+    /// The store did not answer, or the node cannot write: take the round from the server.
+    Down(String),
 }
 
 impl Link {
@@ -321,35 +336,63 @@ impl Link {
     pub fn upload(&self, round: u64, uploads: &[Upload], work: Work) -> Result<(), Status> {
         let results = self.on_all(|i, s| {
             let u = &uploads[i];
-            let size = u.bytes.len() as u64;
-            let header = PayloadHeader {
-                rows: work.rows,
-                compute_s: work.compute_s,
-                handover: u.handover.clone(),
-                staged: self.stage(s, round, u).unwrap_or_default(),
-                ..payload::upload_header(self.peer, self.session, round, size, u.xxh3)
-            };
-            retry(&self.handle, self.patience, "upload", || {
-                let (mut c, bytes, header) = (s.client.clone(), u.bytes.clone(), header.clone());
-                let activity = self.activity.clone();
-                async move {
-                    let sources = match header.staged.is_empty() {
-                        true => vec![payload::Source::Bytes(bytes)],
-                        false => Vec::new(),
-                    };
-                    let stream = payload::send(sources, header, move |i| {
-                        if i == 0 {
-                            fault::point("upload", round);
-                        }
-                        activity.fetch_add(1, Ordering::Relaxed);
-                    });
-                    let stream = tokio_stream::StreamExt::filter_map(stream, |r| r.ok());
-                    c.upload(stream).await
+            let staged = self.stage(s, round, u);
+            let sent = self.send_upload(s, round, u, work, staged.clone());
+            match (staged, sent) {
+                (Some(key), Err(st)) if refusal::kind(&st) == Some(Refused::Staged) => {
+                    tracing::warn!(
+                        "node {}: the server cannot use round {round}'s upload staged at {key}: {}; sending it to the server instead",
+                        self.peer,
+                        st.message()
+                    );
+                    self.send_upload(s, round, u, work, None)
                 }
-            })
-            .map(|_| ())
+                (_, sent) => sent,
+            }
         });
         results.into_iter().collect()
+    }
+
+    /// Sends upload `u` of `round` to shard `s`: its header naming where it is staged, or the
+    /// header and the bytes.
+    fn send_upload(
+        &self,
+        s: &Shard,
+        round: u64,
+        u: &Upload,
+        work: Work,
+        staged: Option<String>,
+    ) -> Result<(), Status> {
+        let size = u.bytes.len() as u64;
+        let header = PayloadHeader {
+            rows: work.rows,
+            compute_s: work.compute_s,
+            handover: u.handover.clone(),
+            staged: staged.unwrap_or_default(),
+            ..payload::upload_header(self.peer, self.session, round, size, u.xxh3)
+        };
+        retry(&self.handle, self.patience, "upload", || {
+            let (mut c, bytes, header) = (s.client.clone(), u.bytes.clone(), header.clone());
+            let activity = self.activity.clone();
+            async move {
+                let sources = match header.staged.is_empty() {
+                    true => vec![payload::Source::Bytes(bytes)],
+                    false => {
+                        fault::point("upload", round);
+                        Vec::new()
+                    }
+                };
+                let stream = payload::send(sources, header, move |i| {
+                    if i == 0 {
+                        fault::point("upload", round);
+                    }
+                    activity.fetch_add(1, Ordering::Relaxed);
+                });
+                let stream = tokio_stream::StreamExt::filter_map(stream, |r| r.ok());
+                c.upload(stream).await
+            }
+        })
+        .map(|_| ())
     }
 
     /// Puts upload `u` of `round` in the run's store through a URL the shard hands out;
@@ -375,7 +418,23 @@ impl Link {
             return None;
         }
         let bytes = spes_store::Bytes::from(u.bytes.to_vec());
-        match self.handle.block_on(store.reader.put(&reply.url, bytes)) {
+        // The server waits for a member only while its activity moves: it does while the PUT
+        // runs, which reports no progress of its own.
+        let (done, ticks) = std::sync::mpsc::channel::<()>();
+        let put = std::thread::scope(|scope| {
+            let activity = &self.activity;
+            scope.spawn(move || {
+                while let Err(RecvTimeoutError::Timeout) =
+                    ticks.recv_timeout(Duration::from_millis(500))
+                {
+                    activity.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            let put = self.handle.block_on(store.reader.put(&reply.url, bytes));
+            drop(done);
+            put
+        });
+        match put {
             Ok(()) => Some(reply.key),
             Err(e) => {
                 store.mark_down();
@@ -411,10 +470,20 @@ impl Link {
                 };
             };
             fault::pause("store-wait", header.round, Duration::from_secs(3));
-            match store.download(&self.handle, &header, &dest, &self.read.store) {
+            let counters = (self.read.store.as_ref(), self.activity.as_ref());
+            match store.download(&self.handle, &header, &dest, counters) {
                 Ok(body) => return Ok((header, body)),
-                Err(e) => {
-                    failed += 1;
+                Err(failure) => {
+                    let e = match failure {
+                        StoreFailure::Renew(e) => {
+                            failed += 1;
+                            e
+                        }
+                        StoreFailure::Down(e) => {
+                            failed = STORE_TRIES;
+                            e
+                        }
+                    };
                     let next = if failed < STORE_TRIES {
                         "asking the server for a new URL"
                     } else {

@@ -84,6 +84,16 @@ impl Mirror {
         self.store.bytes_put()
     }
 
+    /// Whether the store hands out presigned URLs.
+    pub fn presigns(&self) -> bool {
+        self.store.presigns()
+    }
+
+    /// The size of `key`; `None` if there is no such object.
+    pub fn size(&self, key: &str) -> Result<Option<u64>> {
+        Ok(self.store.size(key)?)
+    }
+
     /// A presigned GET URL of `file` for `lifetime`; `None` if the store cannot presign.
     pub fn presign(&self, file: &str, lifetime: std::time::Duration) -> Result<Option<String>> {
         Ok(self.store.presign_get(file, lifetime)?)

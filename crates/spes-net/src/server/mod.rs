@@ -105,13 +105,6 @@ pub struct ServerSummary {
 /// → `io` → `watch`, each held for memory work only (no file is written under `coord`;
 /// `progress` writes `server.json` under its own writer lock, with none of these held);
 /// `served` alone.
-/// The newest round's whole model as written for fetches, and whether it is in the store.
-struct Served {
-    round: u64,
-    stored: Stored,
-    in_store: bool,
-}
-
 struct State {
     cfg: RunConfig,
     store: Store,
@@ -133,6 +126,20 @@ struct State {
     tokenizer_xxh3: String,
     /// What the operator's view shows beyond the coordinator's state.
     watch: Mutex<Watch>,
+}
+
+/// The newest round's whole model as written for fetches, and whether it is in the store.
+struct Served {
+    round: u64,
+    stored: Stored,
+    in_store: InStore,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum InStore {
+    No,
+    Putting,
+    Yes,
 }
 
 impl State {
@@ -177,11 +184,13 @@ impl State {
         let new = Served {
             round,
             stored: stored.clone(),
-            in_store: false,
+            in_store: InStore::No,
         };
-        if let Some(old) = served.replace(new) {
+        let old = served.replace(new);
+        drop(served);
+        if let Some(old) = old {
             let _ = std::fs::remove_file(self.store.out.join(&old.stored.file));
-            if let (true, Some(m)) = (old.in_store, &self.store.mirror) {
+            if let (InStore::Yes, Some(m)) = (old.in_store, &self.store.mirror) {
                 m.delete(&old.stored.file);
             }
         }
@@ -191,20 +200,39 @@ impl State {
     /// A presigned URL of `file` (relative to `--out`) in the store, for a fetch; `None`
     /// without a store that presigns, or when the store fails (the fetch streams the file).
     fn link(&self, file: &str) -> Option<String> {
-        let m = self.store.mirror.as_ref()?;
-        {
-            // The whole model written for fetches goes to the store when first linked. Under
-            // this lock only fetches of that same file wait, and they need it there.
+        let m = self.store.mirror.as_ref().filter(|m| m.presigns())?;
+        // The whole model written for fetches goes to the store when first linked, by that
+        // fetch, outside the lock; fetches meanwhile stream it.
+        let to_put = {
             let mut served = self.served.lock().unwrap();
-            if let Some(s) = served
-                .as_mut()
-                .filter(|s| s.stored.file == file && !s.in_store)
-            {
-                if let Err(e) = m.put(&self.store.out, file) {
+            match served.as_mut().filter(|s| s.stored.file == file) {
+                Some(s) if s.in_store == InStore::Putting => return None,
+                Some(s) if s.in_store == InStore::No => {
+                    s.in_store = InStore::Putting;
+                    true
+                }
+                _ => false,
+            }
+        };
+        if to_put {
+            let put = m.put(&self.store.out, file);
+            let mut served = self.served.lock().unwrap();
+            let ours = served.as_mut().filter(|s| s.stored.file == file);
+            match (put, ours) {
+                (Ok(()), Some(s)) => s.in_store = InStore::Yes,
+                (Err(e), ours) => {
+                    if let Some(s) = ours {
+                        s.in_store = InStore::No;
+                    }
                     tracing::warn!("cannot put {file} in the store for a fetch: {e:#}");
                     return None;
                 }
-                s.in_store = true;
+                // Replaced meanwhile by a newer round's model: this one is not kept.
+                (Ok(()), None) => {
+                    drop(served);
+                    m.delete(file);
+                    return None;
+                }
             }
         }
         match m.presign(file, self.limits.url_lifetime) {

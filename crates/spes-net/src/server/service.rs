@@ -344,11 +344,7 @@ impl Spes for Service {
                 let _ = std::fs::remove_file(&part);
                 return Err(e);
             }
-            {
-                let mut io = s.io.lock().unwrap();
-                io.bytes_in += header.total_bytes;
-                io.staged += u64::from(!header.staged.is_empty());
-            }
+            s.io.lock().unwrap().bytes_in += header.total_bytes;
             let state = s.clone();
             let (round, bytes) = (header.round, header.total_bytes);
             tokio::task::spawn_blocking(move || state.accept(peer, &header, &part))
@@ -435,17 +431,33 @@ impl State {
             ));
         };
         let key = &header.staged;
-        match m.get_file(key, part) {
-            Ok(true) => {}
-            Ok(false) => {
-                return Err(refusal::status(
-                    Code::InvalidArgument,
-                    Kind::Invalid,
-                    0,
-                    format!("nothing is staged at {key}"),
-                ))
+        let unusable = |why: String| {
+            refusal::status(
+                Code::FailedPrecondition,
+                Kind::Staged,
+                0,
+                format!("{key}: {why}"),
+            )
+        };
+        let unreadable =
+            |e: anyhow::Error| Status::unavailable(format!("cannot read {key}: {e:#}"));
+        if crate::fault::active("drop-staged", header.round) {
+            tracing::warn!("{}: deleting {key} before reading it", crate::fault::ENV);
+            m.delete(key);
+        }
+        // Its size first: a presigned PUT takes any size, and a wrong one is not worth reading.
+        match m.size(key).map_err(unreadable)? {
+            Some(n) if n == header.total_bytes => {}
+            Some(n) => {
+                return Err(unusable(format!(
+                    "{n} bytes, announced {}",
+                    header.total_bytes
+                )))
             }
-            Err(e) => return Err(Status::unavailable(format!("cannot read {key}: {e:#}"))),
+            None => return Err(unusable("nothing is staged there".into())),
+        }
+        if !m.get_file(key, part).map_err(unreadable)? {
+            return Err(unusable("nothing is staged there".into()));
         }
         let checked = std::fs::File::open(part)
             .map_err(|e| e.to_string())
@@ -456,14 +468,7 @@ impl State {
                 }
                 payload::check_parts(&mut std::io::BufReader::new(f), &header.parts)
             });
-        checked.map_err(|e| {
-            refusal::status(
-                Code::InvalidArgument,
-                Kind::Invalid,
-                0,
-                format!("{key}: {e}"),
-            )
-        })
+        checked.map_err(unusable)
     }
 
     /// Parses a received upload, folds it into the open round and keeps its file in
@@ -483,7 +488,7 @@ impl State {
                 })
             }
         };
-        let accepted = (|| {
+        let accepted: Result<(), Status> = (|| {
             let mut coord = self.coord.lock().unwrap();
             let now = self.now();
             let work = Work {
@@ -498,10 +503,16 @@ impl State {
                     refusal::status(Code::InvalidArgument, Kind::Invalid, 0, format!("{e:#}"))
                 })?
                 .map_err(|e| refusal::of_round_error(&e))?;
+            // Under the coordinator's lock, so the round this upload went into counts it.
+            self.io.lock().unwrap().staged += u64::from(staged.is_some());
             let kept = self.store.pending_path(header.round, peer);
             let work = serde_json::to_vec(&work).expect("a Work serialises");
             write_atomic(&self.store.pending_work_path(header.round, peer), &work)
                 .map_err(|e| Status::internal(format!("cannot keep the upload: {e:#}")))?;
+            std::fs::rename(part, &kept)
+                .and_then(|_| spes_data::shard::sync_dir(&kept))
+                .map_err(|e| Status::internal(format!("cannot keep the upload: {e}")))?;
+            // After the upload it describes: a record is never left without its upload.
             let staged_path = self.store.pending_staged_path(header.round, peer);
             match &staged {
                 None => {
@@ -513,9 +524,7 @@ impl State {
                         .map_err(|e| Status::internal(format!("cannot keep the upload: {e:#}")))?;
                 }
             }
-            std::fs::rename(part, &kept)
-                .and_then(|_| spes_data::shard::sync_dir(&kept))
-                .map_err(|e| Status::internal(format!("cannot keep the upload: {e}")))
+            Ok(())
         })();
         let _ = std::fs::remove_file(part);
         accepted?;
