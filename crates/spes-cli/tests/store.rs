@@ -27,26 +27,19 @@ const SECRET: &str = "store-test-secret";
 fn a_lost_server_machine_loses_nothing_when_the_run_is_in_a_store() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let s3 = S3Server::start(dir);
-    let data = spes_data::testing::small_corpus(dir, 60000);
-    let config = dir.join("store.toml");
     // Whole models every 3 rounds: the new server rebuilds the newest round from one and the
     // deltas after it, all read from the store.
-    let sync = format!(
-        "mode = \"spes\"\nnodes = {NODES}\nsync_steps = {SYNC_STEPS}\ncheckpoint_every_rounds = 3\n\
-         round_timeout_s = 60\n"
+    let (s3, run, config_args, mut server_args) = store_run(
+        dir,
+        "runs/lost-server",
+        "checkpoint_every_rounds = 3\nround_timeout_s = 60\n",
     );
-    std::fs::write(&config, common::micro_config(&data, 6, MAX_STEPS, &sync)).unwrap();
-    let run = Loopback::new(dir, Some(SECRET));
-    let config_args = ["--config".to_string(), config.display().to_string()];
     let http = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap();
-    let mut server_args = config_args.to_vec();
     server_args.extend(["--linger-s".into(), "20".into()]);
     server_args.extend(["--http".into(), http.to_string()]);
-    server_args.extend(s3.flags("runs/lost-server"));
     let mut server = run.server(&server_args);
     (server.fault, server.restart) = (Some("acked@5"), true);
     server.wipe = Some(run.server_out());
@@ -186,16 +179,7 @@ fn a_lost_server_machine_loses_nothing_when_the_run_is_in_a_store() {
 fn an_expired_url_is_renewed_a_lost_staged_upload_sent_again_and_a_corrupt_object_read_from_the_server(
 ) {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path();
-    let s3 = S3Server::start(dir);
-    let data = spes_data::testing::small_corpus(dir, 60000);
-    let config = dir.join("store.toml");
-    let sync = format!("mode = \"spes\"\nnodes = {NODES}\nsync_steps = {SYNC_STEPS}\n");
-    std::fs::write(&config, common::micro_config(&data, 6, MAX_STEPS, &sync)).unwrap();
-    let run = Loopback::new(dir, Some(SECRET));
-    let config_args = ["--config".to_string(), config.display().to_string()];
-    let mut server_args = config_args.to_vec();
-    server_args.extend(s3.flags("runs/links"));
+    let (_s3, run, config_args, mut server_args) = store_run(tmp.path(), "runs/links", "");
     // URLs live 2 s; node 1 waits 3 s before reading round 2's. The uploads of round 3 are
     // gone from the store when the server reads them. Round 5 is put in the store with a byte
     // changed.
@@ -267,17 +251,8 @@ fn an_expired_url_is_renewed_a_lost_staged_upload_sent_again_and_a_corrupt_objec
 #[test]
 fn the_store_stopped_for_30_s_mid_run_loses_no_round() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path();
-    let mut s3 = S3Server::start(dir);
-    let data = spes_data::testing::small_corpus(dir, 60000);
-    let config = dir.join("store.toml");
-    let sync = format!("mode = \"spes\"\nnodes = {NODES}\nsync_steps = {SYNC_STEPS}\n");
-    std::fs::write(&config, common::micro_config(&data, 6, MAX_STEPS, &sync)).unwrap();
-    let run = Loopback::new(dir, Some(SECRET));
-    let config_args = ["--config".to_string(), config.display().to_string()];
-    let mut server_args = config_args.to_vec();
+    let (mut s3, run, config_args, mut server_args) = store_run(tmp.path(), "runs/outage", "");
     server_args.extend(["--linger-s".into(), "20".into()]);
-    server_args.extend(s3.flags("runs/outage"));
     let mut procs = vec![run.server(&server_args)];
     for peer in 0..NODES {
         procs.push(run.node(peer, &config_args));
@@ -427,6 +402,26 @@ fn wrong_store_keys_and_a_skewed_clock_are_each_one_clear_error_at_start() {
         !dir.join("server").join("server.json").exists(),
         "nothing is written"
     );
+}
+
+/// A SeaweedFS store in `dir`, a 3-node micro SPES run's loopback (`sync`: more `[sync]`
+/// keys), the processes' `--config` flags, and the server's flags with the store under
+/// `prefix`.
+fn store_run(
+    dir: &std::path::Path,
+    prefix: &str,
+    sync: &str,
+) -> (S3Server, Loopback, Vec<String>, Vec<String>) {
+    let s3 = S3Server::start(dir);
+    let data = spes_data::testing::small_corpus(dir, 60000);
+    let config = dir.join("store.toml");
+    let sync = format!("mode = \"spes\"\nnodes = {NODES}\nsync_steps = {SYNC_STEPS}\n{sync}");
+    std::fs::write(&config, common::micro_config(&data, 6, MAX_STEPS, &sync)).unwrap();
+    let run = Loopback::new(dir, Some(SECRET));
+    let config_args = vec!["--config".to_string(), config.display().to_string()];
+    let mut server_args = config_args.clone();
+    server_args.extend(s3.flags(prefix));
+    (s3, run, config_args, server_args)
 }
 
 /// Fails the test with every process's log once the run has taken 180 s.

@@ -329,9 +329,11 @@ pub fn part(bytes: u64, xxh3: u64) -> Part {
     }
 }
 
-/// Checks that `bytes` holds `parts` back to back, each with its size and checksum.
-pub fn check_parts(bytes: &mut impl Read, parts: &[Part]) -> Result<(), String> {
+/// Checks that `bytes` holds `parts` back to back, each with its size and checksum; returns
+/// the size and xxh3 of them all, as [`digest`] gives a file's.
+pub fn check_parts(bytes: &mut impl Read, parts: &[Part]) -> Result<(u64, u64), String> {
     let mut buf = vec![0u8; CHUNK_BYTES];
+    let (mut whole, mut total) = (xxhash_rust::xxh3::Xxh3::new(), 0u64);
     for (i, p) in parts.iter().enumerate() {
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();
         let mut left = p.bytes;
@@ -344,13 +346,15 @@ pub fn check_parts(bytes: &mut impl Read, parts: &[Part]) -> Result<(), String> 
                 return Err(format!("part {i} ends {left} bytes short"));
             }
             hasher.update(&buf[..n]);
+            whole.update(&buf[..n]);
             left -= n as u64;
+            total += n as u64;
         }
         if hasher.digest() != p.xxh3 {
             return Err(format!("part {i} fails its checksum"));
         }
     }
-    Ok(())
+    Ok((total, whole.digest()))
 }
 
 /// Size and xxh3-64 of a file.
@@ -450,8 +454,8 @@ pub fn send(
     ReceiverStream::new(rx)
 }
 
-/// Shared bytes as a slice, for reading them without a copy.
-struct ArcBytes(std::sync::Arc<Vec<u8>>);
+/// Shared bytes as a slice, for reading or sending them without a copy.
+pub struct ArcBytes(pub std::sync::Arc<Vec<u8>>);
 
 impl AsRef<[u8]> for ArcBytes {
     fn as_ref(&self) -> &[u8] {

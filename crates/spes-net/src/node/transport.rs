@@ -417,7 +417,7 @@ impl Link {
         if reply.url.is_empty() {
             return None;
         }
-        let bytes = spes_store::Bytes::from(u.bytes.to_vec());
+        let bytes = spes_store::Bytes::from_owner(payload::ArcBytes(u.bytes.clone()));
         // The server waits for a member only while its activity moves: it does while the PUT
         // runs, which reports no progress of its own.
         let (done, ticks) = std::sync::mpsc::channel::<()>();
@@ -460,7 +460,7 @@ impl Link {
                 .as_ref()
                 .filter(|s| failed < STORE_TRIES && s.up());
             let fell_back = self.store.is_some() && store.is_none();
-            let (header, body) = self.fetch_stream(i, ask, store.is_some(), fell_back)?;
+            let (header, body) = self.fetch_stream(i, &dest, ask, store.is_some(), fell_back)?;
             let (Some(store), None) = (store, &body) else {
                 return match body {
                     Some(body) => Ok((header, body)),
@@ -506,17 +506,17 @@ impl Link {
     fn fetch_stream(
         &self,
         i: usize,
+        dest: &Path,
         ask: &FetchPlan,
         links: bool,
         fell_back: bool,
     ) -> Result<(PayloadHeader, Option<Body>), Status> {
         let s = &self.shards[i];
-        let dest = self.out.join(format!("global-{i}.part"));
         let (peer, full, delta_max) = (self.peer, s.full_bytes, s.delta_max);
         let ask = *ask;
         retry(&self.handle, self.patience, "fetch", || {
             let mut c = s.client.clone();
-            let d = dest.clone();
+            let d = dest.to_owned();
             let activity = self.activity.clone();
             let streamed = self.read.server.clone();
             async move {

@@ -94,14 +94,15 @@ impl Mirror {
         Ok(self.store.size(key)?)
     }
 
-    /// A presigned GET URL of `file` for `lifetime`; `None` if the store cannot presign.
-    pub fn presign(&self, file: &str, lifetime: std::time::Duration) -> Result<Option<String>> {
-        Ok(self.store.presign_get(file, lifetime)?)
+    /// A presigned GET URL of `file` for `lifetime`; `None` if the store cannot presign or
+    /// failed to (logged): the caller streams instead.
+    pub fn presign(&self, file: &str, lifetime: std::time::Duration) -> Option<String> {
+        logged(file, self.store.presign_get(file, lifetime))
     }
 
-    /// A presigned PUT URL of `key` for `lifetime`; `None` if the store cannot presign.
-    pub fn presign_put(&self, key: &str, lifetime: std::time::Duration) -> Result<Option<String>> {
-        Ok(self.store.presign_put(key, lifetime)?)
+    /// As [`Mirror::presign`], a presigned PUT URL of `key`.
+    pub fn presign_put(&self, key: &str, lifetime: std::time::Duration) -> Option<String> {
+        logged(key, self.store.presign_put(key, lifetime))
     }
 
     /// Downloads `key` to `path`; `false` if there is no such object.
@@ -317,6 +318,14 @@ impl Mirror {
         }
         Ok(())
     }
+}
+
+/// A presigned URL, or `None` with the reason logged.
+fn logged(key: &str, url: Result<Option<String>, spes_store::StoreError>) -> Option<String> {
+    url.unwrap_or_else(|e| {
+        tracing::warn!("cannot presign {key}: {e}");
+        None
+    })
 }
 
 fn manifest_key(seq: u64) -> String {

@@ -235,13 +235,7 @@ impl State {
                 }
             }
         }
-        match m.presign(file, self.limits.url_lifetime) {
-            Ok(url) => url,
-            Err(e) => {
-                tracing::warn!("cannot presign {file}: {e:#}");
-                None
-            }
-        }
+        m.presign(file, self.limits.url_lifetime)
     }
 
     fn now(&self) -> f64 {

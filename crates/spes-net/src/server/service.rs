@@ -2,7 +2,7 @@
 //! whole model), upload (header checked before the body is read, then folded into the open
 //! round and kept in `pending/` until it is published) and done.
 
-use super::store::{parse_hex, DeltaPart, Stored};
+use super::store::{hex_of, parse_hex, DeltaPart, Staged, Stored};
 use super::State;
 use crate::auth::{authorize, check_peer, Caller};
 use crate::proto::refusal::Kind;
@@ -333,21 +333,26 @@ impl Spes for Service {
                 rand::random::<u64>()
             ));
             let received = if header.staged.is_empty() {
-                payload::receive_body(&mut stream, &part, &header, idle).await
+                payload::receive_body(&mut stream, &part, &header, idle)
+                    .await
+                    .map(|()| None)
             } else {
                 let (state, h, p) = (s.clone(), header.clone(), part.clone());
-                tokio::task::spawn_blocking(move || state.read_staged(&h, &p))
+                tokio::task::spawn_blocking(move || state.read_staged(&h, &p).map(Some))
                     .await
                     .map_err(|e| Status::internal(e.to_string()))?
             };
-            if let Err(e) = received {
-                let _ = std::fs::remove_file(&part);
-                return Err(e);
-            }
+            let staged = match received {
+                Ok(staged) => staged,
+                Err(e) => {
+                    let _ = std::fs::remove_file(&part);
+                    return Err(e);
+                }
+            };
             s.io.lock().unwrap().bytes_in += header.total_bytes;
             let state = s.clone();
             let (round, bytes) = (header.round, header.total_bytes);
-            tokio::task::spawn_blocking(move || state.accept(peer, &header, &part))
+            tokio::task::spawn_blocking(move || state.accept(peer, &header, &part, staged))
                 .await
                 .map_err(|e| Status::internal(e.to_string()))??;
             {
@@ -413,18 +418,12 @@ impl State {
         if bytes > spes_store::MAX_PUT {
             return None;
         }
-        match m.presign_put(key, self.limits.url_lifetime) {
-            Ok(url) => url,
-            Err(e) => {
-                tracing::warn!("cannot presign {key}: {e:#}");
-                None
-            }
-        }
+        m.presign_put(key, self.limits.url_lifetime)
     }
 
     /// Reads the upload `header` says was staged in the store into `part`, checking its size
-    /// and every part's checksum.
-    fn read_staged(&self, header: &PayloadHeader, part: &Path) -> Result<(), Status> {
+    /// and every part's checksum; returns the record a restored server fetches it by.
+    fn read_staged(&self, header: &PayloadHeader, part: &Path) -> Result<Staged, Status> {
         let Some(m) = self.store.mirror.as_ref() else {
             return Err(Status::failed_precondition(
                 "this server has no store to read uploads from",
@@ -468,26 +467,25 @@ impl State {
                 }
                 payload::check_parts(&mut std::io::BufReader::new(f), &header.parts)
             });
-        checked.map_err(unusable)
+        let (bytes, xxh3) = checked.map_err(unusable)?;
+        Ok(Staged {
+            key: key.clone(),
+            bytes,
+            xxh3: hex_of(xxh3),
+        })
     }
 
     /// Parses a received upload, folds it into the open round and keeps its file in
     /// `pending/` (and the store) until the round is published, so an acknowledged upload
-    /// survives a crash, and with a store the loss of the machine.
-    fn accept(&self, peer: usize, header: &PayloadHeader, part: &Path) -> Result<(), Status> {
-        // Staged in the store already: what a restored server fetches it by, checked.
-        let staged = match header.staged.is_empty() {
-            true => None,
-            false => {
-                let (bytes, xxh3) = payload::digest(part)
-                    .map_err(|e| Status::internal(format!("cannot read the upload: {e:#}")))?;
-                Some(super::store::Staged {
-                    key: header.staged.clone(),
-                    bytes,
-                    xxh3: super::store::hex_of(xxh3),
-                })
-            }
-        };
+    /// survives a crash, and with a store the loss of the machine. `staged`: the record of an
+    /// upload its node put in the store, kept beside it.
+    fn accept(
+        &self,
+        peer: usize,
+        header: &PayloadHeader,
+        part: &Path,
+        staged: Option<Staged>,
+    ) -> Result<(), Status> {
         let accepted: Result<(), Status> = (|| {
             let mut coord = self.coord.lock().unwrap();
             let now = self.now();
