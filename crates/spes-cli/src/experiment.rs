@@ -952,9 +952,9 @@ baseline_set = ["train.batch_size={central_batch}"]
         assert_eq!(at(two, c).train.batch_size, 8, "the baseline's own batch");
         assert_eq!(at(two, s).train.batch_size, 4, "the config's");
         assert_eq!(
-            at(two, s).train.node_lr_scale,
-            2f64.sqrt(),
-            "rules see the recipe"
+            at(two, s).sync.merge_until,
+            375,
+            "rules see the recipe: three quarters of its 500 steps"
         );
         assert_eq!(g.dir_of(Path::new("o"), two, s), Path::new("o/two/s"));
         let bad = spec(8).replace("recipes = [\"two\"]", "recipes = [\"three\"]");

@@ -51,10 +51,24 @@ pub struct Args {
 pub fn run(a: Args) -> Result<()> {
     let device = a.runtime.device()?;
     std::fs::create_dir_all(&a.out)?;
-    let cfg = match &a.config {
-        Some(path) => RunConfig::load(path, &a.overrides)?,
-        None => demo::config(&demo::prepare_data(&a.out)?, &a.overrides)?,
+    let data = match &a.config {
+        Some(_) => None,
+        None => Some(demo::prepare_data(&a.out)?),
     };
+    let load = |sets: &[String]| match (&a.config, &data) {
+        (Some(path), _) => RunConfig::load(path, sets),
+        (None, Some(data)) => demo::config(data, sets),
+        (None, None) => unreachable!("the demo's data is prepared without --config"),
+    };
+    let oracle = Oracle::parse(&a.oracle)?;
+    let mut cfg = load(&a.overrides)?;
+    // An oracle measures against a node's own second moment: where the rule chose the union
+    // estimate, the node's own is taken instead (and the rate rule follows it).
+    if oracle.any() && cfg.derived.iter().any(|d| d.key == "train.second_moment") {
+        let mut sets = a.overrides.clone();
+        sets.push("train.second_moment=own".into());
+        cfg = load(&sets)?;
+    }
     if let Some(dir) = &a.dump_changes {
         std::fs::create_dir_all(dir)?;
     }
@@ -62,7 +76,7 @@ pub fn run(a: Args) -> Result<()> {
         delay_steps: a.delay_steps,
         eval_every: a.eval_every,
         dump_changes: a.dump_changes.clone().map(|d| (d, a.dump_rounds.clone())),
-        oracle: Oracle::parse(&a.oracle)?,
+        oracle,
     };
     let r = simulate(&cfg, device, &opts)?;
     for (step, loss) in &r.curve {

@@ -28,6 +28,8 @@ pub struct DataParallel {
     trained: Vec<Tensor>,
     /// For each, the rank that holds its AdamW moments and updates it.
     owner: Vec<usize>,
+    /// The names of this rank's own tensors.
+    mine: HashSet<String>,
     /// For each, the stage of the staged backward that completes its gradient.
     stage: Vec<Stage>,
     /// Where this rank's tensors live (small control messages go there too).
@@ -100,6 +102,7 @@ impl DataParallel {
             names: Vec::new(),
             trained: Vec::new(),
             owner: Vec::new(),
+            mine: HashSet::new(),
             stage: Vec::new(),
             device,
         })
@@ -114,12 +117,19 @@ impl DataParallel {
         self.stage = self.names.iter().map(|n| MoeModel::stage_of(n)).collect();
         self.trained = trainable.iter().map(|p| p.tensor.shallow_clone()).collect();
         let me = self.rank();
-        trainable
+        let share: Vec<Param> = trainable
             .into_iter()
             .zip(&self.owner)
             .filter(|(_, &o)| o == me)
             .map(|(p, _)| p)
-            .collect()
+            .collect();
+        self.mine = share.iter().map(|p| p.name.clone()).collect();
+        share
+    }
+
+    /// Whether this rank owns the trainable tensor `name` (holds its moments, updates it).
+    pub fn owns(&self, name: &str) -> bool {
+        self.mine.contains(name)
     }
 
     /// Trains `trainable` from now on (a node's experts changed): splits them among the ranks
@@ -149,37 +159,49 @@ impl DataParallel {
                 .filter(|&i| before.get(&self.names[i]) == Some(&from) && self.owner[i] != from)
                 .collect();
             for chunk in moving.chunks(64) {
-                let mut ts = Vec::with_capacity(2 * chunk.len() + 1);
-                let mut started = Vec::with_capacity(chunk.len());
+                // Per tensor its two moments and its noise average (zeros where it has none),
+                // then each one's start step and whether it has a noise average.
+                let mut ts = Vec::with_capacity(3 * chunk.len() + 1);
+                let (mut started, mut noisy) = (Vec::new(), Vec::new());
                 for &i in chunk {
                     let held = (me == from)
                         .then(|| opt.moments_of(&self.names[i]))
                         .flatten();
+                    let zeros = || self.trained[i].zeros_like();
                     match held {
                         Some(m) => {
-                            ts.extend([m.exp_avg, m.exp_avg_sq]);
+                            noisy.push(m.noise.is_some() as i64);
+                            ts.extend([m.exp_avg, m.exp_avg_sq, m.noise.unwrap_or_else(zeros)]);
                             started.push(m.started);
                         }
                         None => {
-                            ts.extend([self.trained[i].zeros_like(), self.trained[i].zeros_like()]);
+                            ts.extend([zeros(), zeros(), zeros()]);
                             started.push(0);
+                            noisy.push(0);
                         }
                     }
                 }
+                started.extend(noisy);
                 ts.push(Tensor::from_slice(&started).to_device(self.device));
                 tch::no_grad(|| self.group.broadcast(&ts, from)).with_context(|| {
                     format!("rank {me}: moving moments from rank {from} to their new owners")
                 })?;
-                let started =
+                let flags =
                     Vec::<i64>::try_from(&ts.pop().expect("started").to_device(Device::Cpu))?;
+                let (started, noisy) = flags.split_at(chunk.len());
                 let mut ts = ts.into_iter();
-                for (&i, s) in chunk.iter().zip(started) {
-                    let (m, v) = (ts.next().expect("exp_avg"), ts.next().expect("exp_avg_sq"));
+                for (k, &i) in chunk.iter().enumerate() {
+                    let (m, v, n) = (
+                        ts.next().expect("exp_avg"),
+                        ts.next().expect("exp_avg_sq"),
+                        ts.next().expect("noise"),
+                    );
                     if self.owner[i] == me {
                         let moments = Moments {
                             exp_avg: m.detach(),
                             exp_avg_sq: v.detach(),
-                            started: s,
+                            started: started[k],
+                            noise: (noisy[k] != 0).then(|| n.detach()),
                         };
                         incoming.insert(self.names[i].clone(), moments);
                     }
@@ -344,7 +366,7 @@ impl DataParallel {
         (0..self.owner.len()).filter(move |&i| self.owner[i] == r)
     }
 
-    /// Every rank's AdamW moments, in the optimizer's checkpoint format: on rank 0 (in host
+    /// Every rank's AdamW moments (and noise averages), in the optimizer's checkpoint format: on rank 0 (in host
     /// memory), `None` on the others. Every rank must call it; owners send their moments a
     /// bucket at a time, so no other rank ever holds more than a bucket of them.
     pub fn gather_optimizer_state(&self, opt: &AdamW) -> Result<Option<Vec<(String, Tensor)>>> {
@@ -355,7 +377,7 @@ impl DataParallel {
             for chunk in owned.chunks(64) {
                 let (mut moments, mut names) = (Vec::new(), Vec::new());
                 for &i in chunk {
-                    for prefix in ["exp_avg", "exp_avg_sq"] {
+                    for prefix in ["exp_avg", "exp_avg_sq", "noise"] {
                         let key = format!("{prefix}.{}", self.names[i]);
                         let t = match mine.get(&key) {
                             Some(t) if r == self.rank() => t.shallow_clone(),
@@ -365,26 +387,34 @@ impl DataParallel {
                         names.push(key);
                     }
                 }
-                let started: Vec<i64> = chunk
+                // Each tensor's start step, then whether it has a noise average.
+                let mut flags: Vec<i64> = chunk
                     .iter()
                     .map(|&i| match mine.get(&format!("started.{}", self.names[i])) {
                         Some(t) if r == self.rank() => t.int64_value(&[]),
                         _ => 0,
                     })
                     .collect();
+                flags.extend(chunk.iter().map(|&i| {
+                    (r == self.rank() && mine.contains_key(&format!("noise.{}", self.names[i])))
+                        as i64
+                }));
                 let device = self.trained[chunk[0]].device();
-                moments.push(Tensor::from_slice(&started).to_device(device));
+                moments.push(Tensor::from_slice(&flags).to_device(device));
                 self.group.broadcast(&moments, r).with_context(|| {
                     format!("rank {}: gathering rank {r}'s moments", self.rank())
                 })?;
                 if self.is_first() {
-                    let started = Vec::<i64>::try_from(
+                    let flags = Vec::<i64>::try_from(
                         &moments.pop().expect("started").to_device(Device::Cpu),
                     )?;
-                    for (name, t) in names.into_iter().zip(moments) {
-                        out.push((name, t.to_device(Device::Cpu)));
+                    let (started, noisy) = flags.split_at(chunk.len());
+                    for (k, (name, t)) in names.into_iter().zip(moments).enumerate() {
+                        if k % 3 < 2 || noisy[k / 3] != 0 {
+                            out.push((name, t.to_device(Device::Cpu)));
+                        }
                     }
-                    for (&i, s) in chunk.iter().zip(started) {
+                    for (&i, &s) in chunk.iter().zip(started) {
                         if s != 0 {
                             out.push((format!("started.{}", self.names[i]), Tensor::from(s)));
                         }

@@ -34,8 +34,8 @@ pub struct MemoryInput {
     pub frozen_bf16: bool,
     /// Logits per chunk of the LM-head loss (spes-model's default: 2^26).
     pub logits_chunk: u64,
-    /// `train.second_moment = "union_estimate"`: the gradients of the first half of a step's
-    /// rows, kept through the second half's backward.
+    /// `train.second_moment = "union_estimate"`: a noise average and a gradient copy per
+    /// averaged tensor this rank owns.
     pub estimate: Option<UnionEstimate>,
     /// Memory in use before the first tensor: the CUDA context and kernels on a GPU, the
     /// process with libtorch loaded on CPU.
@@ -62,9 +62,9 @@ pub struct MemoryPlan {
     pub activations: u64,
     /// The larger of the LM head's chunk working set and one block's backward buffers.
     pub workspace: u64,
-    /// `train.second_moment = "union_estimate"` (0 without): per averaged tensor its noise
-    /// average (AdamW state, this rank's share) and its gradient after the first half of the
-    /// rows, kept through the second half's backward.
+    /// `train.second_moment = "union_estimate"` (0 without): per averaged tensor this rank
+    /// owns, its noise average (AdamW state) and a copy of its gradient (after the first half
+    /// of the rows, or this rank's own before the reduction).
     pub second_moment_estimate: u64,
     pub runtime: u64,
     /// The allocator's headroom ([`MemoryInput::slack`]).
@@ -241,7 +241,7 @@ pub fn plan(i: &MemoryInput) -> MemoryPlan {
         workspace: head.max(per_layer),
         second_moment_estimate: i.estimate.map_or(0, |e| {
             let averaged = if e.experts { trainable } else { shared };
-            4 * averaged.div_ceil(i.ranks.max(1) as u64) + 4 * averaged
+            8 * averaged.div_ceil(i.ranks.max(1) as u64)
         }),
         runtime: 0,
         slack: 0,
@@ -303,7 +303,8 @@ mod tests {
     }
 
     /// The second-moment estimate keeps two fp32 values per averaged tensor (the shared ones in
-    /// SPES, every trained one in DiLoCo): the noise average and the first half's gradient.
+    /// SPES, every trained one in DiLoCo): the noise average and a gradient copy, each rank of
+    /// several for the tensors it owns.
     #[test]
     fn the_second_moment_estimate_costs_two_values_of_the_averaged_tensors() {
         let i = input("1b", 1);
@@ -319,6 +320,15 @@ mod tests {
         assert_eq!(with(false).total() - plan(&i).total(), 8 * counts.shared);
         let trained = counts.shared + i.model.n_layers as u64 * counts.per_expert;
         assert_eq!(with(true).second_moment_estimate, 8 * trained);
+        let ranks = plan(&MemoryInput {
+            ranks: 8,
+            estimate: Some(UnionEstimate {
+                nodes: 16,
+                experts: false,
+            }),
+            ..i.clone()
+        });
+        assert_eq!(ranks.second_moment_estimate, 8 * counts.shared.div_ceil(8));
     }
 
     #[test]

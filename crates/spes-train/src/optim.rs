@@ -115,6 +115,7 @@ impl AdamW {
         incoming: HashMap<String, Moments>,
     ) -> Retarget {
         let mut old: HashMap<String, Moments> = incoming;
+        let mut noise = std::mem::take(&mut self.noise);
         let held: HashMap<String, Moments> = self
             .names
             .drain(..)
@@ -122,12 +123,14 @@ impl AdamW {
             .zip(self.exp_avg_sq.drain(..))
             .zip(self.started.drain(..))
             .map(|(((n, exp_avg), exp_avg_sq), started)| {
+                let noise = noise.remove(&n);
                 (
                     n,
                     Moments {
                         exp_avg,
                         exp_avg_sq,
                         started,
+                        noise,
                     },
                 )
             })
@@ -141,6 +144,9 @@ impl AdamW {
             match old.remove(&p.name) {
                 Some(m) => {
                     report.kept += 1;
+                    if let Some(n) = m.noise {
+                        self.noise.insert(p.name.clone(), n);
+                    }
                     self.push(p, Some((m.exp_avg, m.exp_avg_sq)), m.started);
                 }
                 None => {
@@ -152,8 +158,6 @@ impl AdamW {
         }
         report.dropped = old.into_keys().collect();
         report.dropped.sort();
-        let names = &self.names;
-        self.noise.retain(|n, _| names.contains(n));
         report
     }
 
@@ -164,7 +168,32 @@ impl AdamW {
             exp_avg: self.exp_avg[i].shallow_clone(),
             exp_avg_sq: self.exp_avg_sq[i].shallow_clone(),
             started: self.started[i],
+            noise: self.noise.get(name).map(Tensor::shallow_clone),
         })
+    }
+
+    /// The positions (in [`AdamW::param_names`]'s order) of the tensors that have a noise
+    /// average ([`AdamW::step_with_noise`]).
+    pub fn noise_held(&self) -> Vec<i64> {
+        (0..self.names.len())
+            .filter(|&i| self.noise.contains_key(&self.names[i]))
+            .map(|i| i as i64)
+            .collect()
+    }
+
+    /// The noise averages of the tensors at positions `which`, zero where this optimizer had
+    /// none, sharing storage: what a data-parallel rank overwrites with rank 0's.
+    pub fn noise_tensors(&mut self, which: &[i64]) -> Vec<Tensor> {
+        which
+            .iter()
+            .map(|&i| {
+                let (name, w) = (&self.names[i as usize], &self.weights[i as usize]);
+                self.noise
+                    .entry(name.clone())
+                    .or_insert_with(|| zeros_like(w))
+                    .shallow_clone()
+            })
+            .collect()
     }
 
     /// The step clock: optimizer steps taken and, per tensor, the step its moments started.
@@ -480,6 +509,8 @@ pub struct Moments {
     pub exp_avg_sq: Tensor,
     /// The optimizer step at which these moments started (bias correction counts from it).
     pub started: i64,
+    /// The average of its gradient's noise variance, where a `"union_estimate"` node keeps one.
+    pub noise: Option<Tensor>,
 }
 
 /// What [`AdamW::retarget`] did.

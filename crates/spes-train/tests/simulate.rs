@@ -137,6 +137,7 @@ fn with_every_union_statistic_diloco_at_one_step_a_round_is_the_centralized_run(
             "sync.max_update_factor=0",
             "train.node_lr_scale=1",
             "train.expert_lr_scale=1",
+            "train.second_moment=own",
         ]);
         let names: Vec<String> = oracle.iter().map(|s| s.to_string()).collect();
         let opts = SimOptions {
@@ -186,8 +187,9 @@ fn with_every_union_statistic_diloco_at_one_step_a_round_is_the_centralized_run(
     }
 }
 
-/// A SPES run with the union estimate trains (ownership, merges and the wire as usual) and
-/// takes other steps than with each node's own second moment; a centralized config is refused.
+/// A SPES run with the union estimate, the default, trains (ownership, merges and the wire as
+/// usual) and takes other steps than with each node's own second moment; a centralized
+/// config is refused it.
 #[test]
 fn the_union_estimate_runs_in_a_spes_run() {
     let dir = tempfile::tempdir().unwrap();
@@ -197,12 +199,13 @@ fn the_union_estimate_runs_in_a_spes_run() {
             .unwrap()
             .final_val_loss
     };
-    let own = run(&[]);
+    let own = run(&["train.second_moment=own"]);
     let estimate = run(&["train.second_moment=union_estimate"]);
     assert!(
         estimate.is_finite() && estimate != own,
         "{estimate} vs {own}"
     );
+    assert_eq!(run(&[]).to_bits(), estimate.to_bits(), "the default");
     let e = RunConfig::parse(
         &format!(
             "[model]\npreset = \"micro\"\n[data]\npath = \"{}\"\n[train]\nseq_len = 32\nsecond_moment = \"union_estimate\"\n",

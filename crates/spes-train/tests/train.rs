@@ -310,3 +310,107 @@ fn a_step_of_uneven_micro_batches_is_the_mean_over_its_rows() {
     assert_ne!(a.losses.lb_loss, c.losses.lb_loss, "three passes, not one");
     assert!(cut.train_rows(0).is_err(), "a step needs a row");
 }
+
+/// A DiLoCo node's union estimate of the second moment from two data-parallel ranks (each
+/// rank's gradient against their mean) equals one process's from the two halves of the same
+/// rows: the same losses, weights and noise averages, also after the trained set changes
+/// mid-run, which moves tensors, their moments and their noise averages between the ranks;
+/// with gradients reduced stage by stage during backward (the default) or after it.
+#[test]
+fn two_ranks_estimate_the_second_moment_as_one_process_of_both_halves() {
+    use spes_train::data_parallel::{Backend, DataParallel, Rendezvous};
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let sets = |more: &[&str]| {
+        let estimate = "train.second_moment=union_estimate";
+        let diloco = [
+            "sync.mode=diloco",
+            "sync.nodes=4",
+            "sync.sync_steps=3",
+            estimate,
+        ];
+        config(&data, &[&diloco[..], more].concat())
+    };
+    // Six steps; after the third, the experts of index 0 freeze.
+    let run = |mut tr: Trainer, root: PathBuf| {
+        let mut losses = Vec::new();
+        for step in 0..6 {
+            if step == 3 {
+                tr.set_trainable(|r| !matches!(r, Role::Expert { index: 0, .. }))
+                    .unwrap();
+            }
+            losses.push(tr.train_step().unwrap().losses.loss);
+        }
+        let saved = tr.save_checkpoint(&root).unwrap();
+        (losses, named(&tr), saved)
+    };
+    let one = Trainer::new(sets(&["train.batch_size=4"]), Device::Cpu, |_| true).unwrap();
+    let (losses_one, weights_one, dir_one) = run(one, tmp.path().join("one"));
+    for overlap in ["true", "false"] {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let reduce = format!("train.overlap_grad_reduce={overlap}");
+                let cfg = sets(&["train.batch_size=2", &reduce]);
+                let root = tmp.path().join(format!("two-{overlap}"));
+                std::thread::spawn(move || {
+                    let r = Rendezvous {
+                        host: "127.0.0.1".into(),
+                        port,
+                        rank,
+                        world: 2,
+                        timeout: std::time::Duration::from_secs(60),
+                        backend: Backend::Gloo,
+                    };
+                    let dp = DataParallel::join(&r, Device::Cpu).unwrap();
+                    let mut tr = Trainer::new(cfg, Device::Cpu, |_| true).unwrap();
+                    tr.set_data_parallel(dp).unwrap();
+                    run(tr, root)
+                })
+            })
+            .collect();
+        let mut ranks: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        let (losses_two, weights_two, dir_two) = ranks.remove(0);
+        let close = |a: &Tensor, b: &Tensor, tol: f64, what: &str| {
+            let scale = a.abs().max().double_value(&[]).max(1e-12);
+            let diff = (a - b).abs().max().double_value(&[]);
+            assert!(
+                diff <= tol * scale,
+                "{what} differs by {diff} (scale {scale})"
+            );
+        };
+        for (step, (a, b)) in losses_one.iter().zip(&losses_two).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * a.abs(),
+                "step {}: {a} vs {b}",
+                step + 1
+            );
+        }
+        for ((n, a), (m, b)) in weights_one.iter().zip(&weights_two) {
+            assert_eq!(n, m);
+            close(a, b, 1e-5, n);
+        }
+        let noise = |dir: Option<PathBuf>| -> Vec<(String, Tensor)> {
+            let file = dir.unwrap().join(checkpoint::OPTIMIZER_FILE);
+            let mut v: Vec<(String, Tensor)> = Tensor::read_safetensors(&file)
+                .unwrap()
+                .into_iter()
+                .filter(|(n, _)| n.starts_with("noise."))
+                .collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        let (a, b) = (noise(dir_one.clone()), noise(dir_two));
+        assert!(a.len() > 10, "{} noise averages", a.len());
+        assert!(!a.iter().any(|(n, _)| n.contains(".experts.0.")), "frozen");
+        assert_eq!(a.len(), b.len());
+        for ((n, x), (m, y)) in a.iter().zip(&b) {
+            assert_eq!(n, m);
+            close(x, y, 1e-4, n);
+        }
+    }
+}

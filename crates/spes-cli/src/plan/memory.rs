@@ -49,7 +49,8 @@ pub struct Args {
     #[arg(long, default_value = "auto", value_parser = ["auto", "bf16", "fp32"])]
     frozen_experts: String,
     /// What a node's second moment is fed (`train.second_moment`; default: the config's, or
-    /// own): union_estimate keeps two more fp32 values per averaged tensor.
+    /// as the rule chooses, union_estimate with --nodes above 1): union_estimate keeps two
+    /// more fp32 values per averaged tensor.
     #[arg(long, value_parser = ["own", "union_estimate"])]
     second_moment: Option<String>,
     /// GiB in use before the first tensor: CUDA context, cuBLAS/cuDNN workspaces, kernels.
@@ -130,7 +131,10 @@ fn input(a: &Args) -> Result<MemoryInput> {
             }),
             (Some(_), _) => None,
             (None, Some(c)) => UnionEstimate::of(c),
-            (None, None) => None,
+            (None, None) => (nodes > 1).then_some(UnionEstimate {
+                nodes,
+                experts: all,
+            }),
         },
         logits_chunk: 1 << 26,
         runtime_bytes: (a.runtime_gb * GIB) as u64,
@@ -193,7 +197,7 @@ pub fn run(a: Args) -> Result<()> {
             p.workspace
         }),
         (
-            "second-moment estimate (noise average, first half's gradients)",
+            "second-moment estimate (noise average, gradient copy)",
             |p| p.second_moment_estimate,
         ),
         ("runtime (CUDA context, kernels)", |p| p.runtime),

@@ -163,9 +163,9 @@ pub struct TrainConfig {
     pub grad_clip: f64,
     /// `own`, or `union_estimate`: in SPES and DiLoCo, each averaged tensor's step divides by
     /// an estimate of the second moment of the nodes' batches together, so the averaged steps
-    /// keep the centralized step's length (the step's backward runs in two halves of its
-    /// rows; two fp32 values more per averaged tensor: a noise average and the first half's
-    /// gradient).
+    /// keep the centralized step's length (one rank's backward runs in two halves of its
+    /// rows; two fp32 values more per averaged tensor: a noise average and a copy of a
+    /// gradient). Default "auto": `union_estimate` where it applies ([`rules`]).
     pub second_moment: SecondMoment,
     pub z_loss_weight: f64,
     pub lb_loss_weight: f64,

@@ -22,6 +22,18 @@ impl std::fmt::Display for Derived {
     }
 }
 
+/// What a node's AdamW second moment is fed: an estimate of every node's batch together
+/// where nodes average their steps (SPES and DiLoCo with more than one node) and a step's rows
+/// split in two halves (batch_size × grad_accum ≥ 2); the node's own elsewhere. The estimate
+/// brought every recipe of the grid closer to centralized, beyond the seed spread
+/// (docs/results/quality.md#the-fix-on-four-recipes--2-seeds-2026-12-06).
+pub fn second_moment(mode: Mode, nodes: usize, rows_per_step: usize) -> SecondMoment {
+    match mode {
+        Mode::Spes | Mode::Diloco if nodes > 1 && rows_per_step >= 2 => SecondMoment::UnionEstimate,
+        _ => SecondMoment::Own,
+    }
+}
+
 /// Nodes' rate for the shared parameters over the centralized rate `train.lr`: averaging n
 /// nodes' AdamW steps cancels part of their noise, so the mean moves about 1/√n as far as one
 /// step on the n-fold batch; √n gives it back. 1 for a centralized run, and for nodes whose
@@ -64,24 +76,43 @@ pub fn merge_every(merge_until: u64, sync_steps: u64) -> u64 {
 /// from the config with every earlier rule's result filled in.
 struct Rule {
     key: &'static str,
+    /// The words the key takes besides "auto" (none: it takes numbers).
+    words: &'static [&'static str],
     text: &'static str,
     derive: fn(&RunConfig) -> toml::Value,
 }
 
 /// The rules, in the order they are derived (later rules may read earlier results).
-const RULES: [Rule; 5] = [
+const RULES: [Rule; 6] = [
+    Rule {
+        key: "train.second_moment",
+        words: &["own", "union_estimate"],
+        text: "\"union_estimate\" on SPES and DiLoCo nodes (sync.nodes > 1) of ≥ 2 rows a step, \"own\" otherwise",
+        derive: |c| {
+            let t = &c.train;
+            let m = second_moment(c.sync.mode, c.sync.nodes, t.batch_size * t.grad_accum);
+            match m {
+                SecondMoment::Own => "own",
+                SecondMoment::UnionEstimate => "union_estimate",
+            }
+            .into()
+        },
+    },
     Rule {
         key: "train.node_lr_scale",
+        words: &[],
         text: "√sync.nodes on SPES and DiLoCo nodes, 1 centralized or with train.second_moment = \"union_estimate\"",
         derive: |c| node_lr_scale(c.sync.mode, c.sync.nodes, c.train.second_moment).into(),
     },
     Rule {
         key: "train.expert_lr_scale",
+        words: &[],
         text: "1 / train.node_lr_scale in SPES: experts at the centralized rate",
         derive: |c| expert_lr_scale(c.sync.mode, c.train.node_lr_scale).into(),
     },
     Rule {
         key: "train.warmup_steps",
+        words: &[],
         text: "a tenth of train.t_max, or of train.max_steps",
         derive: |c| {
             let t = &c.train;
@@ -91,11 +122,13 @@ const RULES: [Rule; 5] = [
     },
     Rule {
         key: "sync.merge_until",
+        words: &[],
         text: "three quarters of train.max_steps",
         derive: |c| (merge_until(c.train.max_steps) as i64).into(),
     },
     Rule {
         key: "sync.merge_every",
+        words: &[],
         text: "a third of sync.merge_until, on a sync step",
         derive: |c| (merge_every(c.sync.merge_until, c.sync.sync_steps) as i64).into(),
     },
@@ -110,8 +143,16 @@ pub(crate) fn resolve(doc: &mut toml::Table) -> Result<Vec<Derived>> {
         match doc.get(section).and_then(|s| s.get(key)) {
             None => auto.push(rule),
             Some(toml::Value::String(s)) if s == "auto" => auto.push(rule),
-            Some(toml::Value::String(s)) => {
+            Some(toml::Value::String(s)) if rule.words.contains(&s.as_str()) => {}
+            Some(toml::Value::String(s)) if rule.words.is_empty() => {
                 bail!("key `{section}.{key}`: expected a number or \"auto\", got \"{s}\"")
+            }
+            Some(toml::Value::String(s)) => {
+                let words: Vec<String> = rule.words.iter().map(|w| format!("\"{w}\"")).collect();
+                bail!(
+                    "key `{section}.{key}`: expected {} or \"auto\", got \"{s}\"",
+                    words.join(", ")
+                )
             }
             Some(_) => {}
         }
@@ -161,19 +202,26 @@ mod tests {
     }
 
     /// The demo's config states the centralized rate; the rules give back the rates and
-    /// schedule it was tuned with (docs/results/quality.md), to the bit.
+    /// schedule it was tuned with (docs/results/quality.md), to the bit: with the union
+    /// estimate every rate is the centralized one, with the node's own second moment the
+    /// shared parameters step √n as far.
     #[test]
     fn the_demo_config_derives_its_tuned_values() {
         let c = tiny(&[]);
         assert_eq!(c.train.lr, 3e-3);
-        assert_eq!(c.train.node_lr(), 6e-3);
+        assert_eq!(c.train.second_moment, SecondMoment::UnionEstimate);
+        assert_eq!(c.train.node_lr(), 3e-3);
         assert_eq!(c.train.node_lr() * c.train.expert_lr_scale, 3e-3);
+        let own = tiny(&["train.second_moment=\"own\""]);
+        assert_eq!(own.train.node_lr(), 6e-3);
+        assert_eq!(own.train.node_lr() * own.train.expert_lr_scale, 3e-3);
         assert_eq!(c.train.warmup_steps, 40);
         assert_eq!((c.sync.merge_every, c.sync.merge_until), (100, 300));
         let keys: Vec<&str> = c.derived.iter().map(|d| d.key).collect();
         assert_eq!(
             keys,
             [
+                "train.second_moment",
                 "train.node_lr_scale",
                 "train.expert_lr_scale",
                 "train.warmup_steps",
@@ -182,7 +230,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            c.derived[2].to_string(),
+            c.derived[3].to_string(),
             "train.warmup_steps = 40 (auto: a tenth of train.t_max, or of train.max_steps)"
         );
     }
@@ -190,18 +238,34 @@ mod tests {
     /// The rules follow the recipe: node count, run length, sync interval and mode.
     #[test]
     fn rules_follow_the_recipe() {
-        let c = tiny(&["sync.nodes=8", "train.max_steps=250"]);
+        let own = "train.second_moment=\"own\"";
+        let c = tiny(&["sync.nodes=8", "train.max_steps=250", own]);
         assert_eq!(c.train.node_lr_scale, 8f64.sqrt());
         assert_eq!(c.train.expert_lr_scale, 1.0 / 8f64.sqrt());
         assert_eq!(c.train.warmup_steps, 25);
         assert_eq!((c.sync.merge_every, c.sync.merge_until), (60, 187));
-        let c = tiny(&["sync.nodes=2", "train.max_steps=1000", "train.t_max=2000"]);
+        let c = tiny(&[
+            "sync.nodes=2",
+            "train.max_steps=1000",
+            "train.t_max=2000",
+            own,
+        ]);
         assert_eq!(c.train.node_lr_scale, 2f64.sqrt());
         assert_eq!(c.train.warmup_steps, 200, "a tenth of t_max");
-        let c = tiny(&["sync.mode=diloco"]);
+        let c = tiny(&["sync.mode=diloco", own]);
         assert_eq!((c.train.node_lr_scale, c.train.expert_lr_scale), (2.0, 1.0));
         let c = tiny(&["sync.mode=centralized", "train.batch_size=16"]);
         assert_eq!((c.train.node_lr(), c.train.expert_lr_scale), (3e-3, 1.0));
+        assert_eq!(c.train.second_moment, SecondMoment::Own);
+        // The estimate needs nodes to average over and two halves of a step's rows.
+        let estimate =
+            |sets: &[&str]| tiny(sets).train.second_moment == SecondMoment::UnionEstimate;
+        assert!(estimate(&["sync.mode=diloco"]));
+        assert!(!estimate(&["sync.nodes=1"]));
+        assert!(!estimate(&["train.batch_size=1"]));
+        assert!(estimate(&["train.batch_size=1", "train.grad_accum=2"]));
+        let c = tiny(&["sync.nodes=1"]);
+        assert_eq!(c.train.node_lr_scale, 1.0);
         assert_eq!(merge_every(10, 5), 5, "at least one sync step");
     }
 
@@ -219,6 +283,10 @@ mod tests {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/spes-tiny.toml");
         let e = RunConfig::load(&path, &["train.warmup_steps=\"soon\"".into()]).unwrap_err();
         assert!(format!("{e:#}").contains("`train.warmup_steps`: expected a number or \"auto\""));
+        let e = RunConfig::load(&path, &["train.second_moment=\"mine\"".into()]).unwrap_err();
+        assert!(format!("{e:#}").contains(
+            "`train.second_moment`: expected \"own\", \"union_estimate\" or \"auto\", got \"mine\""
+        ));
         let c = tiny(&["sync.nodes=8"]);
         let again = RunConfig::parse(&c.to_toml().unwrap(), &[]).unwrap();
         assert!(again.derived.is_empty());
@@ -229,6 +297,6 @@ mod tests {
         assert!(c
             .to_toml()
             .unwrap()
-            .starts_with("# derived by rule (docs/guides/configuration.md#rules):\n# train.node_lr_scale = 2.8284271247461903"));
+            .starts_with("# derived by rule (docs/guides/configuration.md#rules):\n# train.second_moment = \"union_estimate\""));
     }
 }

@@ -172,11 +172,11 @@ impl Trainer {
     /// rows of each batch and averages gradients with the other ranks. Every rank starts from
     /// rank 0's weights and optimizer state.
     pub fn set_data_parallel(&mut self, mut dp: DataParallel) -> Result<()> {
-        if self.options.estimate.is_some() && dp.world() > 1 {
-            bail!("train.second_moment = \"union_estimate\" is not built for a node of several ranks yet; use \"own\"");
-        }
         let mut state: Vec<Tensor> = self.model.params().into_iter().map(|p| p.tensor).collect();
         state.extend(self.opt.moment_tensors());
+        // A resumed `union_estimate` node's noise averages: rank 0's, for the same tensors.
+        let noisy = dp.broadcast_ints(self.opt.noise_held())?;
+        state.extend(self.opt.noise_tensors(&noisy));
         dp.broadcast_from_first(&state)?;
         self.model.refresh_resident();
         let (steps, started) = self.opt.clock();

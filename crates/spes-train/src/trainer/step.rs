@@ -1,14 +1,15 @@
 //! One optimizer step: forward and backward over a step's micro-batches, then clipping and
 //! AdamW, alone or as one rank of a data-parallel node.
 
-use super::second_moment::{clip_squares, FirstHalf, UnionEstimate};
+use super::second_moment::{clip_squares, LocalPart, UnionEstimate};
 use super::StepStats;
 use crate::data_parallel::DataParallel;
 use crate::metrics::StepLosses;
 use crate::optim::AdamW;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use spes_ext::dist::PendingMean;
 use spes_model::{LossWeights, MoeModel};
+use std::collections::HashMap;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
@@ -52,8 +53,9 @@ pub struct Backward {
     /// Data parallel: the last batch's gradient reductions under way.
     reducing: Vec<PendingMean>,
     failed: Option<anyhow::Error>,
-    /// With [`StepOptions::estimate`]: the gradients after the first half of the rows.
-    first_half: Option<FirstHalf>,
+    /// With [`StepOptions::estimate`]: the gradients of part of the rows (the first half, or
+    /// with several ranks this rank's own before the reduction).
+    part: Option<LocalPart>,
 }
 
 impl Backward {
@@ -91,13 +93,12 @@ pub fn step_on_batches(
     batches: &[Tensor],
 ) -> Result<StepStats> {
     let halves;
+    let ranks = dp.map_or(1, DataParallel::world);
     let batches = match (o.estimate, batches) {
-        (Some(_), _) if dp.is_some() => {
-            bail!("train.second_moment = \"union_estimate\" is not built for a node of several ranks yet; use \"own\"")
-        }
-        // The estimate needs two halves of the rows: one batch becomes two (a step of one
-        // row, which a round by tokens may give, is taken whole and measures no noise).
-        (Some(_), [one]) if one.size()[0] >= 2 => {
+        // A node of one rank estimates from two halves of its rows: one batch becomes two (a
+        // step of one row, which a round by tokens may give, is taken whole and measures no
+        // noise).
+        (Some(_), [one]) if ranks == 1 && one.size()[0] >= 2 => {
             let rows = one.size()[0];
             halves = one.split_with_sizes([rows / 2, rows - rows / 2], 0);
             &halves[..]
@@ -108,19 +109,9 @@ pub fn step_on_batches(
     let optimizer = spes_ext::count::enter(spes_ext::count::Phase::Optimizer);
     let grad_norm = match dp {
         None => {
-            let noise = b
-                .first_half
-                .take()
-                .zip(o.estimate)
-                .map(|(half, e)| (half.noise(), e.nodes));
+            let noise = b.part.take().map(LocalPart::noise);
             let norm = opt.clip_grad_norm(o.grad_clip)?;
-            match noise {
-                Some((mut noise, nodes)) => {
-                    clip_squares(&mut noise, &norm, o.grad_clip);
-                    opt.step_with_noise(lr, &noise, nodes)?;
-                }
-                None => opt.step(lr)?,
-            }
+            update(opt, o, noise, &norm, lr)?;
             opt.zero_grad()?;
             norm
         }
@@ -137,8 +128,9 @@ pub fn step_on_batches(
             }
             dp.average(std::slice::from_mut(&mut b.sums))?;
             b.tokens *= dp.world() as u64;
+            let noise = b.part.take().map(LocalPart::noise);
             let norm = dp.clip_grad_norm(o.grad_clip)?;
-            opt.step(lr)?;
+            update(opt, o, noise, &norm, lr)?;
             dp.share_updates()?;
             dp.zero_grads()?;
             norm
@@ -146,6 +138,24 @@ pub fn step_on_batches(
     };
     drop(optimizer);
     Ok(b.stats(grad_norm, lr))
+}
+
+/// AdamW's update from the clipped gradients (pre-clip norm `norm`), dividing by the union
+/// estimate where the step measured its gradients' `noise` (before clipping).
+fn update(
+    opt: &mut AdamW,
+    o: &StepOptions,
+    noise: Option<HashMap<String, Tensor>>,
+    norm: &Tensor,
+    lr: f64,
+) -> Result<()> {
+    match noise.zip(o.estimate) {
+        Some((mut noise, e)) => {
+            clip_squares(&mut noise, norm, o.grad_clip);
+            opt.step_with_noise(lr, &noise, e.nodes)
+        }
+        None => opt.step(lr),
+    }
 }
 
 /// The forward and backward passes of a step over `batches`, each batch's gradient added to
@@ -177,18 +187,29 @@ pub fn backward_batches(
     // while its backward runs on (the earlier batches only accumulate).
     let mut reducing = Vec::new();
     let mut failed = None;
-    // With the estimate, the first half of the batches (by count) is one half of the rows.
+    // With the estimate, a node of one rank copies the gradients after the first half of the
+    // batches (by count), one half of its rows; each rank of several copies its whole
+    // gradient of the tensors it owns before they are reduced, stage by stage when staged.
+    let ranks = dp.map_or(1, DataParallel::world);
     let half = o
         .estimate
-        .filter(|_| dp.is_none() && batches.len() >= 2)
+        .filter(|_| ranks == 1 && batches.len() >= 2)
         .map(|e| (e, batches.len() / 2));
-    let mut first_half = None;
+    let mut part = None;
+    let mut owned = Vec::new();
+    if let (Some(e), Some(dp)) = (o.estimate, dp.filter(|_| ranks >= 2)) {
+        part = Some(e.part((total_rows, total_rows), ranks));
+        owned = model.trainable_params();
+        owned.retain(|p| dp.owns(&p.name));
+    }
     // Mixed precision: every micro-batch multiplies by one set of bf16 copies, made here.
     model.begin_step();
     for (i, batch) in batches.iter().enumerate() {
         if let Some((e, n)) = half.filter(|&(_, n)| n == i) {
             let r1: i64 = batches[..n].iter().map(rows_of).sum();
-            first_half = Some(e.first_half(model, (r1, total_rows - r1)));
+            let mut first = e.part((r1, total_rows), 1);
+            e.capture(&mut first, &model.trainable_params());
+            part = Some(first);
         }
         let (rows, cols) = batch.size2().expect("batch is [rows, seq+1]");
         tokens += (rows * (cols - 1)) as u64;
@@ -199,6 +220,12 @@ pub fn backward_batches(
                 share(batch),
                 o.checkpoint,
                 &mut |stage| {
+                    if let (Some(e), Some(part)) = (o.estimate, part.as_mut()) {
+                        let of_stage = owned
+                            .iter()
+                            .filter(|p| MoeModel::stage_of(&p.name) == stage);
+                        e.capture(part, of_stage);
+                    }
                     if failed.is_none() {
                         match dp.start_stage(stage) {
                             Ok(p) => reducing.extend(p),
@@ -221,13 +248,16 @@ pub fn backward_batches(
         });
     }
     model.end_step();
+    if let (Some(e), Some(part), false) = (o.estimate, part.as_mut(), o.overlap_reduce) {
+        e.capture(part, &owned);
+    }
     Backward {
         started,
         sums: sums.expect("at least one batch"),
         tokens,
         reducing,
         failed,
-        first_half,
+        part,
     }
 }
 

@@ -18,7 +18,7 @@ impl Trainer {
             bail!("a training step needs at least one row");
         }
         if self.options.estimate.is_some() {
-            bail!("an oracle measures against a node's own second moment: leave train.second_moment at \"own\"");
+            bail!("an oracle measures against a node's own second moment: set train.second_moment = \"own\"");
         }
         Ok(self.draw_rows(rows))
     }
