@@ -363,6 +363,48 @@ fn demo_writes_report_plots_and_summary() {
         report.contains("## Sync cost") && report.contains("sync.png"),
         "{report}"
     );
+    // Every upload is timed by the server as it received and folded it, and every sync by its
+    // node: its upload, its download (without the wait for the round) and its apply.
+    let lines = |file: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(out.join(file))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let positive = |v: &serde_json::Value, key: &str| v[key].as_f64().is_some_and(|x| x > 0.0);
+    let closed: Vec<serde_json::Value> = lines("server/metrics.jsonl")
+        .into_iter()
+        .filter(|r| r["peers"].as_array().is_some_and(|p| !p.is_empty()))
+        .collect();
+    assert_eq!(closed.len(), 2);
+    for r in &closed {
+        let uploads = r["uploads"].as_array().unwrap();
+        let peers: Vec<u64> = uploads
+            .iter()
+            .map(|u| u["peer"].as_u64().unwrap())
+            .collect();
+        assert_eq!(peers, [0, 1, 2, 3], "{r}");
+        for u in uploads {
+            assert!(
+                positive(u, "receive_s") && positive(u, "fold_s") && positive(u, "bytes"),
+                "{u}"
+            );
+        }
+    }
+    for n in 0..4 {
+        let syncs: Vec<serde_json::Value> = lines(&format!("node-{n}/metrics.jsonl"))
+            .into_iter()
+            .filter(|l| l["event"] == "sync")
+            .collect();
+        assert_eq!(syncs.len(), 2, "node {n}");
+        for s in &syncs {
+            assert!(
+                positive(s, "up_s") && positive(s, "down_s") && positive(s, "apply_s"),
+                "node {n}: {s}"
+            );
+        }
+    }
 }
 
 fn processes_mentioning(needle: &str) -> Vec<String> {

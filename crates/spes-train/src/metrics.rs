@@ -90,6 +90,16 @@ pub struct SyncRecord {
     /// Bytes the node wrote to disk since its previous sync (its own I/O counters).
     #[serde(default)]
     pub bytes_written: u64,
+    /// Its upload, from the first byte to the server's acknowledgement (retries and staging
+    /// in the store included); its download, from the round's header to the last byte (not
+    /// the wait for the round); decoding and applying it. 0 where the round's own exchange did
+    /// not happen (a refusal, or the newest model taken instead).
+    #[serde(default)]
+    pub up_s: f64,
+    #[serde(default)]
+    pub down_s: f64,
+    #[serde(default)]
+    pub apply_s: f64,
 }
 
 impl SyncRecord {
@@ -125,6 +135,13 @@ pub struct NodeRound {
     pub idle_s: f64,
     pub bytes_up: u64,
     pub bytes_down: u64,
+    /// [`SyncRecord::up_s`], [`SyncRecord::down_s`], [`SyncRecord::apply_s`].
+    #[serde(default)]
+    pub up_s: f64,
+    #[serde(default)]
+    pub down_s: f64,
+    #[serde(default)]
+    pub apply_s: f64,
 }
 
 impl From<&SyncRecord> for NodeRound {
@@ -137,6 +154,9 @@ impl From<&SyncRecord> for NodeRound {
             idle_s: s.idle_s,
             bytes_up: s.bytes_up,
             bytes_down: s.bytes_down,
+            up_s: s.up_s,
+            down_s: s.down_s,
+            apply_s: s.apply_s,
         }
     }
 }
@@ -252,6 +272,23 @@ pub struct RoundClose {
     /// peer.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub budget: BTreeMap<usize, u64>,
+    /// Each upload that went into the round as the server timed it, by peer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub uploads: Vec<UploadTiming>,
+}
+
+/// One upload as the server timed it: its own measure of the node's uplink and of its fold.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct UploadTiming {
+    pub peer: usize,
+    pub bytes: u64,
+    /// From its header's arrival to its last byte on the server: about its bytes over the
+    /// node's uplink rate (a small upload's bytes may arrive with its header, so it reads
+    /// faster); `None` when the node staged it in the run's store (the node's own `up_s`
+    /// times that).
+    pub receive_s: Option<f64>,
+    /// Decoding, checking and adding it into the round.
+    pub fold_s: f64,
 }
 
 /// One expert's merge in a round.
@@ -565,6 +602,9 @@ mod tests {
             idle_s: 1.0,
             compute_s: 3.0,
             bytes_written: 9,
+            up_s: 0.1,
+            down_s: 0.2,
+            apply_s: 0.05,
         };
         let text = serde_json::to_string(&sync).unwrap();
         assert!(text.contains("\"event\":\"sync\""), "{text}");

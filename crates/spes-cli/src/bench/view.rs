@@ -48,6 +48,9 @@ fn record(a: &Args, round: u64) -> RoundRecord {
                 idle_s: 0.5 * jitter,
                 bytes_up: 2_000_000 + (jitter * 1e5) as u64,
                 bytes_down: 8_000_000,
+                up_s: 1.0 + jitter,
+                down_s: 1.5,
+                apply_s: 0.3,
             }
         })
         .collect();

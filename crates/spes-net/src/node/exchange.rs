@@ -14,6 +14,15 @@ use spes_train::metrics::{Event, SyncRecord};
 use std::time::Instant;
 use tonic::Code;
 
+/// What a sync's upload, download and apply took, as this node timed them; 0 where the
+/// round's own exchange did not happen (a refusal, or the newest model taken instead).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct SyncTimes {
+    up_s: f64,
+    down_s: f64,
+    apply_s: f64,
+}
+
 impl Node {
     /// Encodes `upload` for the wire and writes it per server shard: the round that ends now,
     /// with what the round trained.
@@ -88,7 +97,7 @@ impl Node {
         let (up, target) = match exchange {
             Exchange::Fetched { fetched, up } => {
                 self.refusals.accepted();
-                self.meter.bytes_up += up;
+                self.meter.bytes_up += up.bytes;
                 let header = fetched.header.clone();
                 let t = Instant::now();
                 let named = fetched.read()?;
@@ -102,16 +111,21 @@ impl Node {
                     (t - idle_from).as_secs_f64(),
                     t.elapsed().as_secs_f64() - read_s - load_s
                 );
-                return self.finish_sync(t0, idle_from, up, header.total_bytes);
+                let times = SyncTimes {
+                    up_s: up.seconds,
+                    down_s: fetched.transfer_s,
+                    apply_s: read_s + load_s,
+                };
+                return self.finish_sync(t0, idle_from, up.bytes, header.total_bytes, times);
             }
             Exchange::FetchFailed { status, up } => {
                 self.refusals.accepted();
-                self.meter.bytes_up += up;
+                self.meter.bytes_up += up.bytes;
                 if status.code() != Code::NotFound {
                     return Err(explain(status, "the server"));
                 }
                 tracing::warn!("node {peer}: {}; taking the newest model", status.message());
-                (up, None)
+                (up.bytes, None)
             }
             Exchange::UploadRefused(s) => match (refusal::kind(&s), refusal::of_status(&s)) {
                 (Some(Refused::Duplicate), _) => {
@@ -119,7 +133,7 @@ impl Node {
                     (0, Some(round))
                 }
                 (Some(kind), _) if self.backs_off(kind, &s)? => {
-                    return self.finish_sync(t0, idle_from, 0, 0);
+                    return self.finish_sync(t0, idle_from, 0, 0, SyncTimes::default());
                 }
                 (Some(Refused::Closed), Some(r)) => {
                     tracing::warn!("node {peer}: {}; loading round {}", s.message(), r.round);
@@ -135,14 +149,15 @@ impl Node {
                 (Some(Refused::NotMember), _) => {
                     tracing::warn!("node {peer}: {}", s.message());
                     self.rejoin()?;
-                    return self.finish_sync(t0, idle_from, 0, 0);
+                    return self.finish_sync(t0, idle_from, 0, 0, SyncTimes::default());
                 }
                 _ => return Err(explain(s, "the server")),
             },
         };
         let header = self.fetch_and_load(target)?;
         self.follow(&header)?;
-        self.finish_sync(t0, idle_from, up, header.total_bytes)
+        // Not this round's exchange (a refusal, or the newest model instead): nothing to time.
+        self.finish_sync(t0, idle_from, up, header.total_bytes, SyncTimes::default())
     }
 
     /// Counts a refusal of `kind`; once the same kind keeps coming, waits (saying so at most
@@ -167,13 +182,15 @@ impl Node {
     }
 
     /// Checkpoints and logs a sync: `sync_s` from the upload to the loaded model, `idle_s` the
-    /// time training stood still for it (checkpoint included), `compute_s` the round's steps.
+    /// time training stood still for it (checkpoint included), `compute_s` the round's steps,
+    /// and what the upload, download and apply took.
     pub(super) fn finish_sync(
         &mut self,
         t0: Instant,
         idle_from: Instant,
         up: u64,
         down: u64,
+        times: SyncTimes,
     ) -> Result<u64> {
         let sync_s = t0.elapsed().as_secs_f64();
         let h = self.trainer.cfg.sync.sync_steps;
@@ -194,6 +211,9 @@ impl Node {
             idle_s: idle_from.elapsed().as_secs_f64(),
             compute_s,
             bytes_written,
+            up_s: times.up_s,
+            down_s: times.down_s,
+            apply_s: times.apply_s,
         })?;
         Ok(loaded)
     }

@@ -92,6 +92,9 @@ enum Body {
 pub(super) struct Fetched {
     pub header: PayloadHeader,
     bodies: Vec<(PayloadHeader, Body)>,
+    /// Seconds from the first shard's header to the last byte of the slowest shard's body:
+    /// the download, without the wait for the round to be published.
+    pub transfer_s: f64,
 }
 
 impl Fetched {
@@ -113,11 +116,19 @@ impl Fetched {
     }
 }
 
+/// An upload as the node timed it: its bytes, and the seconds from its start to the server's
+/// acknowledgement (retries, a slot's wait and staging in the store included).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Sent {
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
 /// How an upload and the fetch after it went.
 pub(super) enum Exchange {
-    Fetched { fetched: Box<Fetched>, up: u64 },
+    Fetched { fetched: Box<Fetched>, up: Sent },
     UploadRefused(Status),
-    FetchFailed { status: Status, up: u64 },
+    FetchFailed { status: Status, up: Sent },
 }
 
 /// One server shard (`spes server --shard i/k`; the whole model when unsharded).
@@ -451,7 +462,8 @@ impl Link {
     /// Fetches a round from shard `i` (waiting for it): a delta into memory, a whole model
     /// into `<out>/global-<i>.part`; from the run's store when the server hands out a URL,
     /// from the server when it does not or the store fails this node.
-    fn fetch_one(&self, i: usize, ask: &FetchPlan) -> Result<(PayloadHeader, Body), Status> {
+    /// Also returns the seconds from the header to the body's last byte.
+    fn fetch_one(&self, i: usize, ask: &FetchPlan) -> Result<(PayloadHeader, Body, f64), Status> {
         let dest = self.out.join(format!("global-{i}.part"));
         let mut failed = 0;
         loop {
@@ -460,10 +472,11 @@ impl Link {
                 .as_ref()
                 .filter(|s| failed < STORE_TRIES && s.up());
             let fell_back = self.store.is_some() && store.is_none();
-            let (header, body) = self.fetch_stream(i, &dest, ask, store.is_some(), fell_back)?;
+            let (header, body, took) =
+                self.fetch_stream(i, &dest, ask, store.is_some(), fell_back)?;
             let (Some(store), None) = (store, &body) else {
                 return match body {
-                    Some(body) => Ok((header, body)),
+                    Some(body) => Ok((header, body, took)),
                     None => Err(Status::internal(
                         "the server sent a URL the node did not ask for",
                     )),
@@ -471,8 +484,9 @@ impl Link {
             };
             fault::pause("store-wait", header.round, Duration::from_secs(3));
             let counters = (self.read.store.as_ref(), self.activity.as_ref());
+            let t = Instant::now();
             match store.download(&self.handle, &header, &dest, counters) {
-                Ok(body) => return Ok((header, body)),
+                Ok(body) => return Ok((header, body, t.elapsed().as_secs_f64())),
                 Err(failure) => {
                     let e = match failure {
                         StoreFailure::Renew(e) => {
@@ -501,8 +515,9 @@ impl Link {
         }
     }
 
-    /// One fetch call to shard `i`: the header and the body it streamed, or only the header
-    /// when it answered with a URL (`links`: the node may read from the store).
+    /// One fetch call to shard `i`: the header and the body it streamed (with the seconds
+    /// from the header to its last byte), or only the header when it answered with a URL
+    /// (`links`: the node may read from the store).
     fn fetch_stream(
         &self,
         i: usize,
@@ -510,7 +525,7 @@ impl Link {
         ask: &FetchPlan,
         links: bool,
         fell_back: bool,
-    ) -> Result<(PayloadHeader, Option<Body>), Status> {
+    ) -> Result<(PayloadHeader, Option<Body>, f64), Status> {
         let s = &self.shards[i];
         let (peer, full, delta_max) = (self.peer, s.full_bytes, s.delta_max);
         let ask = *ask;
@@ -537,6 +552,7 @@ impl Link {
                     chunk
                 });
                 let header = payload::read_header(&mut stream, IDLE).await?;
+                let t = Instant::now();
                 let fits = if header.delta {
                     ask.have_previous && header.total_bytes <= delta_max
                 } else {
@@ -552,7 +568,7 @@ impl Link {
                 }
                 fault::point("download", header.round);
                 if !header.url.is_empty() {
-                    return Ok((header, None));
+                    return Ok((header, None, 0.0));
                 }
                 let body = if header.delta {
                     Body::Memory(payload::receive_to_memory(&mut stream, &header, IDLE).await?)
@@ -561,7 +577,7 @@ impl Link {
                     Body::File(d)
                 };
                 streamed.fetch_add(header.total_bytes, Ordering::Relaxed);
-                Ok((header, Some(body)))
+                Ok((header, Some(body), t.elapsed().as_secs_f64()))
             }
         })
     }
@@ -585,9 +601,13 @@ impl Link {
             }
             self.fetch_one(i, &ask)
         });
-        let mut bodies: Vec<(PayloadHeader, Body)> = first.into_iter().collect();
-        for r in rest.into_iter().skip(skip) {
-            bodies.push(r?);
+        let mut each: Vec<Result<_, Status>> = first.into_iter().map(Ok).collect();
+        each.extend(rest.into_iter().skip(skip));
+        let (mut bodies, mut transfer_s) = (Vec::new(), 0.0f64);
+        for r in each {
+            let (header, body, took) = r?;
+            transfer_s = transfer_s.max(took);
+            bodies.push((header, body));
         }
         let h0 = &bodies[0].0;
         let agree = bodies.iter().all(|(h, _)| {
@@ -605,7 +625,11 @@ impl Link {
             parts: Vec::new(),
             ..h0.clone()
         };
-        Ok(Fetched { header, bodies })
+        Ok(Fetched {
+            header,
+            bodies,
+            transfer_s,
+        })
     }
 
     /// Uploads round `round` (which trained `work`), then fetches it as `ask` says.
@@ -616,10 +640,14 @@ impl Link {
         work: Work,
         ask: FetchPlan,
     ) -> Exchange {
+        let t = Instant::now();
         let sent = self.upload(round, &uploads, work);
         let up = match sent {
-            Ok(()) => uploads.iter().map(|u| u.bytes.len() as u64).sum(),
-            Err(s) if refusal::kind(&s) == Some(Refused::Duplicate) => 0,
+            Ok(()) => Sent {
+                bytes: uploads.iter().map(|u| u.bytes.len() as u64).sum(),
+                seconds: t.elapsed().as_secs_f64(),
+            },
+            Err(s) if refusal::kind(&s) == Some(Refused::Duplicate) => Sent::default(),
             Err(s) => return Exchange::UploadRefused(s),
         };
         match self.fetch(&ask) {

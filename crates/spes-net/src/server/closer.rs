@@ -64,6 +64,8 @@ pub(super) struct RoundIo {
     pub links: u64,
     pub fallbacks: u64,
     pub staged: u64,
+    /// The round's uploads as they were received and folded.
+    pub uploads: Vec<spes_train::metrics::UploadTiming>,
     pub rejected: Vec<String>,
     /// Nodes that said they finished (kept across rounds).
     pub done: BTreeSet<usize>,
@@ -113,6 +115,11 @@ fn round_record(
             nodes: Default::default(),
             work: r.work.clone(),
             budget: r.budget.clone(),
+            uploads: {
+                let mut u = io.uploads;
+                u.sort_by_key(|t| t.peer);
+                u
+            },
         }),
         ..RoundRecord::default()
     }

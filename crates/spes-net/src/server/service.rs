@@ -15,9 +15,10 @@ use crate::proto::{
 use crate::{payload, refusal};
 use spes_data::shard::write_atomic;
 use spes_sync::{Standing, Work};
+use spes_train::metrics::UploadTiming;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status, Streaming};
 
@@ -290,6 +291,9 @@ impl Spes for Service {
         let mut claimed = (u32::MAX, 0);
         let result = async {
             let header = payload::read_header(&mut stream, idle).await?;
+            // The body's bytes follow the header at the node's rate, whatever this side does
+            // meanwhile (the stream's window holds them).
+            let t = Instant::now();
             claimed = (header.peer, header.round);
             let peer = check_peer(authed, header.peer)?;
             // Everything the header allows is checked before any data is read.
@@ -349,12 +353,15 @@ impl Spes for Service {
                     return Err(e);
                 }
             };
+            let receive_s = staged.is_none().then(|| t.elapsed().as_secs_f64());
             s.io.lock().unwrap().bytes_in += header.total_bytes;
             let state = s.clone();
             let (round, bytes) = (header.round, header.total_bytes);
-            tokio::task::spawn_blocking(move || state.accept(peer, &header, &part, staged))
-                .await
-                .map_err(|e| Status::internal(e.to_string()))??;
+            tokio::task::spawn_blocking(move || {
+                state.accept(peer, &header, &part, staged, receive_s)
+            })
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
             {
                 let mut watch = s.watch.lock().unwrap();
                 let w = watch.peers.entry(peer).or_default();
@@ -479,12 +486,15 @@ impl State {
     /// `pending/` (and the store) until the round is published, so an acknowledged upload
     /// survives a crash, and with a store the loss of the machine. `staged`: the record of an
     /// upload its node put in the store, kept beside it.
+    /// Folds an upload received (`receive_s`: how long its body took, when streamed) into
+    /// the round and keeps it.
     fn accept(
         &self,
         peer: usize,
         header: &PayloadHeader,
         part: &Path,
         staged: Option<Staged>,
+        receive_s: Option<f64>,
     ) -> Result<(), Status> {
         let accepted: Result<(), Status> = (|| {
             let mut coord = self.coord.lock().unwrap();
@@ -494,6 +504,7 @@ impl State {
                 compute_s: header.compute_s,
             };
             let fold = |named| coord.upload(peer, header.session, header.round, named, work, now);
+            let t = Instant::now();
             // Safety: `Coordinator::upload` keeps none of an upload's storage, and `part` is
             // this call's own file.
             unsafe { payload::with_mapped(part, fold) }
@@ -502,7 +513,16 @@ impl State {
                 })?
                 .map_err(|e| refusal::of_round_error(&e))?;
             // Under the coordinator's lock, so the round this upload went into counts it.
-            self.io.lock().unwrap().staged += u64::from(staged.is_some());
+            {
+                let mut io = self.io.lock().unwrap();
+                io.staged += u64::from(staged.is_some());
+                io.uploads.push(UploadTiming {
+                    peer,
+                    bytes: header.total_bytes,
+                    receive_s,
+                    fold_s: t.elapsed().as_secs_f64(),
+                });
+            }
             let kept = self.store.pending_path(header.round, peer);
             let work = serde_json::to_vec(&work).expect("a Work serialises");
             write_atomic(&self.store.pending_work_path(header.round, peer), &work)

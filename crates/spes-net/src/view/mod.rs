@@ -210,6 +210,9 @@ pub fn report_of(p: &proto::NodeReport) -> Result<NodeReport, String> {
             idle_s: check("sync.idle_s", s.idle_s)?,
             bytes_up: count("sync.bytes_up", s.bytes_up)?,
             bytes_down: count("sync.bytes_down", s.bytes_down)?,
+            up_s: check("sync.up_s", s.up_s)?,
+            down_s: check("sync.down_s", s.down_s)?,
+            apply_s: check("sync.apply_s", s.apply_s)?,
         }),
         None => None,
     };
@@ -251,6 +254,9 @@ pub fn report_to_proto(r: &NodeReport) -> proto::NodeReport {
             idle_s: s.idle_s,
             bytes_up: s.bytes_up,
             bytes_down: s.bytes_down,
+            up_s: s.up_s,
+            down_s: s.down_s,
+            apply_s: s.apply_s,
         }),
     }
 }
@@ -276,6 +282,7 @@ mod tests {
                 compute_s: 4.0,
                 idle_s: 1.0,
                 bytes_up: 77,
+                down_s: 0.25,
                 ..Default::default()
             }),
         };
