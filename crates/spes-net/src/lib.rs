@@ -10,6 +10,7 @@ pub mod auth;
 mod dial;
 pub mod fault;
 pub mod link;
+pub mod measure;
 pub mod node;
 pub mod payload;
 pub mod plan;

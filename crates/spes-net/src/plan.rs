@@ -57,6 +57,25 @@ impl WireOption {
         Self::ALL.into_iter().find(|o| o.label() == label)
     }
 
+    /// The option a run's `[sync]` settings are, if the planner has it.
+    pub fn of(sync: &SyncConfig) -> Option<WireOption> {
+        let strided = sync.stride > 1;
+        Some(
+            match (sync.wire, sync.skip_own_experts, sync.overlaps(), strided) {
+                (Wire::Fp32, _, false, false) => WireOption::Fp32,
+                (Wire::Bf16Delta, false, false, false) => WireOption::Bf16Delta,
+                (Wire::Bf16Delta, true, false, false) => WireOption::Bf16DeltaSkipOwn,
+                (Wire::Bf16Delta, true, true, false) => WireOption::Overlap,
+                (Wire::Int4Delta, true, true, false) => WireOption::Int4Overlap,
+                (Wire::Int2Delta, true, true, false) => WireOption::Int2Overlap,
+                (Wire::Int2Delta, true, true, true) => WireOption::Int2StridedOverlap,
+                (Wire::SparseDelta, true, true, false) => WireOption::SparseOverlap,
+                (Wire::LowrankDelta, true, true, false) => WireOption::LowrankOverlap,
+                _ => return None,
+            },
+        )
+    }
+
     pub fn label(self) -> &'static str {
         match self {
             WireOption::Fp32 => "fp32",
@@ -168,6 +187,18 @@ impl WireOption {
 /// docs/results/sync-cost.md).
 pub const LOWRANK_GVPS: f64 = 1.2;
 
+/// Billions of values per second one 2-core server folds of sparse uploads (`spes bench sync`).
+pub const SPARSE_GVPS: f64 = 0.9;
+
+/// Billions of values per second one 2-core server folds of 2-bit uploads of `1b`
+/// (`spes bench sync --presets 1b --nodes 16`, release build: 1.22 and 1.00;
+/// docs/results/sync-cost.md). `tiny`'s small matrices fold slower (`spes bench link` assumes 0.5).
+pub const LOSSY_GVPS: f64 = 1.0;
+
+/// GB per second one server folds dense (fp32, bf16) uploads in, and writes a published round.
+pub const AGGREGATE_GBPS: f64 = 1.0;
+pub const DISK_GBPS: f64 = 1.0;
+
 /// Billions of values per second one 2-core server encodes a round's change at for a lossy
 /// wire's download (quantizing or factoring every value it publishes; the same bench's close
 /// on `1b`: 0.153 low-rank, 0.127 2-bit).
@@ -210,6 +241,15 @@ pub struct PlanInput {
     pub encode_values_per_s: f64,
     /// Bytes per second the server writes a published round at (fsynced).
     pub disk_bytes_per_s: f64,
+    /// A node's apply of a download over the time the rates above give it, and the server's
+    /// fold of an upload over theirs (1: as fast as the rates; a running run measures both).
+    pub apply_scale: f64,
+    pub fold_scale: f64,
+    /// The same for the server's close and durable write of a round.
+    pub close_scale: f64,
+    /// Seconds the slowest node's steps of a round take beyond the fastest's: the fastest
+    /// node waits that much longer for every round (0: alike nodes).
+    pub skew_s: f64,
 }
 
 /// One wire option's round.
@@ -227,11 +267,17 @@ pub struct PlanRow {
     pub round_s: f64,
     /// Mean seconds per node from its upload to its loaded model.
     pub sync_s: f64,
-    /// Mean seconds per node of training standing still for the sync.
+    /// Seconds per round of training standing still for the sync, of the node that stands
+    /// still longest (the fastest, with `PlanInput::skew_s`).
     pub idle_s: f64,
     pub idle_share: f64,
     /// Seconds the server spends folding, closing and publishing after the last upload.
     pub server_s: f64,
+    /// Mean seconds a node applies its download in, the server folds one upload in, and
+    /// closes and writes the round in.
+    pub apply_s: f64,
+    pub fold_s: f64,
+    pub close_s: f64,
 }
 
 /// How many experts each node owns (the contiguous split: node p owns experts p·E/N ..
@@ -345,7 +391,8 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
         .map(|e| e + one_way)
         .collect();
     let last_in = landed.iter().copied().fold(0.0, f64::max);
-    // Seconds to fold (server) or apply (node) a payload of `bytes` covering `values` values.
+    // Seconds to fold (server) or apply (node) a payload of `bytes` covering `values` values
+    // at the rates given, before the measured scales.
     let fold_s = |bytes: f64, values: f64| match option {
         WireOption::SparseOverlap => values / input.sparse_values_per_s,
         WireOption::LowrankOverlap => values / input.lowrank_values_per_s,
@@ -357,8 +404,9 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     // The server folds uploads one at a time as they land, each shard its slice.
     let mut order: Vec<usize> = (0..up.len()).collect();
     order.sort_by(|&i, &j| landed[i].total_cmp(&landed[j]));
+    let fold_one = |i: usize| input.fold_scale * fold_s(up[i], up_values[i]);
     let folded = order.iter().fold(0.0f64, |done, &i| {
-        done.max(landed[i]) + fold_s(up[i], up_values[i]) / shards
+        done.max(landed[i]) + fold_one(i) / shards
     });
     // Then close (the model in fp32) and write the round: its delta (the fp32 model on the
     // fp32 wire; the whole model only every `sync.checkpoint_every_rounds`, left out here).
@@ -374,28 +422,32 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     } else {
         model_fp32 / input.aggregate_bytes_per_s
     };
-    let published = folded + close_s / shards + written / input.disk_bytes_per_s / shards;
+    let close_s = input.close_scale * (close_s + written / input.disk_bytes_per_s) / shards;
+    let published = folded + close_s;
     let server_s = published - last_in;
     // Every node already waits on its fetch: the data leaves at once, lands one way later and
     // is applied.
     let flows: Vec<(f64, f64, f64)> = down.iter().map(|&d| (published, d, node_down)).collect();
+    let apply = |i: usize| input.apply_scale * fold_s(down[i], down_values[i]);
     let loaded: Vec<f64> = transfers(&flows, server_out)
         .into_iter()
         .enumerate()
-        .map(|(i, end)| end + one_way + fold_s(down[i], down_values[i]))
+        .map(|(i, end)| end + one_way + apply(i))
         .collect();
     let sync: Vec<f64> = loaded.iter().map(|l| l - compute_s).collect();
     let n = input.nodes as f64;
     let sync_s = sync.iter().sum::<f64>() / n;
     let slowest = sync.iter().copied().fold(0.0, f64::max);
+    // `compute_s` is the slowest node's (uploads start when it is done); the fastest node
+    // trains `skew_s` less and stands still that much longer.
     let (round_s, idle_s) = if option.overlapped() {
         // The next round computes meanwhile, up to `overlap_cap` steps; a node waits for the
         // rest.
         let ahead = (input.overlap_cap as f64 * input.step_s).min(compute_s);
         let wait = (slowest - ahead).max(0.0);
-        (compute_s + wait, wait)
+        (compute_s + wait, wait + input.skew_s)
     } else {
-        (compute_s + slowest, slowest)
+        (compute_s + slowest, slowest + input.skew_s)
     };
     PlanRow {
         option,
@@ -409,6 +461,9 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
         idle_s,
         idle_share: idle_s / round_s,
         server_s,
+        apply_s: (0..down.len()).map(apply).sum::<f64>() / n,
+        fold_s: (0..up.len()).map(fold_one).sum::<f64>() / n,
+        close_s,
     }
 }
 
@@ -498,6 +553,10 @@ mod tests {
             rank: 8,
             encode_values_per_s: ENCODE_GVPS * 1e9,
             disk_bytes_per_s: 1e9,
+            apply_scale: 1.0,
+            fold_scale: 1.0,
+            close_scale: 1.0,
+            skew_s: 0.0,
         }
     }
 

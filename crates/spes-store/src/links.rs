@@ -48,8 +48,10 @@ impl LinkReader {
     }
 
     /// Reads the byte `ranges` of the object at `url`, in order, into `sink`, one range GET
-    /// each; a transfer that breaks after moving some bytes resumes from its last byte (at
-    /// most [`TRIES`] GETs a range); one that moves none is an error at once. Returns the GETs it made; `on_bytes` sees every chunk's size as it arrives.
+    /// each; a transfer that breaks after moving some bytes resumes from its last byte, and a
+    /// request lost on a closed kept-alive connection is sent again (at most [`TRIES`] GETs a
+    /// range); one the store does not answer is an error at once. Returns the GETs it made;
+    /// `on_bytes` sees every chunk's size as it arrives.
     pub async fn read(
         &self,
         url: &str,
@@ -66,11 +68,12 @@ impl LinkReader {
                 gets += 1;
                 match self.get(url, at..range.end, sink, &mut on_bytes).await {
                     Ok(n) => at += n,
-                    Err(Broken { read, error }) => {
+                    Err(Broken { read, error, again }) => {
                         at += read;
-                        // Only a transfer that moved resumes: a store that does not answer
-                        // (or refuses) is the caller's to route around, at once.
-                        if read == 0 || tries >= TRIES {
+                        // Only a transfer that moved, or a request lost on a connection the
+                        // store had closed, is tried again: a store that does not answer (or
+                        // refuses) is the caller's to route around, at once.
+                        if !(again || read > 0) || tries >= TRIES {
                             return Err(error);
                         }
                         tracing::debug!("{}: {error}; resuming at byte {at}", redact(url));
@@ -116,7 +119,11 @@ impl LinkReader {
     ) -> Result<u64, Broken> {
         let mut read = 0u64;
         let unreachable = |e: reqwest::Error| LinkError::Unreachable(e.without_url().to_string());
-        let broken = |read, error| Broken { read, error };
+        let broken = |read, error| Broken {
+            read,
+            error,
+            again: false,
+        };
         let reply = self
             .client
             .get(url)
@@ -126,7 +133,13 @@ impl LinkReader {
             )
             .send()
             .await
-            .map_err(|e| broken(0, unreachable(e)))?;
+            .map_err(|e| Broken {
+                read: 0,
+                // Connected, but the request got no answer: a kept-alive connection the store
+                // closed meanwhile, which a new connection replaces.
+                again: !e.is_connect() && !e.is_timeout(),
+                error: unreachable(e),
+            })?;
         let status = reply.status().as_u16();
         match status {
             206 => {}
@@ -168,8 +181,10 @@ impl LinkReader {
     }
 }
 
-/// A GET that failed after writing `read` bytes.
+/// A GET that failed after writing `read` bytes; `again`: worth another GET even if none
+/// moved.
 struct Broken {
     read: u64,
     error: LinkError,
+    again: bool,
 }

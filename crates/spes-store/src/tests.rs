@@ -155,7 +155,8 @@ fn urls_are_presigned_by_object_stores_not_local_disks_and_logged_without_their_
 }
 
 #[test]
-fn a_broken_download_resumes_with_a_range_get_from_its_last_byte() {
+fn a_broken_download_resumes_with_a_range_get_from_its_last_byte_and_a_lost_request_is_sent_again()
+{
     use std::io::{BufRead, BufReader, Write as _};
     let body: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -164,10 +165,12 @@ fn a_broken_download_resumes_with_a_range_get_from_its_last_byte() {
         listener.local_addr().unwrap()
     );
     let served = body.clone();
-    // The first answer breaks after 4,000 of the bytes asked for; the next ones serve in full.
+    // The first connection closes without an answer (a kept-alive connection the store
+    // dropped), the next answer breaks after 4,000 of the bytes asked for, the next ones
+    // serve in full; each answer closes its connection, so none is reused.
     let server = std::thread::spawn(move || {
         let mut ranges = Vec::new();
-        for broken in [true, false, false] {
+        for (silent, broken) in [(true, false), (false, true), (false, false), (false, false)] {
             let (stream, _) = listener.accept().unwrap();
             let mut reader = BufReader::new(stream.try_clone().unwrap());
             let mut range = String::new();
@@ -185,10 +188,13 @@ fn a_broken_download_resumes_with_a_range_get_from_its_last_byte() {
             let (from, to): (usize, usize) = (from.parse().unwrap(), to.parse().unwrap());
             ranges.push((from, to));
             let mut s = stream;
+            if silent {
+                continue;
+            }
             let len = to + 1 - from;
             write!(
                 s,
-                "HTTP/1.1 206 Partial Content\r\nContent-Length: {len}\r\n\r\n"
+                "HTTP/1.1 206 Partial Content\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n"
             )
             .unwrap();
             let end = if broken { from + 4000 } else { to + 1 };
@@ -203,9 +209,9 @@ fn a_broken_download_resumes_with_a_range_get_from_its_last_byte() {
         .block_on(reader.read(&url, &[1000..9000, 9500..10_000], &mut got, |_| {}))
         .unwrap();
     assert_eq!(got, [&body[1000..9000], &body[9500..]].concat());
-    assert_eq!(gets, 3);
+    assert_eq!(gets, 4);
     assert_eq!(
         server.join().unwrap(),
-        [(1000, 8999), (5000, 8999), (9500, 9999)]
+        [(1000, 8999), (1000, 8999), (5000, 8999), (9500, 9999)]
     );
 }

@@ -248,6 +248,9 @@ pub struct RoundClose {
     #[serde(default)]
     pub store_staged: u64,
     pub aggregation_s: f64,
+    /// Its durable write after the close (the delta, whole models, the state file).
+    #[serde(default)]
+    pub publish_s: f64,
     pub round_s: f64,
     pub merge_alpha: Option<f64>,
     pub merges: Vec<MergeRecord>,
@@ -275,6 +278,42 @@ pub struct RoundClose {
     /// Each upload that went into the round as the server timed it, by peer.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub uploads: Vec<UploadTiming>,
+    /// What the planner predicts for every wire option on the links the rounds so far
+    /// measured, once they measured every figure it needs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planned: Option<Planned>,
+}
+
+/// The planner fed what a run measured: the slowest member's link and speed and the server's
+/// fold, with the apply and fold of the run's own wire as measured.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Planned {
+    pub up_mbit_s: f64,
+    pub down_mbit_s: f64,
+    /// Seconds an exchange costs beyond its bytes (round trips, handshakes).
+    pub latency_s: f64,
+    pub step_s: f64,
+    /// Seconds the slowest member's steps of a round take beyond the fastest's.
+    pub skew_s: f64,
+    /// The measured apply, fold and close over what the planner's rates give them.
+    pub apply_scale: f64,
+    pub fold_scale: f64,
+    pub close_scale: f64,
+    /// Every option the planner knows, the run's own first.
+    pub options: Vec<PlannedOption>,
+}
+
+/// One wire option's predicted round.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PlannedOption {
+    /// Its label (`spes plan sync`'s: `lowrank+overlap`, `int4+overlap`, ...).
+    pub wire: String,
+    /// Bytes a node sends and receives per round.
+    pub up_bytes: f64,
+    pub down_bytes: f64,
+    pub round_s: f64,
+    /// The share of the round the node that waits most trains.
+    pub utilization: f64,
 }
 
 /// One upload as the server timed it: its own measure of the node's uplink and of its fold.

@@ -151,6 +151,10 @@ pub fn run(a: Args) -> Result<()> {
             rank: cfg.sync.rank,
             encode_values_per_s: a.encode_gvps * 1e9,
             disk_bytes_per_s: a.disk_gbps * 1e9,
+            apply_scale: 1.0,
+            fold_scale: 1.0,
+            close_scale: 1.0,
+            skew_s: 0.0,
         };
         rows.push((option, m, plan::plan(&input, option)));
     }

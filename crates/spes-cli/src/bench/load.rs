@@ -252,6 +252,10 @@ fn measure(a: &Args, data: &Path, nodes: usize, largest: usize) -> Result<Row> {
             rank: cfg.sync.rank,
             encode_values_per_s: crate::plan::sync::ENCODE_GVPS * 1e9,
             disk_bytes_per_s: 1e9,
+            apply_scale: 1.0,
+            fold_scale: 1.0,
+            close_scale: 1.0,
+            skew_s: 0.0,
         },
         WireOption::Bf16DeltaSkipOwn,
     );

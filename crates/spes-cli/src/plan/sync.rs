@@ -39,7 +39,7 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     sparse_k: i64,
     /// GB of uploads the server folds in per second (`spes bench sync` measures it).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = spes_net::plan::AGGREGATE_GBPS)]
     aggregate_gbps: f64,
     /// Billions of values per second the server decodes and folds of quantized uploads (each
     /// value sent; `spes bench sync` measures it).
@@ -59,22 +59,14 @@ pub struct Args {
     #[arg(long, default_value_t = ENCODE_GVPS)]
     encode_gvps: f64,
     /// GB per second the server writes a published round at.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = spes_net::plan::DISK_GBPS)]
     disk_gbps: f64,
     /// DiLoCo: every node exchanges every parameter.
     #[arg(long)]
     diloco: bool,
 }
 
-/// Billions of values per second one 2-core server folds of sparse uploads (`spes bench sync`).
-pub const SPARSE_GVPS: f64 = 0.9;
-
-/// Billions of values per second one 2-core server folds of 2-bit uploads of `1b`
-/// (`spes bench sync --presets 1b --nodes 16`, release build: 1.22 and 1.00;
-/// docs/results/sync-cost.md). `tiny`'s small matrices fold slower (`spes bench link` assumes 0.5).
-pub const LOSSY_GVPS: f64 = 1.0;
-
-pub use spes_net::plan::{ENCODE_GVPS, LOWRANK_GVPS};
+pub use spes_net::plan::{ENCODE_GVPS, LOSSY_GVPS, LOWRANK_GVPS, SPARSE_GVPS};
 
 /// The planner's input for `preset` with `nodes` nodes.
 pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
@@ -110,6 +102,10 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
         rank: a.rank,
         encode_values_per_s: a.encode_gvps * 1e9,
         disk_bytes_per_s: a.disk_gbps * 1e9,
+        apply_scale: 1.0,
+        fold_scale: 1.0,
+        close_scale: 1.0,
+        skew_s: 0.0,
     })
 }
 

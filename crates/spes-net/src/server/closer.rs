@@ -98,6 +98,7 @@ fn round_record(
             store_fallbacks: io.fallbacks,
             store_staged: io.staged,
             aggregation_s,
+            publish_s: 0.0,
             round_s,
             merge_alpha: r.merge_alpha,
             merges: r
@@ -120,6 +121,7 @@ fn round_record(
                 u.sort_by_key(|t| t.peer);
                 u
             },
+            planned: None,
         }),
         ..RoundRecord::default()
     }
@@ -161,6 +163,7 @@ pub(super) fn run_closer(
         written_before: spes_train::process::bytes_written(),
         put_before: s.store.bytes_put(),
         last_full: Instant::now(),
+        measured: Default::default(),
     };
     while !stop.load(Ordering::Relaxed) {
         let _ = wake.recv_timeout(Duration::from_millis(100));
@@ -192,6 +195,8 @@ struct Books {
     /// The bytes this process had put in the store by then.
     put_before: u64,
     last_full: Instant,
+    /// The links and speeds the rounds measured.
+    measured: crate::measure::Measured,
 }
 
 /// A round the coordinator closed, with what publishing it needs.
@@ -301,7 +306,8 @@ fn publish(
             return None;
         }
     }
-    s.watch.lock().unwrap().counters.publish_s = publishing.elapsed().as_secs_f64();
+    let publish_s = publishing.elapsed().as_secs_f64();
+    s.watch.lock().unwrap().counters.publish_s = publish_s;
     s.published.send_replace(report.round);
     if publication.full {
         book.last_full = Instant::now();
@@ -314,6 +320,25 @@ fn publish(
         let put = s.store.bytes_put();
         close.store_bytes_out = put.saturating_sub(book.put_before);
         book.put_before = put;
+        close.publish_s = publish_s;
+        book.measured.observe(close);
+        close.planned = crate::measure::planned(&s.cfg, &book.measured, &report.members);
+        if let Some(p) = &close.planned {
+            let options: Vec<String> = p
+                .options
+                .iter()
+                .map(|o| format!("{} {:.1} %", o.wire, 100.0 * o.utilization))
+                .collect();
+            tracing::debug!(
+                "round {}: on the slowest member's link ({:.1} Mbit/s up, {:.1} down, {:.2} s latency, {:.3} s a step) the planner predicts {}",
+                report.round,
+                p.up_mbit_s,
+                p.down_mbit_s,
+                p.latency_s,
+                p.step_s,
+                options.join(", ")
+            );
+        }
     }
     let list = |what: &str, peers: &[usize]| {
         if peers.is_empty() {

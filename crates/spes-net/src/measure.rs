@@ -1,0 +1,403 @@
+//! What a run's rounds measured of each node's link and speed, and what the planner
+//! ([`crate::plan`]) predicts from it for every wire: the planner fed the links the run lives
+//! rather than flags. The server's own timings come first (an upload's receive time gives the
+//! node's uplink, its fold the server's rate); a node's report fills in what the server cannot
+//! see (its download, its apply, its steps), each kept within the rest of its report. The
+//! run-wide figures are those of the node at a quantile of slowness, so one node's report
+//! alone cannot move them when the quantile is below the slowest.
+
+use crate::link::LinkSpec;
+use crate::plan::{self, PlanInput, PlanRow, WireOption};
+use spes_train::metrics::{Planned, PlannedOption, RoundClose, UploadTiming};
+use spes_train::{Mode, RunConfig};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// The newest round's figure weighs this much in a node's running mean.
+const WEIGHT: f64 = 0.3;
+
+/// Uploads smaller than this are not timed for a rate: their bytes may arrive with their
+/// header, and their time is the latency's.
+const MIN_TIMED_BYTES: u64 = 64 << 10;
+
+/// One node's figures: running means over the rounds it took part in.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct NodeFigures {
+    /// Uplink, bytes per second: the server's receive times of its uploads.
+    pub up_bytes_per_s: Option<f64>,
+    /// Downlink, bytes per second: its own timing of its downloads.
+    pub down_bytes_per_s: Option<f64>,
+    /// Seconds an exchange costs beyond its bytes: its upload's time to the acknowledgement
+    /// less the bytes at its uplink rate and the server's fold (round trips, handshakes).
+    pub latency_s: Option<f64>,
+    /// Seconds it trains one row.
+    pub row_s: Option<f64>,
+    /// Seconds it took to apply a download, and that download's bytes.
+    pub apply: Option<(f64, f64)>,
+}
+
+/// Every node's figures and the server's fold, as the rounds so far measured them.
+#[derive(Clone, Debug, Default)]
+pub struct Measured {
+    nodes: BTreeMap<usize, NodeFigures>,
+    /// Per node, the newest round of its own report taken in (a report repeats until the
+    /// next).
+    reported: BTreeMap<usize, u64>,
+    /// The server's fold of one upload: seconds and bytes, a running mean.
+    fold: Option<(f64, f64)>,
+    /// The server's close and durable write of a round, seconds.
+    close_s: Option<f64>,
+    /// The slowest member's compute of a round beyond the fastest's, seconds.
+    skew_s: Option<f64>,
+}
+
+fn mean(old: Option<f64>, new: f64) -> Option<f64> {
+    Some(old.map_or(new, |o| o + WEIGHT * (new - o)))
+}
+
+fn mean2(old: Option<(f64, f64)>, new: (f64, f64)) -> Option<(f64, f64)> {
+    Some(old.map_or(new, |o| {
+        (o.0 + WEIGHT * (new.0 - o.0), o.1 + WEIGHT * (new.1 - o.1))
+    }))
+}
+
+impl Measured {
+    /// Takes in a closed round's timings.
+    pub fn observe(&mut self, close: &RoundClose) {
+        for u in &close.uploads {
+            self.fold = mean2(self.fold, (u.fold_s, u.bytes as f64));
+            let n = self.nodes.entry(u.peer).or_default();
+            if let Some(rate) = upload_rate(u) {
+                n.up_bytes_per_s = mean(n.up_bytes_per_s, rate);
+            }
+        }
+        self.close_s = mean(self.close_s, close.aggregation_s + close.publish_s);
+        let computes: Vec<f64> = close
+            .work
+            .iter()
+            .map(|w| w.work.compute_s)
+            .filter(|&c| c > 0.0)
+            .collect();
+        if computes.len() > 1 {
+            let (lo, hi) = computes
+                .iter()
+                .fold((f64::INFINITY, 0.0f64), |(lo, hi), &c| {
+                    (lo.min(c), hi.max(c))
+                });
+            self.skew_s = mean(self.skew_s, hi - lo);
+        }
+        for w in &close.work {
+            if w.work.rows > 0 && w.work.compute_s > 0.0 {
+                let n = self.nodes.entry(w.peer).or_default();
+                n.row_s = mean(n.row_s, w.work.compute_s / w.work.rows as f64);
+            }
+        }
+        for r in &close.nodes {
+            if self.reported.get(&r.peer) >= Some(&r.round) || r.down_s <= 0.0 {
+                continue;
+            }
+            self.reported.insert(r.peer, r.round);
+            let fold = self.fold.map_or(0.0, |(s, _)| s);
+            let n = self.nodes.entry(r.peer).or_default();
+            // A node's own seconds cannot exceed the sync they are part of.
+            let (down_s, apply_s, up_s) = (
+                r.down_s.min(r.sync_s),
+                r.apply_s.min(r.sync_s),
+                r.up_s.min(r.sync_s),
+            );
+            if r.bytes_down >= MIN_TIMED_BYTES {
+                n.down_bytes_per_s = mean(n.down_bytes_per_s, r.bytes_down as f64 / down_s);
+            }
+            if r.bytes_down > 0 {
+                n.apply = mean2(n.apply, (apply_s, r.bytes_down as f64));
+            }
+            if let Some(rate) = n.up_bytes_per_s {
+                let beyond = up_s - r.bytes_up as f64 / rate - fold;
+                n.latency_s = mean(n.latency_s, beyond.max(0.0));
+            }
+        }
+    }
+
+    /// A node's figures, once measured.
+    pub fn node(&self, peer: usize) -> Option<&NodeFigures> {
+        self.nodes.get(&peer)
+    }
+
+    /// Per figure, the value of the node at quantile `q` of slowness among `peers` (1: the
+    /// slowest; 0.5: the median): the lower rates, the longer times. `None` until every
+    /// figure was measured for one of them.
+    pub fn at_quantile(&self, peers: &[usize], q: f64) -> Option<Figures> {
+        let of = |f: &dyn Fn(&NodeFigures) -> Option<f64>, slow_high: bool| {
+            let mut v: Vec<f64> = peers
+                .iter()
+                .filter_map(|p| self.nodes.get(p).and_then(f))
+                .collect();
+            if v.is_empty() {
+                return None;
+            }
+            v.sort_by(f64::total_cmp);
+            if !slow_high {
+                v.reverse();
+            }
+            let i = ((v.len() - 1) as f64 * q.clamp(0.0, 1.0)).round() as usize;
+            Some(v[i])
+        };
+        let apply_per_byte = |n: &NodeFigures| n.apply.map(|(s, b)| s / b);
+        let (fold_s, fold_bytes) = self.fold?;
+        Some(Figures {
+            up_bytes_per_s: of(&|n| n.up_bytes_per_s, false)?,
+            down_bytes_per_s: of(&|n| n.down_bytes_per_s, false)?,
+            latency_s: of(&|n| n.latency_s, true)?,
+            row_s: of(&|n| n.row_s, true)?,
+            apply_s_per_byte: of(&apply_per_byte, true)?,
+            fold_s_per_byte: fold_s / fold_bytes.max(1.0),
+            close_s: self.close_s?,
+            skew_s: self.skew_s.unwrap_or(0.0),
+        })
+    }
+}
+
+/// An upload's rate as the server received it, when it is large enough to tell.
+fn upload_rate(u: &UploadTiming) -> Option<f64> {
+    let s = u.receive_s.filter(|&s| s > 0.0)?;
+    (u.bytes >= MIN_TIMED_BYTES).then(|| u.bytes as f64 / s)
+}
+
+/// The run-wide figures the planner takes: one node's link and speed, and the server's fold.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Figures {
+    pub up_bytes_per_s: f64,
+    pub down_bytes_per_s: f64,
+    pub latency_s: f64,
+    pub row_s: f64,
+    pub apply_s_per_byte: f64,
+    pub fold_s_per_byte: f64,
+    /// The server's close and durable write of a round.
+    pub close_s: f64,
+    /// The slowest member's compute of a round beyond the fastest's.
+    pub skew_s: f64,
+}
+
+/// The planner's input for `cfg` with `members` nodes on the measured `f`, its apply and fold
+/// scaled so that `current` (the run's own option) takes what was measured.
+pub fn plan_input(
+    cfg: &RunConfig,
+    members: usize,
+    f: &Figures,
+    current: Option<WireOption>,
+) -> PlanInput {
+    let rows_per_step = (cfg.train.batch_size * cfg.train.grad_accum) as f64;
+    let mut input = PlanInput {
+        model: cfg.model.clone(),
+        nodes: members.max(1),
+        diloco: cfg.sync.mode == Mode::Diloco,
+        node_link: LinkSpec {
+            up_bps: f.up_bytes_per_s * 8.0,
+            down_bps: f.down_bytes_per_s * 8.0,
+            rtt: Duration::from_secs_f64(f.latency_s),
+            loss: 0.0,
+        },
+        server_link: LinkSpec {
+            up_bps: f64::INFINITY,
+            down_bps: f64::INFINITY,
+            rtt: Duration::ZERO,
+            loss: 0.0,
+        },
+        shards: 1,
+        step_s: f.row_s * rows_per_step,
+        sync_steps: cfg.sync.sync_steps,
+        overlap_cap: cfg.sync.overlap_cap(),
+        stride: cfg.sync.stride.max(1),
+        sparse_chunk: cfg.sync.sparse_chunk,
+        sparse_k: cfg.sync.sparse_k,
+        rank: cfg.sync.rank,
+        aggregate_bytes_per_s: plan::AGGREGATE_GBPS * 1e9,
+        lossy_values_per_s: plan::LOSSY_GVPS * 1e9,
+        sparse_values_per_s: plan::SPARSE_GVPS * 1e9,
+        lowrank_values_per_s: plan::LOWRANK_GVPS * 1e9,
+        encode_values_per_s: plan::ENCODE_GVPS * 1e9,
+        disk_bytes_per_s: plan::DISK_GBPS * 1e9,
+        apply_scale: 1.0,
+        fold_scale: 1.0,
+        close_scale: 1.0,
+        skew_s: f.skew_s,
+    };
+    if let Some(option) = current {
+        let planned = plan::plan(&input, option);
+        if planned.apply_s > 0.0 {
+            input.apply_scale = f.apply_s_per_byte * planned.down_bytes / planned.apply_s;
+        }
+        if planned.fold_s > 0.0 {
+            input.fold_scale = f.fold_s_per_byte * planned.up_bytes / planned.fold_s;
+        }
+        if planned.close_s > 0.0 {
+            input.close_scale = f.close_s / planned.close_s;
+        }
+    }
+    input
+}
+
+/// What every wire option would give on the measured links, the run's own option first.
+pub fn predict(input: &PlanInput, current: Option<WireOption>) -> Vec<PlanRow> {
+    let mut options: Vec<WireOption> = current.into_iter().collect();
+    options.extend(WireOption::ALL.into_iter().filter(|o| Some(*o) != current));
+    options.into_iter().map(|o| plan::plan(input, o)).collect()
+}
+
+/// What the planner predicts for `cfg`'s run on the links `measured` among `members` (the
+/// slowest member's figures), once every figure it needs was measured.
+pub fn planned(cfg: &RunConfig, measured: &Measured, members: &[usize]) -> Option<Planned> {
+    let f = measured.at_quantile(members, 1.0)?;
+    let current = WireOption::of(&cfg.sync);
+    let input = plan_input(cfg, members.len(), &f, current);
+    let options = predict(&input, current)
+        .into_iter()
+        .map(|r| PlannedOption {
+            wire: r.option.label().to_owned(),
+            up_bytes: r.up_bytes,
+            down_bytes: r.down_bytes,
+            round_s: r.round_s,
+            utilization: 1.0 - r.idle_share,
+        })
+        .collect();
+    Some(Planned {
+        up_mbit_s: f.up_bytes_per_s * 8e-6,
+        down_mbit_s: f.down_bytes_per_s * 8e-6,
+        latency_s: f.latency_s,
+        step_s: input.step_s,
+        skew_s: input.skew_s,
+        apply_scale: input.apply_scale,
+        fold_scale: input.fold_scale,
+        close_scale: input.close_scale,
+        options,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use spes_sync::{PeerWork, Work};
+    use spes_train::metrics::NodeRound;
+
+    fn close(round: u64, up_s: [f64; 2], down_s: f64) -> RoundClose {
+        RoundClose {
+            uploads: (0..2)
+                .map(|p| UploadTiming {
+                    peer: p,
+                    bytes: 1 << 20,
+                    receive_s: Some(up_s[p]),
+                    fold_s: 0.1,
+                })
+                .chain([UploadTiming {
+                    peer: 2,
+                    bytes: 1000,
+                    receive_s: Some(1e-4),
+                    fold_s: 0.1,
+                }])
+                .collect(),
+            work: (0..2)
+                .map(|p| PeerWork {
+                    peer: p,
+                    work: Work {
+                        rows: 20,
+                        compute_s: 10.0,
+                    },
+                    weight: 0.5,
+                })
+                .collect(),
+            nodes: (0..2)
+                .map(|p| NodeRound {
+                    peer: p,
+                    round,
+                    sync_s: 3.0,
+                    bytes_up: 1 << 20,
+                    bytes_down: 2 << 20,
+                    up_s: 1.5,
+                    down_s,
+                    apply_s: 0.5,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Rates come from the server's receive times (a small upload's is left out), a node's
+    /// report counts once per round and within its sync, and the slowest node's figures are
+    /// the run's at quantile 1.
+    #[test]
+    fn figures_come_from_the_servers_timings_and_bounded_reports() {
+        let mut m = Measured::default();
+        m.observe(&close(0, [1.0, 0.5], 0.25));
+        let n0 = *m.node(0).unwrap();
+        assert_eq!(n0.up_bytes_per_s, Some((1 << 20) as f64));
+        assert_eq!(n0.down_bytes_per_s, Some((8 << 20) as f64));
+        assert_eq!(n0.row_s, Some(0.5));
+        assert!(
+            m.node(2).unwrap().up_bytes_per_s.is_none(),
+            "too small to time"
+        );
+        // The same report again changes nothing; a new round's download of 10 s counts as 3.
+        m.observe(&close(0, [1.0, 0.5], 0.25));
+        assert_eq!(m.node(0).unwrap().down_bytes_per_s, n0.down_bytes_per_s);
+        m.observe(&close(1, [1.0, 0.5], 10.0));
+        let down = m.node(0).unwrap().down_bytes_per_s.unwrap();
+        let expected = (8 << 20) as f64 + WEIGHT * ((2 << 20) as f64 / 3.0 - (8 << 20) as f64);
+        assert!((down - expected).abs() < 1e-6, "{down} vs {expected}");
+        let slow = m.at_quantile(&[0, 1], 1.0).unwrap();
+        let fast = m.at_quantile(&[0, 1], 0.0).unwrap();
+        assert_eq!(slow.up_bytes_per_s, (1 << 20) as f64);
+        assert_eq!(fast.up_bytes_per_s, (2 << 20) as f64);
+        assert!(
+            m.at_quantile(&[2], 1.0).is_none(),
+            "node 2 measured no download"
+        );
+        // An upload's 1.5 s less its bytes (1 s, 0.5 s) and the 0.1 s fold; per figure the
+        // slowest node's.
+        assert!((fast.latency_s - 0.4).abs() < 1e-9, "{}", fast.latency_s);
+        assert!((slow.latency_s - 0.9).abs() < 1e-9, "{}", slow.latency_s);
+    }
+
+    /// Fed the figures a run measured, the planner's round for the run's own wire applies and
+    /// folds in the measured seconds; the demo's settings are the low-rank overlapped option.
+    #[test]
+    fn the_runs_own_option_takes_what_was_measured() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/spes-tiny.toml");
+        let cfg = RunConfig::load(&path, &[]).unwrap();
+        let current = WireOption::of(&cfg.sync);
+        assert_eq!(current, Some(WireOption::LowrankOverlap));
+        assert_eq!(
+            WireOption::of(&spes_sync::SyncConfig::default()),
+            Some(WireOption::Overlap)
+        );
+        let f = Figures {
+            up_bytes_per_s: 2.5e6,
+            down_bytes_per_s: 12.5e6,
+            latency_s: 0.2,
+            row_s: 0.1,
+            apply_s_per_byte: 5e-7,
+            fold_s_per_byte: 2e-7,
+            close_s: 0.3,
+            skew_s: 0.0,
+        };
+        let input = plan_input(&cfg, 4, &f, current);
+        let rows = predict(&input, current);
+        assert_eq!(rows.len(), WireOption::ALL.len());
+        let own = &rows[0];
+        assert_eq!(own.option, WireOption::LowrankOverlap);
+        assert!(
+            (own.apply_s - 5e-7 * own.down_bytes).abs() < 1e-9,
+            "{own:?}"
+        );
+        assert!((own.fold_s - 2e-7 * own.up_bytes).abs() < 1e-9, "{own:?}");
+        assert!((own.close_s - 0.3).abs() < 1e-9, "{own:?}");
+        assert_eq!(own.compute_s, 0.1 * 4.0 * 5.0, "rows × steps a round");
+        // Heavier wires take longer to send on the same links.
+        let bf16 = rows
+            .iter()
+            .find(|r| r.option == WireOption::Overlap)
+            .unwrap();
+        assert!(bf16.sync_s > own.sync_s, "{bf16:?} vs {own:?}");
+    }
+}
