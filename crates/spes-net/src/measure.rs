@@ -30,8 +30,11 @@ pub struct NodeFigures {
     /// Seconds an exchange costs beyond its bytes: its upload's time to the acknowledgement
     /// less the bytes at its uplink rate and the server's fold (round trips, handshakes).
     pub latency_s: Option<f64>,
-    /// Seconds it trains one row.
-    pub row_s: Option<f64>,
+    /// Seconds its steps of a round take.
+    pub compute_s: Option<f64>,
+    /// Whether its newest upload went through the run's store (its own upload time then
+    /// times the store, not the server).
+    pub staged: bool,
     /// Seconds it took to apply a download, and that download's bytes.
     pub apply: Option<(f64, f64)>,
 }
@@ -51,11 +54,18 @@ pub struct Measured {
     skew_s: Option<f64>,
 }
 
+/// The running mean with `new` taken in; a figure that is not a finite number is left out.
 fn mean(old: Option<f64>, new: f64) -> Option<f64> {
+    if !new.is_finite() {
+        return old;
+    }
     Some(old.map_or(new, |o| o + WEIGHT * (new - o)))
 }
 
 fn mean2(old: Option<(f64, f64)>, new: (f64, f64)) -> Option<(f64, f64)> {
+    if !(new.0.is_finite() && new.1.is_finite()) {
+        return old;
+    }
     Some(old.map_or(new, |o| {
         (o.0 + WEIGHT * (new.0 - o.0), o.1 + WEIGHT * (new.1 - o.1))
     }))
@@ -67,6 +77,7 @@ impl Measured {
         for u in &close.uploads {
             self.fold = mean2(self.fold, (u.fold_s, u.bytes as f64));
             let n = self.nodes.entry(u.peer).or_default();
+            n.staged = u.receive_s.is_none();
             if let Some(rate) = upload_rate(u) {
                 n.up_bytes_per_s = mean(n.up_bytes_per_s, rate);
             }
@@ -87,31 +98,31 @@ impl Measured {
             self.skew_s = mean(self.skew_s, hi - lo);
         }
         for w in &close.work {
-            if w.work.rows > 0 && w.work.compute_s > 0.0 {
+            if w.work.compute_s > 0.0 {
                 let n = self.nodes.entry(w.peer).or_default();
-                n.row_s = mean(n.row_s, w.work.compute_s / w.work.rows as f64);
+                n.compute_s = mean(n.compute_s, w.work.compute_s);
             }
         }
         for r in &close.nodes {
-            if self.reported.get(&r.peer) >= Some(&r.round) || r.down_s <= 0.0 {
+            // A report counts once, and only with its download timed within its sync.
+            let timed = r.down_s > 0.0 && r.down_s <= r.sync_s && r.sync_s.is_finite();
+            if self.reported.get(&r.peer) >= Some(&r.round) || !timed {
                 continue;
             }
             self.reported.insert(r.peer, r.round);
             let fold = self.fold.map_or(0.0, |(s, _)| s);
             let n = self.nodes.entry(r.peer).or_default();
             // A node's own seconds cannot exceed the sync they are part of.
-            let (down_s, apply_s, up_s) = (
-                r.down_s.min(r.sync_s),
-                r.apply_s.min(r.sync_s),
-                r.up_s.min(r.sync_s),
-            );
+            let (apply_s, up_s) = (r.apply_s.min(r.sync_s), r.up_s.min(r.sync_s));
             if r.bytes_down >= MIN_TIMED_BYTES {
-                n.down_bytes_per_s = mean(n.down_bytes_per_s, r.bytes_down as f64 / down_s);
+                n.down_bytes_per_s = mean(n.down_bytes_per_s, r.bytes_down as f64 / r.down_s);
             }
             if r.bytes_down > 0 {
                 n.apply = mean2(n.apply, (apply_s, r.bytes_down as f64));
             }
-            if let Some(rate) = n.up_bytes_per_s {
+            // Latency from uploads the server received itself, when this one was one.
+            let sent = up_s > 0.0 && r.bytes_up > 0 && !n.staged;
+            if let Some(rate) = n.up_bytes_per_s.filter(|_| sent) {
                 let beyond = up_s - r.bytes_up as f64 / rate - fold;
                 n.latency_s = mean(n.latency_s, beyond.max(0.0));
             }
@@ -148,7 +159,7 @@ impl Measured {
             up_bytes_per_s: of(&|n| n.up_bytes_per_s, false)?,
             down_bytes_per_s: of(&|n| n.down_bytes_per_s, false)?,
             latency_s: of(&|n| n.latency_s, true)?,
-            row_s: of(&|n| n.row_s, true)?,
+            compute_s: of(&|n| n.compute_s, true)?,
             apply_s_per_byte: of(&apply_per_byte, true)?,
             fold_s_per_byte: fold_s / fold_bytes.max(1.0),
             close_s: self.close_s?,
@@ -169,7 +180,8 @@ pub struct Figures {
     pub up_bytes_per_s: f64,
     pub down_bytes_per_s: f64,
     pub latency_s: f64,
-    pub row_s: f64,
+    /// Seconds the node's steps of a round take.
+    pub compute_s: f64,
     pub apply_s_per_byte: f64,
     pub fold_s_per_byte: f64,
     /// The server's close and durable write of a round.
@@ -186,7 +198,6 @@ pub fn plan_input(
     f: &Figures,
     current: Option<WireOption>,
 ) -> PlanInput {
-    let rows_per_step = (cfg.train.batch_size * cfg.train.grad_accum) as f64;
     let mut input = PlanInput {
         model: cfg.model.clone(),
         nodes: members.max(1),
@@ -204,7 +215,7 @@ pub fn plan_input(
             loss: 0.0,
         },
         shards: 1,
-        step_s: f.row_s * rows_per_step,
+        step_s: f.compute_s / cfg.sync.sync_steps.max(1) as f64,
         sync_steps: cfg.sync.sync_steps,
         overlap_cap: cfg.sync.overlap_cap(),
         stride: cfg.sync.stride.max(1),
@@ -248,6 +259,19 @@ pub fn predict(input: &PlanInput, current: Option<WireOption>) -> Vec<PlanRow> {
 /// slowest member's figures), once every figure it needs was measured.
 pub fn planned(cfg: &RunConfig, measured: &Measured, members: &[usize]) -> Option<Planned> {
     let f = measured.at_quantile(members, 1.0)?;
+    let positive = [f.up_bytes_per_s, f.down_bytes_per_s, f.compute_s];
+    let finite = [
+        f.latency_s,
+        f.apply_s_per_byte,
+        f.fold_s_per_byte,
+        f.close_s,
+        f.skew_s,
+    ];
+    if !(positive.iter().all(|v| v.is_finite() && *v > 0.0)
+        && finite.iter().all(|v| v.is_finite() && *v >= 0.0))
+    {
+        return None;
+    }
     let current = WireOption::of(&cfg.sync);
     let input = plan_input(cfg, members.len(), &f, current);
     let options = predict(&input, current)
@@ -258,6 +282,11 @@ pub fn planned(cfg: &RunConfig, measured: &Measured, members: &[usize]) -> Optio
             down_bytes: r.down_bytes,
             round_s: r.round_s,
             utilization: 1.0 - r.idle_share,
+        })
+        .filter(|o| {
+            [o.up_bytes, o.down_bytes, o.round_s, o.utilization]
+                .iter()
+                .all(|v| v.is_finite())
         })
         .collect();
     Some(Planned {
@@ -332,17 +361,24 @@ mod tests {
         let n0 = *m.node(0).unwrap();
         assert_eq!(n0.up_bytes_per_s, Some((1 << 20) as f64));
         assert_eq!(n0.down_bytes_per_s, Some((8 << 20) as f64));
-        assert_eq!(n0.row_s, Some(0.5));
+        assert_eq!(n0.compute_s, Some(10.0));
         assert!(
             m.node(2).unwrap().up_bytes_per_s.is_none(),
             "too small to time"
         );
-        // The same report again changes nothing; a new round's download of 10 s counts as 3.
+        // The same report again changes nothing, nor does a download longer than its sync or
+        // a figure that is not a finite number; a new round's report counts.
         m.observe(&close(0, [1.0, 0.5], 0.25));
         assert_eq!(m.node(0).unwrap().down_bytes_per_s, n0.down_bytes_per_s);
         m.observe(&close(1, [1.0, 0.5], 10.0));
+        let mut bad = close(2, [1.0, 0.5], 1e-310);
+        bad.work[0].work.compute_s = f64::INFINITY;
+        m.observe(&bad);
+        assert_eq!(m.node(0).unwrap().compute_s, Some(10.0));
+        assert!(m.node(0).unwrap().down_bytes_per_s.unwrap().is_finite());
+        m.observe(&close(3, [1.0, 0.5], 0.5));
         let down = m.node(0).unwrap().down_bytes_per_s.unwrap();
-        let expected = (8 << 20) as f64 + WEIGHT * ((2 << 20) as f64 / 3.0 - (8 << 20) as f64);
+        let expected = (8 << 20) as f64 + WEIGHT * ((4 << 20) as f64 - (8 << 20) as f64);
         assert!((down - expected).abs() < 1e-6, "{down} vs {expected}");
         let slow = m.at_quantile(&[0, 1], 1.0).unwrap();
         let fast = m.at_quantile(&[0, 1], 0.0).unwrap();
@@ -375,7 +411,7 @@ mod tests {
             up_bytes_per_s: 2.5e6,
             down_bytes_per_s: 12.5e6,
             latency_s: 0.2,
-            row_s: 0.1,
+            compute_s: 2.0,
             apply_s_per_byte: 5e-7,
             fold_s_per_byte: 2e-7,
             close_s: 0.3,
@@ -392,7 +428,7 @@ mod tests {
         );
         assert!((own.fold_s - 2e-7 * own.up_bytes).abs() < 1e-9, "{own:?}");
         assert!((own.close_s - 0.3).abs() < 1e-9, "{own:?}");
-        assert_eq!(own.compute_s, 0.1 * 4.0 * 5.0, "rows × steps a round");
+        assert_eq!(own.compute_s, 2.0, "the slowest node's steps of a round");
         // Heavier wires take longer to send on the same links.
         let bf16 = rows
             .iter()

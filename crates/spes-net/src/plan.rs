@@ -339,6 +339,13 @@ pub fn transfers(flows: &[(f64, f64, f64)], shared: f64) -> Vec<f64> {
             .map(|&i| left[i] / rate[i])
             .fold(f64::INFINITY, f64::min);
         let dt = dt_finish.min(next_start - t);
+        if !dt.is_finite() {
+            // A rate of 0 (or not a number): what is left never arrives.
+            for &i in &active {
+                end[i] = f64::INFINITY;
+            }
+            return end;
+        }
         for &i in &active {
             left[i] -= rate[i] * dt;
             if left[i] <= left[i].abs().max(1.0) * 1e-12 {

@@ -321,10 +321,10 @@ pub struct PlannedOption {
 pub struct UploadTiming {
     pub peer: usize,
     pub bytes: u64,
-    /// From its header's arrival to its last byte on the server: about its bytes over the
-    /// node's uplink rate (a small upload's bytes may arrive with its header, so it reads
-    /// faster); `None` when the node staged it in the run's store (the node's own `up_s`
-    /// times that).
+    /// From its header's arrival to its last byte on the server, less any wait for an upload
+    /// slot: about its bytes over the node's uplink rate (a small upload's bytes may arrive
+    /// with its header, so it reads faster); `None` when the node staged it in the run's store
+    /// (the node's own `up_s` times that).
     pub receive_s: Option<f64>,
     /// Decoding, checking and adding it into the round.
     pub fold_s: f64,

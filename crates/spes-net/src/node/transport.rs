@@ -92,8 +92,8 @@ enum Body {
 pub(super) struct Fetched {
     pub header: PayloadHeader,
     bodies: Vec<(PayloadHeader, Body)>,
-    /// Seconds from the first shard's header to the last byte of the slowest shard's body:
-    /// the download, without the wait for the round to be published.
+    /// Seconds the slowest shard's body took from its header to its last byte: the download,
+    /// without the wait for the round to be published.
     pub transfer_s: f64,
 }
 

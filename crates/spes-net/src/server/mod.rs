@@ -410,9 +410,31 @@ struct Started {
 
 /// Opens the run's state under `opts.out` (or starts a fresh run): the restart point, the
 /// coordinator resumed on it, the evaluator and the metrics log.
+/// The run's settings as this server resumes them must be those its state was made with: a
+/// key that changed since (an edited config, or a rule of a newer spes that derives another
+/// value) is refused by name. The settings are kept in `<out>/run-settings.toml`.
+fn check_run_settings(out: &std::path::Path, cfg: &RunConfig, fresh: bool) -> Result<()> {
+    let now = cfg.run_settings()?;
+    let file = out.join("run-settings.toml");
+    if let (false, Ok(before)) = (fresh, std::fs::read_to_string(&file)) {
+        if let Some(change) = RunConfig::changed_setting(&before, &now)? {
+            anyhow::bail!(
+                "the run's settings changed since the server's state in {} was made: {change}; \
+                 start the server with the run's config (set the key back: {} holds them all), \
+                 or with a new --out",
+                out.display(),
+                file.display()
+            );
+        }
+    }
+    spes_data::shard::write_atomic(&file, now.as_bytes())?;
+    Ok(())
+}
+
 fn start(opts: &ServerOptions, mirror: Option<Arc<Mirror>>) -> Result<Started> {
     let cfg = opts.cfg.clone();
     let opened = store::open(opts, mirror.as_deref())?;
+    check_run_settings(&opts.out, &cfg, opened.fresh)?;
     let layout = opened.layout.clone();
     // Who owned what in the round before the open one, from the round published before the
     // newest (each published round names the next one's owners): handovers are checked on it.

@@ -320,6 +320,18 @@ impl Spes for Service {
                     ),
                 ));
             }
+            if !(header.compute_s.is_finite() && header.compute_s >= 0.0) {
+                return Err(refusal::status(
+                    Code::InvalidArgument,
+                    Kind::Invalid,
+                    0,
+                    format!(
+                        "the upload reports {} s of compute: expected a finite number ≥ 0",
+                        header.compute_s
+                    ),
+                ));
+            }
+            let waiting = Instant::now();
             let _slot = tokio::time::timeout(s.limits.slot_wait, s.upload_slots.acquire())
                 .await
                 .map_err(|_| {
@@ -331,6 +343,8 @@ impl Spes for Service {
                     )
                 })?
                 .map_err(|_| Status::unavailable("the server is stopping"))?;
+            // Not the node's: while it waited for a slot, the stream's window stopped its bytes.
+            let slot_wait = waiting.elapsed();
             let part = s.store.out.join("incoming").join(format!(
                 "round-{:06}-peer-{peer}-{:016x}.part",
                 header.round,
@@ -353,7 +367,9 @@ impl Spes for Service {
                     return Err(e);
                 }
             };
-            let receive_s = staged.is_none().then(|| t.elapsed().as_secs_f64());
+            let receive_s = staged
+                .is_none()
+                .then(|| t.elapsed().saturating_sub(slot_wait).as_secs_f64());
             s.io.lock().unwrap().bytes_in += header.total_bytes;
             let state = s.clone();
             let (round, bytes) = (header.round, header.total_bytes);

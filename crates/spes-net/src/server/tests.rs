@@ -119,3 +119,38 @@ fn a_join_waits_for_no_disk_under_the_coordinators_lock() {
         "the newest state, the slow write's change in it"
     );
 }
+
+/// A server resumes its state only with the run's settings: a changed key is refused by name
+/// (the union estimate's rule deriving another second moment than a run started with is one),
+/// the liveness timing may change, and a fresh state takes whatever it is given.
+#[test]
+fn a_restart_with_other_run_settings_is_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = |sets: &[&str]| {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        RunConfig::parse(
+            "[model]\npreset = \"micro\"\n[data]\npath = \"none\"\n[train]\nmax_steps = 10\n\
+             batch_size = 2\nseq_len = 16\n[sync]\nmode = \"spes\"\nnodes = 2\nsync_steps = 1\n",
+            &sets,
+        )
+        .unwrap()
+    };
+    let out = tmp.path();
+    check_run_settings(out, &cfg(&["train.second_moment=own"]), true).unwrap();
+    check_run_settings(out, &cfg(&["train.second_moment=own"]), false).unwrap();
+    check_run_settings(
+        out,
+        &cfg(&["train.second_moment=own", "sync.lease_s=60"]),
+        false,
+    )
+    .unwrap();
+    let e = check_run_settings(out, &cfg(&[]), false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`train.second_moment` was \"own\", is now \"union_estimate\""),
+        "{e}"
+    );
+    check_run_settings(out, &cfg(&[]), true).unwrap();
+    check_run_settings(out, &cfg(&[]), false).unwrap();
+}

@@ -449,8 +449,8 @@ impl RunConfig {
             .context("the server's run settings with this node's --set")
     }
 
-    /// The first run setting that differs between two [`RunConfig::run_settings`] texts, as
-    /// "`section.key` was A, is now B"; `None` when they agree. The server's liveness timing
+    /// The run settings that differ between two [`RunConfig::run_settings`] texts, each as
+    /// "`section.key` was A, is now B" (joined by "; "); `None` when they agree. The server's liveness timing
     /// (`sync.lease_s`, `evict_after_s`, `stall_s`, `round_timeout_s`) may change between
     /// restarts, and a key `before` lacks (a newer server's) is not a change of the run.
     pub fn changed_setting(before: &str, now: &str) -> Result<Option<String>> {
@@ -471,10 +471,14 @@ impl RunConfig {
         all.retain(|(s, k)| !(s == "sync" && TIMING.contains(&k.as_str())));
         let get = |t: &toml::Table, s: &str, k: &str| t.get(s).and_then(|v| v.get(k)).cloned();
         let shown = |v: Option<toml::Value>| v.map_or("nothing".into(), |v| v.to_string());
-        Ok(all.into_iter().find_map(|(s, k)| {
-            let (x, y) = (get(&a, &s, &k), get(&b, &s, &k));
-            (x != y).then(|| format!("`{s}.{k}` was {}, is now {}", shown(x), shown(y)))
-        }))
+        let changes: Vec<String> = all
+            .into_iter()
+            .filter_map(|(s, k)| {
+                let (x, y) = (get(&a, &s, &k), get(&b, &s, &k));
+                (x != y).then(|| format!("`{s}.{k}` was {}, is now {}", shown(x), shown(y)))
+            })
+            .collect();
+        Ok((!changes.is_empty()).then(|| changes.join("; ")))
     }
 
     /// Reads a TOML file and applies `section.key=value` overrides.
