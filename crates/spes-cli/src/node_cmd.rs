@@ -190,18 +190,14 @@ fn config_from_server(
         );
     }
     let recorded = out.join("run-settings.toml");
-    if let Ok(before) = std::fs::read_to_string(&recorded) {
-        let holds = spes_train::checkpoint::latest(&out.join("checkpoints"))?.is_some();
-        if let Some(change) = RunConfig::changed_setting(&before, &settings)?.filter(|_| holds) {
-            bail!(
-                "the run's settings changed since this node's checkpoint in {}: {change}; \
-                 start the node with a new --out, or the server with the run's config",
-                out.display()
-            );
-        }
+    let holds = spes_train::checkpoint::latest(&out.join("checkpoints"))?.is_some();
+    if let Some(change) = RunConfig::keep_settings(&recorded, &settings, holds)? {
+        bail!(
+            "the run's settings changed since this node's checkpoint in {}: {change}; \
+             start the node with a new --out, or the server with the run's config",
+            out.display()
+        );
     }
-    std::fs::create_dir_all(out)?;
-    spes_data::shard::write_atomic(&recorded, settings.as_bytes())?;
     tracing::info!(
         "node {}: the run's settings from {} (kept in {}):\n{settings}",
         from.peer,

@@ -414,20 +414,16 @@ struct Started {
 /// key that changed since (an edited config, or a rule of a newer spes that derives another
 /// value) is refused by name. The settings are kept in `<out>/run-settings.toml`.
 fn check_run_settings(out: &std::path::Path, cfg: &RunConfig, fresh: bool) -> Result<()> {
-    let now = cfg.run_settings()?;
     let file = out.join("run-settings.toml");
-    if let (false, Ok(before)) = (fresh, std::fs::read_to_string(&file)) {
-        if let Some(change) = RunConfig::changed_setting(&before, &now)? {
-            anyhow::bail!(
-                "the run's settings changed since the server's state in {} was made: {change}; \
-                 start the server with the run's config (set the key back: {} holds them all), \
-                 or with a new --out",
-                out.display(),
-                file.display()
-            );
-        }
+    if let Some(change) = RunConfig::keep_settings(&file, &cfg.run_settings()?, !fresh)? {
+        anyhow::bail!(
+            "the run's settings changed since the server's state in {} was made: {change}; \
+             start the server with the run's config (set the key back: {} holds them all), \
+             or with a new --out",
+            out.display(),
+            file.display()
+        );
     }
-    spes_data::shard::write_atomic(&file, now.as_bytes())?;
     Ok(())
 }
 

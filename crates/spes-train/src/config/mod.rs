@@ -449,6 +449,22 @@ impl RunConfig {
             .context("the server's run settings with this node's --set")
     }
 
+    /// Keeps run `settings` ([`RunConfig::run_settings`]) in `file`; when `resuming`, first
+    /// returns the settings that changed since `file` was written ([`RunConfig::changed_setting`])
+    /// instead, keeping `file` as it was. A role resumes only with the settings it started with.
+    pub fn keep_settings(file: &Path, settings: &str, resuming: bool) -> Result<Option<String>> {
+        if let (true, Ok(before)) = (resuming, std::fs::read_to_string(file)) {
+            if let Some(change) = Self::changed_setting(&before, settings)? {
+                return Ok(Some(change));
+            }
+        }
+        if let Some(dir) = file.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        spes_data::shard::write_atomic(file, settings.as_bytes())?;
+        Ok(None)
+    }
+
     /// The run settings that differ between two [`RunConfig::run_settings`] texts, each as
     /// "`section.key` was A, is now B" (joined by "; "); `None` when they agree. The server's liveness timing
     /// (`sync.lease_s`, `evict_after_s`, `stall_s`, `round_timeout_s`) may change between

@@ -196,11 +196,14 @@ pub fn backward_batches(
         .filter(|_| ranks == 1 && batches.len() >= 2)
         .map(|e| (e, batches.len() / 2));
     let mut part = None;
+    // This rank's own tensors, each with the stage of the staged backward that completes it.
     let mut owned = Vec::new();
     if let (Some(e), Some(dp)) = (o.estimate, dp.filter(|_| ranks >= 2)) {
         part = Some(e.part((total_rows, total_rows), ranks));
-        owned = model.trainable_params();
-        owned.retain(|p| dp.owns(&p.name));
+        owned = (model.trainable_params().into_iter())
+            .filter(|p| dp.owns(&p.name))
+            .map(|p| (MoeModel::stage_of(&p.name), p))
+            .collect();
     }
     // Mixed precision: every micro-batch multiplies by one set of bf16 copies, made here.
     model.begin_step();
@@ -221,10 +224,8 @@ pub fn backward_batches(
                 o.checkpoint,
                 &mut |stage| {
                     if let (Some(e), Some(part)) = (o.estimate, part.as_mut()) {
-                        let of_stage = owned
-                            .iter()
-                            .filter(|p| MoeModel::stage_of(&p.name) == stage);
-                        e.capture(part, of_stage);
+                        let of_stage = owned.iter().filter(|(s, _)| *s == stage);
+                        e.capture(part, of_stage.map(|(_, p)| p));
                     }
                     if failed.is_none() {
                         match dp.start_stage(stage) {
@@ -249,7 +250,7 @@ pub fn backward_batches(
     }
     model.end_step();
     if let (Some(e), Some(part), false) = (o.estimate, part.as_mut(), o.overlap_reduce) {
-        e.capture(part, &owned);
+        e.capture(part, owned.iter().map(|(_, p)| p));
     }
     Backward {
         started,
