@@ -4,6 +4,7 @@
 use anyhow::{Context, Result};
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
+use spes_sync::RoundSettings;
 use spes_train::metrics::{self, DemoSummary, NodeLine, RoundRecord, SyncRecord};
 use std::path::Path;
 
@@ -279,6 +280,58 @@ fn sync_plot(path: &Path, costs: &[RoundCost]) -> Result<()> {
 }
 
 /// Writes `loss.png`, `expert_load.png`, `sync.png` and `report.md` under `out`.
+/// The settings the rounds ran, run by run of rounds, with the bytes and utilization each run
+/// measured and, for an adaptive run, why the server changed them.
+fn settings_section(server: &[RoundRecord], costs: &[RoundCost]) -> String {
+    let settings: Vec<(u64, RoundSettings)> = server
+        .iter()
+        .filter_map(|r| Some((r.round, r.close.as_ref()?.settings?)))
+        .collect();
+    if settings.is_empty() {
+        return String::new();
+    }
+    let mut md = String::from("\n### Settings per round\n\n| rounds | wire and overlap | up + down per node and round | utilization |\n|---|---|---|---|\n");
+    let mut start = 0;
+    while start < settings.len() {
+        let s = settings[start].1;
+        let end = settings[start..]
+            .iter()
+            .position(|(_, x)| *x != s)
+            .map_or(settings.len(), |k| start + k);
+        let (first, last) = (settings[start].0, settings[end - 1].0);
+        let of_run: Vec<&RoundCost> = costs
+            .iter()
+            .filter(|c| (first..=last).contains(&c.round))
+            .collect();
+        let k = of_run.len().max(1) as f64;
+        let bytes = of_run
+            .iter()
+            .map(|c| c.bytes_up + c.bytes_down)
+            .sum::<f64>()
+            / k;
+        let compute: f64 = of_run.iter().map(|c| c.compute_s).sum();
+        let idle: f64 = of_run.iter().map(|c| c.idle_s).sum();
+        md.push_str(&format!(
+            "| {first}–{last} | {s} | {:.2} MiB | {:.1} % |\n",
+            bytes / MIB,
+            100.0 * metrics::utilization(compute, idle)
+        ));
+        start = end;
+    }
+    for r in server {
+        let Some(c) = r.close.as_ref().and_then(|c| c.choice.as_ref()) else {
+            continue;
+        };
+        if let (Some(s), Some(from)) = (c.chose, c.from_round) {
+            md.push_str(&format!(
+                "\nAfter round {}: {s} from round {from}, {}.\n",
+                r.round, c.reason
+            ));
+        }
+    }
+    md
+}
+
 pub fn write(out: &Path, summary: &DemoSummary, config_toml: &str) -> Result<()> {
     // Registering twice (a second report in one process) fails harmlessly.
     let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
@@ -427,6 +480,7 @@ pub fn write(out: &Path, summary: &DemoSummary, config_toml: &str) -> Result<()>
         mib(node_total),
         mib(server_total as f64 + node_total) / rounds,
     ));
+    md.push_str(&settings_section(&server, costs));
     md.push_str("\n![sync cost per round](sync.png)\n");
     md.push_str("\n![loss](loss.png)\n\n![expert load](expert_load.png)\n\n## Expert merging\n\n");
     if merges.is_empty() {
@@ -440,4 +494,77 @@ pub fn write(out: &Path, summary: &DemoSummary, config_toml: &str) -> Result<()>
     md.push_str(config_toml);
     md.push_str("```\n");
     spes_data::shard::write_atomic(&out.join("report.md"), md.as_bytes()).context("report.md")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use spes_sync::Wire;
+    use spes_train::metrics::{RoundClose, SettingsChoice};
+
+    #[test]
+    fn the_settings_section_gives_each_run_of_rounds_its_bytes_and_the_reasons() {
+        let lowrank = RoundSettings {
+            wire: Wire::LowrankDelta,
+            overlap: true,
+            overlap_steps: 1,
+        };
+        let bf16 = RoundSettings {
+            wire: Wire::Bf16Delta,
+            overlap: false,
+            overlap_steps: 0,
+        };
+        let record = |round: u64, s: RoundSettings, chose: Option<RoundSettings>| RoundRecord {
+            round,
+            close: Some(RoundClose {
+                settings: Some(s),
+                choice: chose.map(|c| SettingsChoice {
+                    chose: Some(c),
+                    from_round: Some(round + 2),
+                    reason: "because".into(),
+                    ..SettingsChoice::default()
+                }),
+                ..RoundClose::default()
+            }),
+            ..RoundRecord::default()
+        };
+        let server = vec![
+            record(1, lowrank, None),
+            record(2, lowrank, Some(bf16)),
+            record(3, lowrank, None),
+            record(4, bf16, None),
+        ];
+        let cost = |round: u64, bytes: f64, idle_s: f64| RoundCost {
+            round,
+            nodes: 2,
+            compute_s: 1.0,
+            sync_s: 0.5,
+            idle_s,
+            bytes_up: bytes,
+            bytes_down: bytes,
+            bytes_written: 0.0,
+            server_aggregation_s: None,
+            server_bytes_written: None,
+        };
+        let costs = vec![
+            cost(1, MIB / 2.0, 0.0),
+            cost(2, MIB / 2.0, 0.0),
+            cost(3, MIB / 2.0, 1.0),
+            cost(4, 4.0 * MIB, 1.0),
+        ];
+        let md = settings_section(&server, &costs);
+        assert!(
+            md.contains("| 1–3 | lowrank_delta, overlap 1 step | 1.00 MiB | 75.0 % |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| 4–4 | bf16_delta, no overlap | 8.00 MiB | 50.0 % |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("After round 2: bf16_delta, no overlap from round 4, because."),
+            "{md}"
+        );
+        assert_eq!(settings_section(&[], &costs), "");
+    }
 }

@@ -57,6 +57,10 @@ pub struct Args {
     /// (--tls-cert) and the viewer credential (`spes auth credential --viewer`) on every request.
     #[arg(long)]
     pub http: Option<SocketAddr>,
+    /// Take each round's wire and overlap from an adaptive run's `choices.json` instead of
+    /// choosing them: a rerun of that run reproduces it.
+    #[arg(long)]
+    pub replay_choices: Option<PathBuf>,
     #[command(flatten)]
     pub store: StoreArgs,
     #[command(flatten)]
@@ -80,6 +84,7 @@ pub fn run(a: Args) -> Result<()> {
         linger_s,
         shard,
         http,
+        replay_choices,
         store,
         runtime,
     } = a;
@@ -134,8 +139,13 @@ pub fn run(a: Args) -> Result<()> {
             out.display()
         );
     }
+    let replay = replay_choices
+        .as_deref()
+        .map(spes_net::settings::Choices::read)
+        .transpose()?;
     let opts = spes_net::ServerOptions {
         store,
+        replay,
         cfg,
         out,
         secret,

@@ -96,7 +96,7 @@ fn lease(n: &NodeView, lease_s: f64) -> String {
 pub fn render(v: &RunView) -> String {
     let r = &v.run;
     let mut out = format!(
-        "round {}/{} (open {}) · {} tokens · wire {} · val loss {} · up {:.0} s{}\n\n",
+        "round {}/{} (open {}) · {} tokens · wire {} · val loss {} · up {:.0} s{}\n{}\n",
         r.round,
         r.final_round,
         r.open_round,
@@ -104,7 +104,12 @@ pub fn render(v: &RunView) -> String {
         r.wire,
         r.val_loss.map_or("-".into(), |l| format!("{l:.4}")),
         r.uptime_s,
-        if r.done { " · done" } else { "" }
+        if r.done { " · done" } else { "" },
+        if r.choice.is_empty() {
+            String::new()
+        } else {
+            format!("settings chosen {}\n", r.choice)
+        }
     );
     out +=
         "| peer | member | lease | experts | step | tok/s | loss | idle | uploads | up | down |\n";

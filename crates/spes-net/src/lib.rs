@@ -7,6 +7,7 @@
 //! this crate only moves tensors and keeps time.
 
 pub mod auth;
+pub mod choose;
 mod dial;
 pub mod fault;
 pub mod link;
@@ -16,9 +17,12 @@ pub mod payload;
 pub mod plan;
 pub mod refusal;
 pub mod server;
+pub mod settings;
 pub mod view;
 
-/// Generated gRPC types of `proto/spes.proto`.
+/// Generated gRPC types of `proto/spes.proto`. A chunk is a header or data, the header the
+/// larger by far; a chunk is built once per message, so its size does not matter.
+#[allow(clippy::large_enum_variant)]
 pub mod proto {
     tonic::include_proto!("spes.v1");
 }

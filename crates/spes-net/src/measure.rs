@@ -8,6 +8,7 @@
 
 use crate::link::LinkSpec;
 use crate::plan::{self, PlanInput, PlanRow, WireOption};
+use spes_sync::{RoundSettings, Wire};
 use spes_train::metrics::{Planned, PlannedOption, RoundClose, UploadTiming};
 use spes_train::{Mode, RunConfig};
 use std::collections::BTreeMap;
@@ -52,6 +53,9 @@ pub struct Measured {
     close_s: Option<f64>,
     /// The slowest member's compute of a round beyond the fastest's, seconds.
     skew_s: Option<f64>,
+    /// The settings of the rounds the fold, close and apply figures come from: they depend
+    /// on the wire, so a change starts them over.
+    settings: Option<RoundSettings>,
 }
 
 /// The running mean with `new` taken in; a figure that is not a finite number is left out.
@@ -74,6 +78,16 @@ fn mean2(old: Option<(f64, f64)>, new: (f64, f64)) -> Option<(f64, f64)> {
 impl Measured {
     /// Takes in a closed round's timings.
     pub fn observe(&mut self, close: &RoundClose) {
+        if close.settings.is_some() && close.settings != self.settings {
+            if self.settings.is_some() {
+                self.fold = None;
+                self.close_s = None;
+                for n in self.nodes.values_mut() {
+                    n.apply = None;
+                }
+            }
+            self.settings = close.settings;
+        }
         for u in &close.uploads {
             self.fold = mean2(self.fold, (u.fold_s, u.bytes as f64));
             let n = self.nodes.entry(u.peer).or_default();
@@ -255,9 +269,9 @@ pub fn predict(input: &PlanInput, current: Option<WireOption>) -> Vec<PlanRow> {
     options.into_iter().map(|o| plan::plan(input, o)).collect()
 }
 
-/// What the planner predicts for `cfg`'s run on the links `measured` among `members` (the
-/// slowest member's figures), once every figure it needs was measured.
-pub fn planned(cfg: &RunConfig, measured: &Measured, members: &[usize]) -> Option<Planned> {
+/// The slowest member's figures among `members`, once every one was measured and is a number
+/// the planner can take.
+fn slowest(measured: &Measured, members: &[usize]) -> Option<Figures> {
     let f = measured.at_quantile(members, 1.0)?;
     let positive = [f.up_bytes_per_s, f.down_bytes_per_s, f.compute_s];
     let finite = [
@@ -267,11 +281,63 @@ pub fn planned(cfg: &RunConfig, measured: &Measured, members: &[usize]) -> Optio
         f.close_s,
         f.skew_s,
     ];
-    if !(positive.iter().all(|v| v.is_finite() && *v > 0.0)
+    (positive.iter().all(|v| v.is_finite() && *v > 0.0)
         && finite.iter().all(|v| v.is_finite() && *v >= 0.0))
-    {
-        return None;
-    }
+    .then_some(f)
+}
+
+/// The planner's option and overlap cap (steps) of round settings `s` in rounds of
+/// `sync_steps`: overlap off is a cap of 0 steps.
+pub fn option_of(s: RoundSettings, sync_steps: u64) -> Option<(WireOption, u64)> {
+    let option = match s.wire {
+        Wire::Bf16Delta => WireOption::Overlap,
+        Wire::Int4Delta => WireOption::Int4Overlap,
+        Wire::Int2Delta => WireOption::Int2Overlap,
+        Wire::SparseDelta => WireOption::SparseOverlap,
+        Wire::LowrankDelta => WireOption::LowrankOverlap,
+        Wire::Fp32 | Wire::Int8Delta => return None,
+    };
+    let cap = match (s.overlap, s.overlap_steps) {
+        (false, _) => 0,
+        (true, 0) => sync_steps,
+        (true, n) => n.min(sync_steps),
+    };
+    Some((option, cap))
+}
+
+/// Each of `candidates`' predicted utilization of the slowest member among `members` on the
+/// links `measured`, for a run of `cfg` whose `sync` holds the open round's settings (its
+/// measured apply, fold and close scale every candidate's); `None` until the figures are in.
+pub fn predict_settings(
+    cfg: &RunConfig,
+    measured: &Measured,
+    members: &[usize],
+    candidates: &[RoundSettings],
+) -> Option<Vec<(RoundSettings, f64)>> {
+    let f = slowest(measured, members)?;
+    let input = plan_input(cfg, members.len(), &f, WireOption::of(&cfg.sync));
+    Some(
+        candidates
+            .iter()
+            .filter_map(|&s| {
+                let (option, cap) = option_of(s, cfg.sync.sync_steps)?;
+                let row = plan::plan(
+                    &PlanInput {
+                        overlap_cap: cap,
+                        ..input.clone()
+                    },
+                    option,
+                );
+                Some((s, 1.0 - row.idle_share))
+            })
+            .collect(),
+    )
+}
+
+/// What the planner predicts for `cfg`'s run on the links `measured` among `members` (the
+/// slowest member's figures), once every figure it needs was measured.
+pub fn planned(cfg: &RunConfig, measured: &Measured, members: &[usize]) -> Option<Planned> {
+    let f = slowest(measured, members)?;
     let current = WireOption::of(&cfg.sync);
     let input = plan_input(cfg, members.len(), &f, current);
     let options = predict(&input, current)
@@ -392,6 +458,44 @@ mod tests {
         // slowest node's.
         assert!((fast.latency_s - 0.4).abs() < 1e-9, "{}", fast.latency_s);
         assert!((slow.latency_s - 0.9).abs() < 1e-9, "{}", slow.latency_s);
+    }
+
+    /// A change of settings starts the wire's costs (fold, close, apply) over, so figures of
+    /// one wire never scale another's; the links and steps carry over. The candidates' predictions
+    /// follow the planner: on a slow uplink, overlap keeps the node busier than waiting.
+    #[test]
+    fn a_change_of_settings_starts_the_wires_costs_over() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/spes-tiny.toml");
+        let cfg = RunConfig::load(&path, &[]).unwrap();
+        let on = |s: RoundSettings, round: u64| RoundClose {
+            settings: Some(s),
+            ..close(round, [1.0, 0.5], 0.25)
+        };
+        let first = cfg.sync.settings();
+        let other = RoundSettings {
+            wire: Wire::Bf16Delta,
+            overlap: false,
+            overlap_steps: 0,
+        };
+        let mut m = Measured::default();
+        m.observe(&on(first, 0));
+        m.observe(&on(first, 1));
+        assert!(m.at_quantile(&[0, 1], 1.0).is_some());
+        let candidates = [first, other];
+        let predicted = predict_settings(&cfg, &m, &[0, 1], &candidates).unwrap();
+        assert_eq!(predicted.len(), 2);
+        assert!(predicted[0].1 > predicted[1].1, "{predicted:?}");
+        // The first round on the other wire brings its uploads' fold but no report of its
+        // apply yet: nothing to plan on until it does.
+        let mut next = on(other, 2);
+        next.nodes.clear();
+        m.observe(&next);
+        assert!(m.node(0).unwrap().apply.is_none());
+        assert!(m.node(0).unwrap().up_bytes_per_s.is_some());
+        assert!(m.at_quantile(&[0, 1], 1.0).is_none());
+        m.observe(&on(other, 3));
+        assert!(m.at_quantile(&[0, 1], 1.0).is_some());
     }
 
     /// Fed the figures a run measured, the planner's round for the run's own wire applies and

@@ -61,7 +61,7 @@ impl WireOption {
     pub fn of(sync: &SyncConfig) -> Option<WireOption> {
         let strided = sync.stride > 1;
         Some(
-            match (sync.wire, sync.skip_own_experts, sync.overlaps(), strided) {
+            match (sync.wire(), sync.skip_own_experts, sync.overlaps(), strided) {
                 (Wire::Fp32, _, false, false) => WireOption::Fp32,
                 (Wire::Bf16Delta, false, false, false) => WireOption::Bf16Delta,
                 (Wire::Bf16Delta, true, false, false) => WireOption::Bf16DeltaSkipOwn,
@@ -133,7 +133,7 @@ impl WireOption {
     /// The `[sync]` settings of this option that decide what its payloads take.
     fn sync_config(self, input: &PlanInput) -> SyncConfig {
         SyncConfig {
-            wire: self.wire(),
+            wire: self.wire().into(),
             stride: if self == WireOption::Int2StridedOverlap {
                 input.stride
             } else {

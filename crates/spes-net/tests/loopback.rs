@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use spes_model::{MoeModel, Role};
 use spes_net::proto::JoinRequest;
-use spes_net::{payload, Node, NodeOptions};
+use spes_net::{payload, Limits, Node, NodeOptions};
 use spes_sync::Named;
 use spes_train::RunConfig;
 use std::path::Path;
@@ -907,5 +907,204 @@ fn two_server_shards_publish_the_same_model_as_one_server() {
             ta.equal(tb),
             "`{na}` differs between one server and two shards"
         );
+    }
+}
+
+/// The model a run of `rounds` rounds ended on at the server, checked against every node's
+/// last checkpoint (step `steps`), bit for bit.
+fn ended_on(out: &Path, nodes: &Path, rounds: u64, steps: u64) -> Named {
+    let mut published =
+        payload::read(&out.join(format!("checkpoints/round-{rounds:06}.safetensors"))).unwrap();
+    published.sort_by(|a, b| a.0.cmp(&b.0));
+    for peer in 0..2 {
+        let dir = nodes.join(format!("node-{peer}/checkpoints/step-{steps}"));
+        let model = spes_train::checkpoint::load(&dir).unwrap().model.unwrap();
+        for (name, t) in &published {
+            let local = &model.iter().find(|(n, _)| n == name).unwrap().1;
+            assert!(
+                local.equal(t),
+                "node {peer}'s `{name}` differs from the server's"
+            );
+        }
+    }
+    published
+}
+
+/// Settings that change between rounds, as a replayed choices file says: int4 without
+/// overlap, then low rank with a step of overlap, then bf16 without. Every node ends on the
+/// server's final model; a server restarted across a change rebuilds its rounds in their own
+/// wires and the run ends on the same bits as a straight one. An adaptive server on loopback
+/// then chooses for itself (every setting keeps a node busy enough at this target, so it takes
+/// the best), records its choices, and a rerun that replays them ends on its bits.
+#[test]
+fn the_wire_changes_mid_run_and_replays_to_the_last_bit() {
+    use spes_net::settings::{Choices, Chosen, CHOICES_FILE};
+    use spes_sync::{RoundSettings, Wire};
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let cfg = config(
+        &data,
+        "spes",
+        2,
+        &[
+            "train.max_steps=12",
+            "sync.wire=adaptive",
+            "sync.overlap_steps=adaptive",
+            "sync.rank=2",
+        ],
+    );
+    let settings = |wire, overlap| RoundSettings {
+        wire,
+        overlap,
+        overlap_steps: 1,
+    };
+    let schedule = Choices {
+        choices: [
+            (1, settings(Wire::Int4Delta, false)),
+            (3, settings(Wire::LowrankDelta, true)),
+            (5, settings(Wire::Bf16Delta, false)),
+        ]
+        .into_iter()
+        .map(|(from_round, settings)| Chosen {
+            from_round,
+            settings,
+            reason: String::new(),
+        })
+        .collect(),
+    };
+    let start = |out: &Path, replay: Option<&Choices>, bind: &str| {
+        let mut opts = options(cfg.clone(), out, None, Limits::default(), (0, 1));
+        opts.replay = replay.cloned();
+        Server::start_options(bind, opts)
+    };
+    let (straight, records) = {
+        let dir = tmp.path().join("straight");
+        let out = dir.join("server");
+        let server = start(&out, Some(&schedule), "127.0.0.1:0");
+        for n in spawn_nodes(&cfg, &server.url(), &dir, 0..2) {
+            assert_eq!(n.join().unwrap().steps, 12);
+        }
+        assert_eq!(server.finish().rounds, 6);
+        (ended_on(&out, &dir, 6, 12), metrics(&out))
+    };
+    for r in records.iter().filter(|r| r["round"].as_u64().unwrap() > 0) {
+        let round = r["round"].as_u64().unwrap();
+        let want = schedule.at(round, &cfg.sync);
+        let got: RoundSettings = serde_json::from_value(r["settings"].clone())
+            .unwrap_or_else(|e| panic!("round {round}: {e} in {r}"));
+        assert_eq!(got, want, "round {round}");
+    }
+    assert!(straight
+        .iter()
+        .all(|(_, t)| t.isfinite().all().int64_value(&[]) == 1));
+    // Nodes driven round by round, the server stopped after round `restart` and started
+    // again: a whole model at round 4, then round 5's bf16 delta replayed, which flushed every
+    // residual the low-rank rounds held back, so the run ends on a straight run's bits.
+    let cfg = RunConfig {
+        sync: spes_sync::SyncConfig {
+            checkpoint_every_rounds: 4,
+            ..cfg.sync.clone()
+        },
+        ..cfg.clone()
+    };
+    let stepped = |name: &str, restart: Option<u64>| {
+        let dir = tmp.path().join(name);
+        let out = dir.join("server");
+        let opts = || {
+            let mut o = options(cfg.clone(), &out, None, Limits::default(), (0, 1));
+            o.replay = Some(schedule.clone());
+            o
+        };
+        let mut server = Server::start_options("127.0.0.1:0", opts());
+        let url = server.url();
+        tch::set_num_threads(1);
+        let mut nodes: Vec<Node> = (0..2)
+            .map(|p| Node::connect(node_options(&cfg, &url, p, &dir)).unwrap())
+            .collect();
+        for round in 1..=5 {
+            let uploads: Vec<Named> = nodes.iter_mut().map(|n| n.train_round().unwrap()).collect();
+            std::thread::scope(|s| {
+                for (n, u) in nodes.iter_mut().zip(uploads) {
+                    s.spawn(move || assert_eq!(n.sync(&u).unwrap(), round));
+                }
+            });
+            if restart == Some(round) {
+                let addr = server.addr.to_string();
+                assert_eq!(server.stop().rounds, round);
+                server = Server::start_options(&addr, opts());
+            }
+        }
+        std::thread::scope(|s| {
+            for n in nodes {
+                s.spawn(move || assert_eq!(n.run().unwrap().steps, 12));
+            }
+        });
+        assert_eq!(server.finish().rounds, 6);
+        ended_on(&out, &dir, 6, 12)
+    };
+    let (once, restarted) = (stepped("stepped", None), stepped("restarted", Some(5)));
+    for ((n, a), (_, b)) in once.iter().zip(&restarted) {
+        assert!(a.equal(b), "`{n}` differs after a restart across a change");
+    }
+    // An adaptive run at a target every setting reaches, and its replay. The wire is pinned
+    // to bf16, whose payloads are large enough to time (the micro model's low-rank ones are
+    // not), and the server chooses the overlap.
+    let cfg = RunConfig {
+        sync: spes_sync::SyncConfig {
+            target_utilization: 0.01,
+            wire: Wire::Bf16Delta.into(),
+            ..cfg.sync.clone()
+        },
+        ..cfg.clone()
+    };
+    let run_adaptive = |name: &str, replay: Option<&Choices>| {
+        let dir = tmp.path().join(name);
+        let out = dir.join("server");
+        let mut opts = options(cfg.clone(), &out, None, Limits::default(), (0, 1));
+        opts.replay = replay.cloned();
+        let server = Server::start_options("127.0.0.1:0", opts);
+        // A node too old to follow settings that change is refused by kind.
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let old = rt.block_on(async {
+            let mut c = raw_client(&server.url(), &cred(0)).await;
+            let req = JoinRequest {
+                peer: 0,
+                session: 9,
+                ..Default::default()
+            };
+            c.join(req).await.unwrap_err()
+        });
+        assert_eq!(
+            spes_net::refusal::kind(&old),
+            Some(spes_net::proto::refusal::Kind::TooOld),
+            "{old:?}"
+        );
+        for n in spawn_nodes(&cfg, &server.url(), &dir, 0..2) {
+            assert_eq!(n.join().unwrap().steps, 12);
+        }
+        assert_eq!(server.finish().rounds, 6);
+        (ended_on(&out, &dir, 6, 12), out)
+    };
+    let (chosen, out) = run_adaptive("adaptive", None);
+    let choices = Choices::read(&out.join(CHOICES_FILE)).unwrap_or_else(|e| {
+        let seen: Vec<String> = metrics(&out)
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} {} {}",
+                    r["round"],
+                    r["planned"].is_object(),
+                    r["choice"]
+                )
+            })
+            .collect();
+        panic!("{e}: {seen:?}")
+    });
+    for c in &choices.choices {
+        assert!(!c.reason.is_empty() && c.from_round >= 3, "{c:?}");
+    }
+    let (replayed, _) = run_adaptive("replayed", Some(&choices));
+    for ((n, a), (_, b)) in chosen.iter().zip(&replayed) {
+        assert!(a.equal(b), "`{n}` differs in the replay of {choices:?}");
     }
 }

@@ -3,7 +3,9 @@
 //! [`SyncConfig`]), and the rules a round follows are read off it by the methods below.
 
 use crate::outer::{OuterRule, Source};
-use serde::{Deserialize, Serialize};
+use serde::de::{self, IntoDeserializer, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::fmt;
 
 /// How the run is distributed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,6 +52,19 @@ pub enum Wire {
 }
 
 impl Wire {
+    /// The wire's name as `sync.wire` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Wire::Fp32 => "fp32",
+            Wire::Bf16Delta => "bf16_delta",
+            Wire::SparseDelta => "sparse_delta",
+            Wire::Int8Delta => "int8_delta",
+            Wire::Int4Delta => "int4_delta",
+            Wire::Int2Delta => "int2_delta",
+            Wire::LowrankDelta => "lowrank_delta",
+        }
+    }
+
     /// Bits per code of a quantized wire.
     pub fn quantized_bits(self) -> Option<u8> {
         match self {
@@ -68,6 +83,129 @@ impl Wire {
     /// Whether uploads and published rounds are deltas from the last global model.
     pub fn is_delta(self) -> bool {
         self != Wire::Fp32
+    }
+}
+
+/// A `[sync]` key the config pins, or leaves to the server to choose each round from what the
+/// run measures (`"adaptive"`; not the rules' `"auto"`, which is derived once at parse time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice<T> {
+    Pinned(T),
+    Adaptive,
+}
+
+impl<T> Choice<T> {
+    /// The pinned value, if pinned.
+    pub fn pinned(self) -> Option<T> {
+        match self {
+            Choice::Pinned(t) => Some(t),
+            Choice::Adaptive => None,
+        }
+    }
+
+    pub fn is_adaptive(&self) -> bool {
+        matches!(self, Choice::Adaptive)
+    }
+}
+
+impl<T> From<T> for Choice<T> {
+    fn from(t: T) -> Self {
+        Choice::Pinned(t)
+    }
+}
+
+const ADAPTIVE: &str = "adaptive";
+
+impl<T: Serialize> Serialize for Choice<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Choice::Pinned(t) => t.serialize(s),
+            Choice::Adaptive => s.serialize_str(ADAPTIVE),
+        }
+    }
+}
+
+/// `sync.wire`: a wire's name or `"adaptive"`; any other word is refused with both lists.
+impl<'de> Deserialize<'de> for Choice<Wire> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Words;
+        impl Visitor<'_> for Words {
+            type Value = Choice<Wire>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a wire's name or \"adaptive\"")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                if v == ADAPTIVE {
+                    return Ok(Choice::Adaptive);
+                }
+                Wire::deserialize(v.into_deserializer())
+                    .map(Choice::Pinned)
+                    .map_err(|e: E| E::custom(format!("{e}, or `{ADAPTIVE}`")))
+            }
+        }
+        d.deserialize_str(Words)
+    }
+}
+
+/// `sync.overlap_steps`: a number of steps or `"adaptive"`.
+impl<'de> Deserialize<'de> for Choice<u64> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Steps;
+        impl Visitor<'_> for Steps {
+            type Value = Choice<u64>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a number of steps (0 or more) or \"adaptive\"")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                Ok(Choice::Pinned(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                u64::try_from(v)
+                    .map(Choice::Pinned)
+                    .map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                match v {
+                    ADAPTIVE => Ok(Choice::Adaptive),
+                    _ => Err(E::invalid_value(de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(Steps)
+    }
+}
+
+/// What may change from one round to the next: the wire a round's uploads and its published
+/// delta travel in, and how far nodes train past their upload before they wait for it. A run
+/// with both keys pinned has its config's every round (a restart may not change them: the
+/// server refuses a changed config); an adaptive run's server chooses them and announces each
+/// round's with the round before it.
+#[derive(Clone, Copy, Debug, Eq, Serialize, Deserialize)]
+pub struct RoundSettings {
+    pub wire: Wire,
+    /// `sync.overlap`.
+    pub overlap: bool,
+    /// `sync.overlap_steps` (0: the whole round).
+    pub overlap_steps: u64,
+}
+
+/// Without overlap the steps do not matter: such settings are equal whatever they say.
+impl PartialEq for RoundSettings {
+    fn eq(&self, other: &Self) -> bool {
+        let steps = |s: &Self| s.overlap.then_some(s.overlap_steps);
+        self.wire == other.wire && self.overlap == other.overlap && steps(self) == steps(other)
+    }
+}
+
+impl fmt::Display for RoundSettings {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        let wire = self.wire.name();
+        match (self.overlap && self.wire.is_delta(), self.overlap_steps) {
+            (false, _) => write!(f, "{wire}, no overlap"),
+            (true, 0) => write!(f, "{wire}, overlap through the round"),
+            (true, 1) => write!(f, "{wire}, overlap 1 step"),
+            (true, n) => write!(f, "{wire}, overlap {n} steps"),
+        }
     }
 }
 
@@ -174,8 +312,10 @@ pub struct SyncConfig {
     /// layer). Empty: contiguous blocks, node p owns `p·E/N .. (p+1)·E/N`.
     pub ownership: Vec<Vec<usize>>,
     /// "bf16_delta" (default), "int8_delta", "int4_delta", "int2_delta", "sparse_delta",
-    /// "lowrank_delta" or "fp32" (docs/design/wire-formats.md).
-    pub wire: Wire,
+    /// "lowrank_delta" or "fp32" (docs/design/wire-formats.md); "adaptive": the server chooses
+    /// each round's among the delta wires ([`RoundSettings`]). Read a round's with
+    /// [`SyncConfig::wire`].
+    pub wire: Choice<Wire>,
     /// Sparse wire: values per chunk (at most 32768, so an index fits int16). Tensors of at
     /// most one chunk travel whole in bf16.
     pub sparse_chunk: i64,
@@ -202,7 +342,12 @@ pub struct SyncConfig {
     /// round ([`SyncConfig::overlap_cap`]); 0: the whole next round. Steps trained on the model
     /// before the round lands cost loss by their number: on the demo's recipe one cost
     /// 0.1–0.2 %, five of a 25-step round 1 % (docs/results/sync-cost.md#overlap-issue-25).
-    pub overlap_steps: u64,
+    /// "adaptive": the server chooses each round's, overlap off included.
+    pub overlap_steps: Choice<u64>,
+    /// Adaptive settings: the share of its round time the slowest member must train, as the
+    /// planner predicts it on what the run measured; among the settings that reach it the
+    /// server takes the one of least expected loss (`crates/spes-net/src/choose.rs`).
+    pub target_utilization: f64,
     /// Close a round this long after it opened with whoever uploaded (never with nobody).
     pub round_timeout_s: f64,
     /// A node is live while its newest heartbeat is younger than this; rounds do not wait for
@@ -285,7 +430,7 @@ impl Default for SyncConfig {
             average_by: AverageBy::Auto,
             own_by: OwnBy::Auto,
             ownership: Vec::new(),
-            wire: Wire::Bf16Delta,
+            wire: Choice::Pinned(Wire::Bf16Delta),
             sparse_chunk: 4096,
             sparse_k: 64,
             rank: 16,
@@ -294,7 +439,8 @@ impl Default for SyncConfig {
             feedback_decay: 0.95,
             skip_own_experts: true,
             overlap: true,
-            overlap_steps: 0,
+            overlap_steps: Choice::Pinned(0),
+            target_utilization: 0.95,
             round_timeout_s: 600.0,
             lease_s: 30.0,
             evict_after_s: 300.0,
@@ -324,6 +470,15 @@ impl Default for SyncConfig {
     }
 }
 
+/// What an adaptive run's first rounds use until the server has measured enough to choose: the
+/// low-rank wire with one step of overlap, the shipped config's setting before adaptive runs,
+/// small enough for a home uplink (docs/results/sync-cost.md).
+pub const FIRST_ROUNDS: RoundSettings = RoundSettings {
+    wire: Wire::LowrankDelta,
+    overlap: true,
+    overlap_steps: 1,
+};
+
 /// Declares the `[sync]` keys each role reads from its own config, once: the list the node's
 /// config check skips and the copy that takes them from the node's own config.
 macro_rules! per_role_keys {
@@ -348,9 +503,47 @@ per_role_keys!(
 );
 
 impl SyncConfig {
+    /// The wire of this config's round: the pinned one, or for an adaptive run that is not
+    /// settled to a round yet ([`SyncConfig::for_round`]) the first rounds' ([`FIRST_ROUNDS`]).
+    pub fn wire(&self) -> Wire {
+        self.wire.pinned().unwrap_or(FIRST_ROUNDS.wire)
+    }
+
+    /// Whether the server chooses a round's wire or overlap ([`Choice::Adaptive`]).
+    pub fn adaptive(&self) -> bool {
+        self.wire.is_adaptive() || self.overlap_steps.is_adaptive()
+    }
+
+    /// The settings of this config's round: its pinned keys, and for a run's adaptive keys
+    /// those of its first rounds ([`FIRST_ROUNDS`]). Without overlap the steps are 0, so equal
+    /// settings compare equal.
+    pub fn settings(&self) -> RoundSettings {
+        match self.overlap_steps {
+            Choice::Pinned(steps) => RoundSettings {
+                wire: self.wire(),
+                overlap: self.overlap,
+                overlap_steps: if self.overlap { steps } else { 0 },
+            },
+            Choice::Adaptive => RoundSettings {
+                wire: self.wire(),
+                ..FIRST_ROUNDS
+            },
+        }
+    }
+
+    /// This run's config for a round of settings `s`: the changing keys pinned to them.
+    pub fn for_round(&self, s: RoundSettings) -> SyncConfig {
+        SyncConfig {
+            wire: Choice::Pinned(s.wire),
+            overlap: s.overlap,
+            overlap_steps: Choice::Pinned(s.overlap_steps),
+            ..self.clone()
+        }
+    }
+
     /// Whether nodes train on while a round is exchanged: `overlap` on a delta wire.
     pub fn overlaps(&self) -> bool {
-        self.overlap && self.wire.is_delta()
+        self.overlap && self.wire().is_delta()
     }
 
     /// How long a live member may show no progress before a round stops waiting for it:
@@ -362,7 +555,7 @@ impl SyncConfig {
     /// With overlap, the most steps a node trains between its upload and applying the round
     /// (`overlap_steps`, 0 resolved to `sync_steps`).
     pub fn overlap_cap(&self) -> u64 {
-        match self.overlap_steps {
+        match self.settings().overlap_steps {
             0 => self.sync_steps,
             n => n,
         }
@@ -396,12 +589,12 @@ impl SyncConfig {
 
     /// Whether what a lossy wire leaves out stays in the node's weights.
     pub fn feeds_back_in_weights(&self) -> bool {
-        self.wire.is_lossy() && self.feedback == Feedback::Weights
+        self.wire().is_lossy() && self.feedback == Feedback::Weights
     }
 
     /// Whether what a lossy wire leaves out stays in a buffer beside the weights.
     pub fn feeds_back_in_buffer(&self) -> bool {
-        self.wire.is_lossy() && self.feedback == Feedback::Buffer
+        self.wire().is_lossy() && self.feedback == Feedback::Buffer
     }
 
     /// α of the expert-merging warm-up at sync step `s`, if `s` is a merge step with α > 0
@@ -446,5 +639,50 @@ impl SyncConfig {
         }
         let ramp = (self.decayed_lb_fraction * max_steps as f64).max(1.0);
         Some(self.decayed_lb_start + (1.0 - self.decayed_lb_start) * (step as f64 / ramp).min(1.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_settings_name_their_wire_as_the_config_does_and_ignore_steps_without_overlap() {
+        for wire in [
+            Wire::Fp32,
+            Wire::Bf16Delta,
+            Wire::SparseDelta,
+            Wire::Int8Delta,
+            Wire::Int4Delta,
+            Wire::Int2Delta,
+            Wire::LowrankDelta,
+        ] {
+            assert_eq!(serde_json::to_value(wire).unwrap(), wire.name());
+        }
+        let off = |steps| RoundSettings {
+            wire: Wire::Bf16Delta,
+            overlap: false,
+            overlap_steps: steps,
+        };
+        assert_eq!(off(0), off(3));
+        assert_eq!(off(3).to_string(), "bf16_delta, no overlap");
+        let on = |steps| RoundSettings {
+            overlap: true,
+            ..off(steps)
+        };
+        assert_ne!(on(0), on(3));
+        assert_eq!(on(0).to_string(), "bf16_delta, overlap through the round");
+        let cfg = SyncConfig {
+            wire: Choice::Adaptive,
+            overlap_steps: Choice::Adaptive,
+            ..SyncConfig::default()
+        };
+        assert!(cfg.adaptive());
+        assert_eq!(cfg.settings(), FIRST_ROUNDS);
+        let round = cfg.for_round(on(3));
+        assert!(!round.adaptive());
+        assert_eq!(round.settings(), on(3));
+        assert_eq!(round.overlap_cap(), 3);
+        assert_eq!(cfg.for_round(on(0)).overlap_cap(), cfg.sync_steps);
     }
 }

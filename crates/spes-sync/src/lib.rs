@@ -20,9 +20,12 @@ pub mod round;
 
 pub use budget::Work;
 pub use config::{
-    AggregateRule, AverageBy, Feedback, MergeSimilarity, Mode, RoundBy, SyncConfig, Wire,
+    AggregateRule, AverageBy, Choice, Feedback, MergeSimilarity, Mode, RoundBy, RoundSettings,
+    SyncConfig, Wire, FIRST_ROUNDS,
 };
-pub use coordinator::{Coordinator, PeerWork, RoundError, RoundReport, Standing, Start};
+pub use coordinator::{
+    after_lossless_round, Coordinator, PeerWork, RoundError, RoundReport, Standing, Start,
+};
 pub use delta::{Delta, Deltas, RoundDelta};
 pub use named::{Layout, Named};
 pub use outer::OuterRule;

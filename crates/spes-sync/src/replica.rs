@@ -24,7 +24,7 @@
 //! changes them in place and never keeps them.
 
 use crate::budget;
-use crate::config::{Mode, RoundBy, SyncConfig};
+use crate::config::{Mode, RoundBy, RoundSettings, SyncConfig};
 use crate::delta::{self, Delta, WirePart};
 use crate::named::{Layout, Named};
 use spes_model::Role;
@@ -158,6 +158,9 @@ pub struct Replica {
     /// The weights hold the base round by applying its delta to the round before (progress
     /// kept), rather than by loading a whole model: only then is a handover owed.
     consecutive: bool,
+    /// The last apply kept progress on top of the base: the weights carry more than it even
+    /// when the next round's settings would not (a lossless round after lossy ones).
+    carries: bool,
 }
 
 impl Replica {
@@ -180,7 +183,21 @@ impl Replica {
             handover: HashMap::new(),
             handover_round: None,
             consecutive: false,
+            carries: false,
         }
+    }
+
+    /// The `[sync]` rules of the round this node trains, with its settings.
+    pub fn cfg(&self) -> &SyncConfig {
+        &self.cfg
+    }
+
+    /// Takes the settings a published round announces for the next one, at the round
+    /// boundary: after applying that round and before training on. What lossy rounds left
+    /// unsent stays with the node (in its weights, or its buffer, which the next upload
+    /// flushes whole when the new wire is lossless).
+    pub fn follow_settings(&mut self, settings: RoundSettings) {
+        self.cfg = self.cfg.for_round(settings);
     }
 
     /// The peer id.
@@ -214,8 +231,9 @@ impl Replica {
         self.sent.clear();
         self.handover.clear();
         self.consecutive = false;
+        self.carries = false;
         self.held = Some(round);
-        self.base = self.cfg.wire.is_delta().then(|| Base {
+        self.base = self.cfg.wire().is_delta().then(|| Base {
             round,
             values: self
                 .trained(weights)
@@ -239,6 +257,7 @@ impl Replica {
         self.sent.clear();
         self.handover.clear();
         self.consecutive = false;
+        self.carries = true;
         self.held = Some(round);
         self.base = Some(Base { round, values });
         Ok(())
@@ -266,7 +285,7 @@ impl Replica {
     /// every change whole in bf16 on a lossy wire too, so the final model holds all that was
     /// trained. Remembers what the next [`Replica::apply`] needs of it.
     pub fn upload(&mut self, weights: &Named, round: u64, last: bool) -> Result<Named> {
-        if !self.cfg.wire.is_delta() {
+        if !self.cfg.wire().is_delta() {
             return Ok(self
                 .trained(weights)
                 .map(|(n, t)| (n.clone(), t.detach()))
@@ -274,6 +293,8 @@ impl Replica {
         }
         let keep_all = self.cfg.keeps_progress();
         let buffer = self.cfg.feeds_back_in_buffer();
+        // A buffer earlier lossy rounds left goes out whole with a lossless wire's first upload.
+        let buffered = buffer || !self.feedback.is_empty();
         let mut wire = Vec::new();
         let mut sent = HashMap::new();
         let mut feedback = HashMap::new();
@@ -286,7 +307,7 @@ impl Replica {
                 .ok_or_else(|| ReplicaError::NoBase { name: name.clone() })?;
             let change = tch::no_grad(|| t - b);
             // SparseLoCo: e ← β·e + Δ; send C(e); e ← e − C(e).
-            let owed = match self.feedback.get(name).filter(|_| buffer) {
+            let owed = match self.feedback.get(name) {
                 Some(e) => tch::no_grad(|| e * self.cfg.feedback_decay + &change),
                 None => change.shallow_clone(),
             };
@@ -298,7 +319,7 @@ impl Replica {
             if buffer && !last {
                 feedback.insert(name.clone(), d.subtract_from(&owed));
             }
-            if buffer && keep_all {
+            if buffered && keep_all {
                 changes.insert(name.clone(), change);
             }
             wire.extend(d.share().into_wire(name));
@@ -320,7 +341,7 @@ impl Replica {
         }
         self.sent = sent;
         self.flushed = last;
-        if buffer {
+        if buffered {
             self.feedback = feedback;
             self.changes = changes;
         }
@@ -460,6 +481,7 @@ impl Replica {
         self.held = Some(round);
         self.sent.clear();
         self.consecutive = true;
+        self.carries = keep_progress;
         if self.handover_round.is_some_and(|r| r <= round) {
             self.handover.clear();
             self.handover_round = None;
@@ -488,7 +510,9 @@ impl Replica {
         let mut reset = false;
         if changed {
             let before = std::mem::replace(&mut self.owned, owned);
-            let keeps_progress = self.cfg.keeps_progress();
+            // The weights carry progress when the last apply kept it, whatever the next round's
+            // settings are.
+            let keeps_progress = self.carries || self.cfg.keeps_progress();
             let next_round = self.held.map(|r| r + 1);
             if let Some(base) = &mut self.base {
                 for (name, w) in weights {
@@ -590,7 +614,7 @@ impl Replica {
     pub fn state(&self, weights: &Named) -> Option<ReplicaState> {
         let round = self.held?;
         let remainder = match &self.base {
-            Some(base) if self.cfg.keeps_progress() => tch::no_grad(|| {
+            Some(base) if self.carries || self.cfg.keeps_progress() => tch::no_grad(|| {
                 self.trained(weights)
                     .filter_map(|(n, t)| {
                         let r = t - base.values.get(n)?;
@@ -626,6 +650,7 @@ impl Replica {
         }
         let mut global: HashMap<String, Tensor> = global.into_iter().collect();
         let mut remainder: HashMap<String, Tensor> = state.remainder.into_iter().collect();
+        let carried = !remainder.is_empty();
         self.owned = state.owned;
         let round = state.base_round;
         tch::no_grad(|| -> Result<()> {
@@ -659,6 +684,7 @@ impl Replica {
                 "it has a remainder of `{name}`, which this node does not train"
             )));
         }
+        self.carries = carried;
         let mut feedback = HashMap::new();
         for (name, e) in state.feedback {
             let w = self

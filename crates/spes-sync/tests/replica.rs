@@ -75,8 +75,20 @@ fn upload(c: &mut Coordinator, n: &mut Node, now: f64) {
 /// (without its own experts when the server published them as sent) or the whole model; then
 /// follows the next round's ownership.
 fn deliver(c: &Coordinator, n: &mut Node, after_upload: bool, trained_since: bool) -> Applied {
+    deliver_then(c, n, after_upload, trained_since, None)
+}
+
+/// [`deliver`], taking the settings `next` the round announces between applying it and
+/// following its ownership, as the node does.
+fn deliver_then(
+    c: &Coordinator,
+    n: &mut Node,
+    after_upload: bool,
+    trained_since: bool,
+    next: Option<spes_sync::RoundSettings>,
+) -> Applied {
     let (global, round) = c.global();
-    let applied = if c.cfg().wire.is_delta() {
+    let applied = if c.cfg().wire().is_delta() {
         let plan = n.replica.fetch_plan(Some(round), after_upload);
         assert!(plan.have_previous, "round {round}: a delta will do");
         let (tensors, skipped_own) = c.delta().unwrap().for_peer(n.replica.peer(), plan.skip_own);
@@ -101,6 +113,9 @@ fn deliver(c: &Coordinator, n: &mut Node, after_upload: bool, trained_since: boo
             kept_progress: false,
         }
     };
+    if let Some(s) = next {
+        n.replica.follow_settings(s);
+    }
     let members: Vec<usize> = c.scope().members().into_iter().collect();
     n.replica.follow(&c.scope().owners(), &members, &n.weights);
     applied
@@ -127,7 +142,7 @@ fn assert_identical(c: &Coordinator, n: &Node, what: &str) {
 
 fn wire_cfg(wire: Wire) -> SyncConfig {
     SyncConfig {
-        wire,
+        wire: spes_sync::Choice::Pinned(wire),
         // The test model's embedding is 44 values: two chunks and a tail of 12.
         sparse_chunk: 16,
         sparse_k: 4,
@@ -303,6 +318,110 @@ fn lossy_wires_carry_what_they_left_out_over() {
             behind.iter().all(|b| *b < limit) && behind[3] < 2.0 * behind[0],
             "{wire:?}: the global lags the nodes by {behind:?}"
         );
+    }
+}
+
+/// The wire changes between rounds as the server announces it, the round before: int4 for two
+/// rounds, low rank for two, then bf16. Every node holds the server's model bit for bit after
+/// every round, with what the lossy rounds held back kept in its weights or its buffer, and the
+/// first bf16 round sends all of it: the global model then lags the nodes' mean change by that
+/// round's bf16 rounding alone, and every node's weights are the global model exactly.
+#[test]
+fn the_wire_changes_between_rounds_and_every_node_stays_bit_identical() {
+    use spes_sync::{Choice, RoundSettings};
+    let _draws = draws();
+    let m = sized(2, 4, 32);
+    let schedule = [
+        Wire::Int4Delta,
+        Wire::Int4Delta,
+        Wire::LowrankDelta,
+        Wire::LowrankDelta,
+        Wire::Bf16Delta,
+        Wire::Bf16Delta,
+    ];
+    for feedback in [Feedback::Weights, Feedback::Buffer] {
+        let cfg = SyncConfig {
+            rank: 2,
+            feedback,
+            feedback_decay: 1.0,
+            // Experts change hands where the wire turns lossless: a node's unsent change of
+            // the experts it loses must be handed over, not left in its weights.
+            rotate_every_rounds: 4,
+            ..wire_cfg(schedule[0])
+        };
+        let (mut c, mut nodes) = two_nodes(&m, &cfg);
+        let embed = "model.embed_tokens.weight";
+        let mut ideal = get(c.global().0, embed).copy();
+        let mut behind = Vec::new();
+        tch::manual_seed(17);
+        for round in 1..=schedule.len() as u64 {
+            let wire = schedule[round as usize - 1];
+            assert_eq!(c.cfg().wire(), wire, "round {round}");
+            let now = round as f64;
+            for n in &mut nodes {
+                assert_eq!(n.replica.cfg().wire(), wire, "round {round}");
+                let before = get(&n.weights, embed).copy();
+                train(&c, n, 1e-3);
+                ideal += (get(&n.weights, embed) - before) / 2.0;
+                upload(&mut c, n, now);
+            }
+            let next = RoundSettings {
+                wire: *schedule.get(round as usize).unwrap_or(&wire),
+                overlap: false,
+                overlap_steps: 0,
+            };
+            c.set_next(next).unwrap();
+            let report = c.close(now + 0.5);
+            assert_eq!(report.settings, next);
+            for (peer, n) in nodes.iter_mut().enumerate() {
+                // As a node does: apply the round, take the next round's settings, then follow
+                // its ownership.
+                let applied = deliver_then(&c, n, true, false, Some(report.settings));
+                let what = format!("{feedback:?} round {round} ({wire:?}) peer {peer}");
+                assert_eq!(
+                    applied.kept_progress,
+                    wire.is_lossy() && feedback == Feedback::Weights,
+                    "{what}"
+                );
+                for ((name, w), (_, g)) in n.weights.iter().zip(c.global().0) {
+                    match n.replica.base_of(name) {
+                        Some(b) => assert!(b.equal(g), "{what}: base of `{name}`"),
+                        None => assert!(w.equal(g), "{what}: `{name}`"),
+                    }
+                    if !applied.kept_progress {
+                        assert!(w.equal(g), "{what}: `{name}` is not the global model");
+                    }
+                }
+            }
+            if !wire.is_lossy() {
+                // A lossless round flushes every residual the server held back.
+                let carried = c.carried();
+                assert!(carried.iter().all(|(n, _)| !n.starts_with("residual/")));
+            }
+            behind.push(
+                (get(c.global().0, embed) - &ideal)
+                    .square()
+                    .mean(Kind::Float)
+                    .sqrt()
+                    .double_value(&[]),
+            );
+        }
+        // Lossy rounds hold back what they leave out (the embedding's change is of full rank);
+        // the first bf16 round sends it, rounded to bf16 once.
+        assert!(behind[3] > 1e-5, "{feedback:?}: {behind:?}");
+        assert!(
+            behind[4] < behind[3] / 10.0 && behind[4] < 1e-5,
+            "{feedback:?}: {behind:?}"
+        );
+        // A pinned config would refuse nothing but a change of kind: a delta round cannot
+        // follow with the fp32 wire's values.
+        let fp32 = RoundSettings {
+            wire: Wire::Fp32,
+            overlap: false,
+            overlap_steps: 0,
+        };
+        assert!(c.set_next(fp32).is_err());
+        assert_eq!(cfg.for_round(fp32).wire, Choice::Pinned(Wire::Fp32));
     }
 }
 

@@ -634,7 +634,7 @@ fn a_delta_upload_must_be_bf16_of_the_right_shape() {
     let m = model(1, 4);
     let layout = Layout::of(&m);
     let r = SyncConfig {
-        wire: Wire::Bf16Delta,
+        wire: Wire::Bf16Delta.into(),
         ..cfg()
     };
     let mut c = coordinator(&m, 2, r, 0.0);
@@ -671,7 +671,7 @@ fn a_quantized_upload_must_have_its_sizes_and_sane_scales() {
     let m = model(1, 4);
     let layout = Layout::of(&m);
     let r = SyncConfig {
-        wire: Wire::Int4Delta,
+        wire: Wire::Int4Delta.into(),
         ..cfg()
     };
     let mut c = bounded(&m, 2, r.clone(), Some(1.0), 0.0);
@@ -724,7 +724,7 @@ fn the_server_keeps_no_upload_storage() {
         Wire::SparseDelta,
     ] {
         let r = SyncConfig {
-            wire,
+            wire: wire.into(),
             sparse_chunk: 16,
             sparse_k: 3,
             merge_every: 0,
@@ -825,7 +825,7 @@ fn the_outer_optimizer_steps_each_change_with_momentum_and_survives_a_restart() 
     for wire in [Wire::Fp32, Wire::Bf16Delta] {
         let r = SyncConfig {
             merge_every: 0,
-            wire,
+            wire: wire.into(),
             outer_lr: 0.5,
             outer_momentum: 0.5,
             outer_nesterov: true,
@@ -931,7 +931,7 @@ fn norm_preserving_scale_undoes_what_averaging_shrank() {
     for on in [false, true] {
         let r = SyncConfig {
             merge_every: 0,
-            wire: Wire::Bf16Delta,
+            wire: Wire::Bf16Delta.into(),
             outer_norm_preserving: on,
             ..cfg()
         };
@@ -1060,7 +1060,7 @@ fn only_an_experts_previous_owner_may_hand_it_over() {
     let cfg = SyncConfig {
         merge_every: 0,
         rotate_every_rounds: 1,
-        wire: Wire::Bf16Delta,
+        wire: Wire::Bf16Delta.into(),
         ..cfg()
     };
     let mut c = coordinator(&m, 3, cfg.clone(), 0.0);
@@ -1321,7 +1321,7 @@ fn a_round_of_low_rank_uploads_averages_to_the_same_bits_in_any_order_of_arrival
     let layout = Layout::of(&m);
     let scope = Scope::Spes(Ownership::resolve(&[], 4, 4).unwrap());
     let cfg = SyncConfig {
-        wire: Wire::LowrankDelta,
+        wire: Wire::LowrankDelta.into(),
         rank: 16,
         ..cfg()
     };

@@ -7,6 +7,7 @@
 use anyhow::{Context, Result};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use spes_sync::RoundSettings;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -282,6 +283,35 @@ pub struct RoundClose {
     /// measured, once they measured every figure it needs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub planned: Option<Planned>,
+    /// The round's wire and overlap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<RoundSettings>,
+    /// Adaptive settings: what every candidate would give after this round, and what the
+    /// server took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub choice: Option<SettingsChoice>,
+}
+
+/// An adaptive run's look at its candidate settings after a round.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SettingsChoice {
+    pub candidates: Vec<Candidate>,
+    /// The settings taken from round `from_round` on, and why; `None`: kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chose: Option<RoundSettings>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_round: Option<u64>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+}
+
+/// One candidate setting: the share of its round the slowest member would train, and its
+/// expected loss over the best setting's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Candidate {
+    pub settings: RoundSettings,
+    pub utilization: f64,
+    pub loss_ratio: f64,
 }
 
 /// The planner fed what a run measured: the slowest member's link and speed and the server's

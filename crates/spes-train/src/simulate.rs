@@ -27,7 +27,8 @@ use tch::Device;
 #[derive(Clone, Debug, Default)]
 pub struct SimOptions {
     /// With `sync.overlap`: the steps each node trains between a round's upload and applying
-    /// its result (less than `sync_steps`; the last round is always waited for).
+    /// its result (at most `sync_steps`, the whole round: it lands just before the next upload;
+    /// the last round is always waited for).
     pub delay_steps: u64,
     /// Score the global model every this many steps (0: `train.eval_every`, else only at the
     /// end).
@@ -98,11 +99,14 @@ pub fn simulate(cfg: &RunConfig, device: Device, opts: &SimOptions) -> Result<Si
             opts.delay_steps
         );
     }
-    if opts.delay_steps >= h {
+    if opts.delay_steps > h {
         bail!(
-            "the delay ({} steps) must be shorter than a round (sync.sync_steps = {h})",
+            "the delay ({} steps) must be at most a round (sync.sync_steps = {h}): the round is applied before the next upload",
             opts.delay_steps
         );
+    }
+    if sync.adaptive() {
+        bail!("spes simulate has no links to measure: pin sync.wire and sync.overlap_steps (an adaptive run chooses them from its links)");
     }
     let delay = opts.delay_steps.min(sync.overlap_cap());
     let started = Instant::now();
@@ -276,6 +280,12 @@ fn train_round(
             }
             work.rows += r;
             work.compute_s += s.seconds;
+        }
+    }
+    // A delay of the whole round: the round lands just before the next upload.
+    if let Some(r) = in_flight.filter(|_| delay == h) {
+        for node in nodes.iter_mut() {
+            node.receive(coord, r, true)?;
         }
     }
     Ok(works)

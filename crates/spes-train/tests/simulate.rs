@@ -88,7 +88,8 @@ fn a_simulated_run_is_reproducible_and_the_low_rank_wire_sends_less() {
         low.bytes_per_round,
         dense.bytes_per_round
     );
-    // A delay of a round or more, or one without overlap, is refused with the key to change.
+    // A delay of more than a round, one without overlap, or settings left to a server that
+    // measures links, are refused with the key to change.
     let cfg = config(&data, &["sync.overlap=false"]);
     let opts = SimOptions {
         delay_steps: 1,
@@ -98,11 +99,16 @@ fn a_simulated_run_is_reproducible_and_the_low_rank_wire_sends_less() {
     assert!(e.contains("sync.overlap = true"), "{e}");
     let cfg = config(&data, &[]);
     let opts = SimOptions {
-        delay_steps: 2,
+        delay_steps: 3,
         ..SimOptions::default()
     };
     let e = simulate(&cfg, Device::Cpu, &opts).unwrap_err().to_string();
-    assert!(e.contains("shorter than a round"), "{e}");
+    assert!(e.contains("at most a round"), "{e}");
+    let cfg = config(&data, &["sync.wire=adaptive"]);
+    let e = simulate(&cfg, Device::Cpu, &SimOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("pin sync.wire"), "{e}");
 }
 
 /// The oracles are what they claim. Under DiLoCo at one step a round on the fp32 wire, two

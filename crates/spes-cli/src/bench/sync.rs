@@ -187,7 +187,7 @@ fn aggregation(preset: &str, nodes: usize, rounds: usize, only: &[String]) -> Re
         let sync = SyncConfig {
             mode: spes_sync::Mode::Spes,
             sync_steps: 100,
-            wire,
+            wire: wire.into(),
             stride,
             round_timeout_s: 1e9,
             lease_s: 1e9,

@@ -148,6 +148,7 @@ fn run_server(
         shard: (0, 1),
         http: http.map(|l| (l, HttpOptions::default())),
         store: None,
+        replay: None,
     };
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -88,7 +88,7 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
         sync_steps: a.sync_steps,
         overlap_cap: spes_sync::SyncConfig {
             sync_steps: a.sync_steps,
-            overlap_steps: a.overlap_steps,
+            overlap_steps: a.overlap_steps.into(),
             ..Default::default()
         }
         .overlap_cap(),

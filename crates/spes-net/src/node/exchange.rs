@@ -39,7 +39,7 @@ impl Node {
                 self.peer()
             );
         }
-        let kind = delta::payload_kind(self.trainer.cfg.sync.wire);
+        let kind = delta::payload_kind(self.replica.cfg().wire());
         Ok((round, self.link.encode_upload(wire, kind, &handover), work))
     }
 

@@ -7,6 +7,7 @@ use super::transport::Fetched;
 use super::Node;
 use crate::dial::explain;
 use crate::proto::{JoinReply, PayloadHeader};
+use crate::settings;
 use anyhow::Result;
 use spes_sync::{FetchPlan, Follow, ReplicaState};
 use tonic::Code;
@@ -17,6 +18,9 @@ impl Node {
     /// newest round: its AdamW moments are kept, and its step and data follow the round), or
     /// the weights its checkpoint describes when that is the newest round.
     pub(super) fn enter(&mut self, reply: &JoinReply, saved: Option<Saved>) -> Result<()> {
+        if let Some(s) = &reply.settings {
+            self.replica.follow_settings(settings::from_proto(s)?);
+        }
         if reply.member_from > 0 {
             return self.wait_for_membership(reply.member_from);
         }
@@ -76,9 +80,12 @@ impl Node {
     /// older spes, which checkpointed every round): exactly where it was when they are the
     /// newest round's, else from the newest model.
     fn resume_with_weights(&mut self, reply: &JoinReply, loaded: Option<u64>) -> Result<()> {
-        let sync = &self.trainer.cfg.sync;
-        let (h, keeps_progress, delta_wire) =
-            (sync.sync_steps, sync.keeps_progress(), sync.wire.is_delta());
+        let sync = self.replica.cfg();
+        let (h, keeps_progress, delta_wire) = (
+            sync.sync_steps,
+            sync.keeps_progress(),
+            sync.wire().is_delta(),
+        );
         // Without overlap a checkpoint is taken right after loading round step / h.
         let at = match loaded {
             Some(r) => Some(r),
@@ -154,9 +161,16 @@ impl Node {
         }
     }
 
-    /// Takes the ownership (and, by tokens, the rows) a fetched round announces for the next
-    /// round; waits to be admitted again if this node is not a member of it.
+    /// Takes the settings, ownership (and, by tokens, the rows) a fetched round announces for
+    /// the next round; waits to be admitted again if this node is not a member of it.
     pub(super) fn follow(&mut self, header: &PayloadHeader) -> Result<()> {
+        if let Some(s) = &header.settings {
+            let s = settings::from_proto(s)?;
+            if s != self.replica.cfg().settings() {
+                tracing::info!("node {}: round {} runs {s}", self.peer(), header.round + 1);
+            }
+            self.replica.follow_settings(s);
+        }
         let owners: Vec<usize> = header.owners.iter().map(|&o| o as usize).collect();
         let members: Vec<usize> = header.members.iter().map(|&m| m as usize).collect();
         let weights = self.weights();

@@ -253,7 +253,7 @@ impl Node {
             }
             // The round in flight is applied once it is in, and waited for once this node has
             // trained `sync.overlap_steps` steps past its upload.
-            let cap = self.trainer.cfg.sync.overlap_cap();
+            let cap = self.replica.cfg().overlap_cap();
             if self
                 .pending
                 .as_ref()
@@ -278,10 +278,7 @@ impl Node {
 
     /// Trains and syncs until `max_steps`, tells the server, then writes `<out>/summary.json`.
     pub fn run(mut self) -> Result<NodeSummary> {
-        let (max, overlap) = (
-            self.trainer.cfg.train.max_steps,
-            self.trainer.cfg.sync.overlaps(),
-        );
+        let max = self.trainer.cfg.train.max_steps;
         while self.trainer.step < max {
             let upload = self.train_round()?;
             if self.holds_round_of_step() {
@@ -289,7 +286,7 @@ impl Node {
                 continue;
             }
             // The last round is always waited for, so every node ends on the final model.
-            if overlap && self.trainer.step < max {
+            if self.replica.cfg().overlaps() && self.trainer.step < max {
                 self.start_sync(&upload)?;
             } else {
                 self.sync(&upload)?;

@@ -94,6 +94,7 @@ impl Session {
                         max_experts: None,
                         report: report.lock().unwrap().as_ref().map(report_to_proto),
                         activity: activity.load(std::sync::atomic::Ordering::Relaxed),
+                        protocol: crate::settings::PROTOCOL,
                     });
                     req.set_timeout(every.max(Duration::from_secs(2)));
                     match c.heartbeat(req).await {

@@ -327,6 +327,7 @@ impl Link {
                 report: None,
                 max_experts: self.max_experts.map(|k| k as u32),
                 activity: self.activity.load(Ordering::Relaxed),
+                protocol: crate::settings::PROTOCOL,
             };
             let reply = join_run(&self.handle, &s.client, self.patience, &req)?;
             let (shard, shards) = (reply.shard as usize, (reply.shards as usize).max(1));

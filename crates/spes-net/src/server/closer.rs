@@ -5,11 +5,16 @@
 
 use super::store::Publication;
 use super::State;
+use crate::choose::Chooser;
+use crate::settings::{Choices, Chosen};
 use anyhow::Result;
 use spes_data::ValWindows;
 use spes_model::MoeModel;
+use spes_sync::RoundSettings;
 use spes_sync::{Named, RoundBy, RoundDelta, RoundReport, Scope};
-use spes_train::metrics::{MergeRecord, MetricsLog, RoundClose, RoundRecord};
+use spes_train::metrics::{
+    Candidate, MergeRecord, MetricsLog, RoundClose, RoundRecord, SettingsChoice,
+};
 use spes_train::RunConfig;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -122,6 +127,8 @@ fn round_record(
                 u
             },
             planned: None,
+            settings: None,
+            choice: None,
         }),
         ..RoundRecord::default()
     }
@@ -202,6 +209,8 @@ struct Books {
 /// A round the coordinator closed, with what publishing it needs.
 struct Closed {
     report: RoundReport,
+    /// The closed round's own settings.
+    settings: RoundSettings,
     global: Named,
     delta: Option<RoundDelta>,
     carried: Named,
@@ -233,6 +242,7 @@ fn close_if_ready(s: &State, now: f64, last_alone_warning: &mut f64) -> Option<C
         );
     }
     let t0 = Instant::now();
+    let settings = coord.cfg().settings();
     let report = coord.close(now);
     let global = shallow(coord.global().0);
     let delta = coord.delta().map(|d| RoundDelta {
@@ -241,6 +251,7 @@ fn close_if_ready(s: &State, now: f64, last_alone_warning: &mut f64) -> Option<C
     });
     Some(Closed {
         report,
+        settings,
         global,
         delta,
         carried: coord.carried(),
@@ -284,6 +295,7 @@ fn publish(
         global: &c.global,
         next: &c.next,
         budget: &report.budget,
+        settings: report.settings,
         tokens,
         gone: &c.gone,
         record: record.clone(),
@@ -321,8 +333,15 @@ fn publish(
         close.store_bytes_out = put.saturating_sub(book.put_before);
         book.put_before = put;
         close.publish_s = publish_s;
+        close.settings = Some(c.settings);
         book.measured.observe(close);
-        close.planned = crate::measure::planned(&s.cfg, &book.measured, &report.members);
+        // The planner scales every option by what the closed round's own setting measured.
+        let round_cfg = RunConfig {
+            sync: s.cfg.sync.for_round(c.settings),
+            ..s.cfg.clone()
+        };
+        close.planned = crate::measure::planned(&round_cfg, &book.measured, &report.members);
+        close.choice = settle_next(s, report.round, &round_cfg, &book.measured, &report.members);
         if let Some(p) = &close.planned {
             let options: Vec<String> = p
                 .options
@@ -363,6 +382,94 @@ fn publish(
         global: c.global,
         record,
     })
+}
+
+/// How the rounds' settings are decided after each round.
+pub(super) enum Settle {
+    /// Both keys pinned: the config's, every round.
+    Pinned,
+    /// `--replay-choices`: as the recorded run took them.
+    Replay(Choices),
+    /// Chosen on what the run measures; what it took is kept in `<out>/choices.json`.
+    Adaptive { chooser: Chooser, choices: Choices },
+}
+
+/// After round `round` is published: sets the settings the next close announces (those of
+/// round `round + 2`) as the run decides them, and returns an adaptive run's look at its
+/// candidates for the round's record.
+fn settle_next(
+    s: &State,
+    round: u64,
+    round_cfg: &RunConfig,
+    measured: &crate::measure::Measured,
+    members: &[usize],
+) -> Option<SettingsChoice> {
+    let mut settle = s.settle.lock().unwrap();
+    let (next, choice, chosen) = match &mut *settle {
+        Settle::Pinned => return None,
+        Settle::Replay(choices) => (choices.at(round + 2, &s.cfg.sync), None, None),
+        Settle::Adaptive { chooser, choices } => {
+            let predicted = crate::measure::predict_settings(
+                round_cfg,
+                measured,
+                members,
+                &chooser.candidates(),
+            )?;
+            let decision = chooser.choose(round, &predicted);
+            let candidates = predicted
+                .iter()
+                .map(|&(settings, utilization)| Candidate {
+                    settings,
+                    utilization,
+                    loss_ratio: chooser.loss_ratio(settings).unwrap_or(f64::NAN),
+                })
+                .collect();
+            let Some(d) = decision else {
+                return Some(SettingsChoice {
+                    candidates,
+                    ..SettingsChoice::default()
+                });
+            };
+            tracing::info!(
+                "from round {} the run takes {}: {}",
+                d.from_round,
+                d.settings,
+                d.reason
+            );
+            choices.push(Chosen {
+                from_round: d.from_round,
+                settings: d.settings,
+                reason: d.reason.clone(),
+            });
+            let choice = SettingsChoice {
+                candidates,
+                chose: Some(d.settings),
+                from_round: Some(d.from_round),
+                reason: d.reason,
+            };
+            (d.settings, Some(choice), Some(choices.clone()))
+        }
+    };
+    drop(settle);
+    // Kept with the restart point (and its store), and as the file a rerun replays.
+    if let Some(choices) = chosen {
+        let kept = choices.clone();
+        let (_, version) = s.progress.change(move |st| {
+            st.choices = kept;
+            ((), true)
+        });
+        let saved = version
+            .map_or(Ok(()), |v| s.progress.commit(v))
+            .and_then(|()| choices.save(&s.store.out));
+        if let Err(e) = saved {
+            super::mirror::exit_if_fenced(&e);
+            tracing::error!("cannot record the run's choices: {e:#}");
+        }
+    }
+    if let Err(e) = s.coord.lock().unwrap().set_next(next) {
+        tracing::error!("round {}: {e}", round + 2);
+    }
+    choice
 }
 
 /// Scores and logs published rounds in order, on its own thread.

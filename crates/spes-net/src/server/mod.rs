@@ -13,12 +13,14 @@ mod status;
 mod store;
 
 use crate::auth::CheckCredential;
+use crate::choose::Chooser;
 use crate::proto::spes_server::SpesServer;
+use crate::settings::{self, Choices};
 use crate::view::http::{Endpoints, HttpOptions};
 use crate::view::{History, Watch};
 use crate::{payload, refusal};
 use anyhow::{Context, Result};
-use closer::{run_closer, run_scorer, shallow, Evaluator, RoundIo, ScoreJob};
+use closer::{run_closer, run_scorer, shallow, Evaluator, RoundIo, ScoreJob, Settle};
 use mirror::Mirror;
 use progress::Progress;
 use serde::Serialize;
@@ -26,7 +28,7 @@ use service::Service;
 use spes_data::ValWindows;
 use spes_model::Role;
 use spes_sync::delta::WirePart;
-use spes_sync::{Coordinator, Layout, Scope, Standing, Start};
+use spes_sync::{Coordinator, Layout, RoundSettings, Scope, Standing, Start};
 use spes_train::config::Partition;
 use spes_train::metrics::{MetricsLog, RoundRecord};
 use spes_train::RunConfig;
@@ -63,6 +65,9 @@ pub struct ServerOptions {
     pub http: Option<(std::net::TcpListener, HttpOptions)>,
     /// The object store the run's state is kept in besides `out` (`--store`), checked already.
     pub store: Option<spes_store::RunStore>,
+    /// An adaptive run's choices to take instead of choosing (`--replay-choices`, read and
+    /// checked already): a rerun reproduces the run they were recorded in.
+    pub replay: Option<Choices>,
 }
 
 /// What one client may cost the server.
@@ -126,6 +131,8 @@ struct State {
     tokenizer_xxh3: String,
     /// What the operator's view shows beyond the coordinator's state.
     watch: Mutex<Watch>,
+    /// How the next rounds' settings are decided: the closer's, read by the operator's view.
+    settle: Mutex<Settle>,
 }
 
 /// The newest round's whole model as written for fetches, and whether it is in the store.
@@ -148,7 +155,7 @@ impl State {
     /// `sync.checkpoint_every_s` passed, and the last.
     fn full_round(&self, round: u64, since_full_s: f64) -> bool {
         let s = &self.cfg.sync;
-        !s.wire.is_delta()
+        !s.wire().is_delta()
             || (s.checkpoint_every_rounds > 0 && round.is_multiple_of(s.checkpoint_every_rounds))
             || (s.checkpoint_every_s > 0.0 && since_full_s >= s.checkpoint_every_s)
             || round >= self.final_round
@@ -242,6 +249,26 @@ impl State {
         self.clock.elapsed().as_secs_f64()
     }
 
+    /// Refuses a node too old to follow settings that change between rounds, in a run whose
+    /// settings do.
+    fn check_protocol(&self, peer: usize, protocol: u32) -> Result<(), Status> {
+        if protocol >= settings::PROTOCOL || !self.cfg.sync.adaptive() {
+            return Ok(());
+        }
+        Err(self.reject(
+            peer as u32,
+            0,
+            refusal::status(
+                tonic::Code::FailedPrecondition,
+                crate::proto::refusal::Kind::TooOld,
+                0,
+                format!(
+                    "this run's wire or overlap changes between rounds (sync.wire or sync.overlap_steps = \"adaptive\"); node {peer} speaks protocol {protocol}, which does not follow them: upgrade its spes"
+                ),
+            ),
+        ))
+    }
+
     fn reject(&self, peer: u32, round: u64, status: Status) -> Status {
         tracing::warn!(
             "rejected a call of peer {peer} for round {round}: {}",
@@ -261,7 +288,8 @@ impl State {
         status
     }
 
-    /// Joins or renews `peer`'s lease. If that changed who trains the open round (a node
+    /// Joins or renews `peer`'s lease; returns its standing, the open round's scope and
+    /// settings and the newest published round. If that changed who trains the open round (a node
     /// admitted at once because none was live), the newest round's record of who trains next
     /// is updated, so fetches and a restarted server see it.
     /// With `data.partition = "disjoint"`, a join first claims the data parts the node
@@ -276,9 +304,9 @@ impl State {
         join: bool,
         parts: Option<&[String]>,
         max_experts: Option<usize>,
-    ) -> Result<(Standing, Scope, u64), Status> {
+    ) -> Result<(Standing, Scope, u64, RoundSettings), Status> {
         let disjoint = self.cfg.data.partition == Partition::Disjoint;
-        let (standing, scope, published, (changed, version)) = {
+        let (standing, scope, published, settings, (changed, version)) = {
             let mut coord = self.coord.lock().unwrap();
             let now = self.now();
             let claimed = match parts.filter(|_| disjoint) {
@@ -296,6 +324,7 @@ impl State {
                 .map_err(|e| refusal::of_round_error(&e))?;
             let scope = coord.scope().clone();
             let published = coord.global().1;
+            let settings = coord.cfg().settings();
             let coord = &*coord;
             // The restart point follows in memory, in the coordinator's order.
             let change = self.progress.change(|st| {
@@ -320,7 +349,7 @@ impl State {
                 let any = !changed.is_empty();
                 (changed, any)
             });
-            (standing, scope, published, change)
+            (standing, scope, published, settings, change)
         };
         if let Some(v) = version {
             if let Err(e) = self.progress.commit(v) {
@@ -329,7 +358,7 @@ impl State {
             }
             crate::fault::point("joined", published + 1);
         }
-        Ok((standing, scope, published))
+        Ok((standing, scope, published, settings))
     }
 
     /// After a restart: folds in the open round's uploads that were acknowledged before.
@@ -360,10 +389,12 @@ impl State {
         Ok(())
     }
 
-    /// The exact payload size an upload of `peer` must announce for `round`, the open one,
-    /// when it hands over what it trained of `handover` (experts, checked by the coordinator).
+    /// The exact payload size an upload of `peer` must announce for `round`, the open one of
+    /// `sync` (its settings), when it hands over what it trained of `handover` (experts,
+    /// checked by the coordinator).
     fn expected_upload_bytes(
         &self,
+        sync: &spes_sync::SyncConfig,
         scope: &Scope,
         peer: usize,
         round: u64,
@@ -377,7 +408,7 @@ impl State {
             .entries
             .iter()
             .filter(|(_, role, _)| scope.uploads(peer, *role))
-            .flat_map(|(n, _, s)| spes_sync::delta::wire_entries(&self.cfg.sync, n, s, round, last))
+            .flat_map(|(n, _, s)| spes_sync::delta::wire_entries(sync, n, s, round, last))
             .collect();
         entries.extend(
             self.layout
@@ -454,6 +485,24 @@ fn start(opts: &ServerOptions, mirror: Option<Arc<Mirror>>) -> Result<Started> {
             BTreeSet::new(),
         ),
     };
+    // What the rounds' settings follow: a recorded run's choices, this run's own so far (a
+    // restarted adaptive server), or the config.
+    let adaptive = cfg.sync.adaptive();
+    if opts.replay.is_some() && !adaptive {
+        anyhow::bail!("--replay-choices replays an adaptive run's choices, but this config pins sync.wire and sync.overlap_steps");
+    }
+    // The open round's settings: as the newest round announced them, or the first round's.
+    let open = published_round + 1;
+    // A choice is announced the round after it is made: one from after round `open + 1` was
+    // made after rounds a rollback dropped.
+    let mut own = opened.progress.choices.clone();
+    own.choices.retain(|c| c.from_round <= open + 1);
+    let schedule = opts.replay.as_ref().unwrap_or(&own);
+    let settings_of = |round: u64| schedule.at(round, &cfg.sync);
+    let open_settings = match opened.progress.rounds.last() {
+        Some(newest) => newest.settings.unwrap_or_else(|| cfg.sync.settings()),
+        None => settings_of(open),
+    };
     // Nodes compare their data's tokenizer with the server's, when the server has data.
     let tokenizer_xxh3 = spes_data::Manifest::load(cfg.data.primary())
         .map(|m| m.tokenizer_xxh3)
@@ -485,7 +534,7 @@ fn start(opts: &ServerOptions, mirror: Option<Arc<Mirror>>) -> Result<Started> {
     let mut coord = Coordinator::new(
         layout.clone(),
         scope.clone(),
-        cfg.sync.clone(),
+        cfg.sync.for_round(open_settings),
         cfg.sync.max_update_rms(peak_lr),
         Start {
             global: shallow(&opened.global),
@@ -501,6 +550,32 @@ fn start(opts: &ServerOptions, mirror: Option<Arc<Mirror>>) -> Result<Started> {
     coord
         .restore_carried(opened.carried)
         .map_err(|e| anyhow::anyhow!("round {published_round}'s carried state: {e}"))?;
+    if adaptive {
+        coord
+            .set_next(settings_of(open + 1))
+            .map_err(|e| anyhow::anyhow!("round {}: {e}", open + 1))?;
+    }
+    let settle = match (&opts.replay, adaptive) {
+        (Some(c), _) => Settle::Replay(c.clone()),
+        (None, false) => Settle::Pinned,
+        (None, true) => {
+            if opts.shard.1 > 1 {
+                anyhow::bail!("sync.wire or sync.overlap_steps = \"adaptive\" needs one server: shards would measure and choose apart (pin both keys, or replay a run's choices with --replay-choices)");
+            }
+            let last = own.choices.last();
+            let chooser = Chooser::new(
+                cfg.sync.target_utilization,
+                crate::choose::candidates(&cfg.sync).map_err(|e| anyhow::anyhow!(e))?,
+                settings_of(open + 1),
+                last.map_or(1, |c| c.from_round),
+                last.is_some(),
+            );
+            Settle::Adaptive {
+                chooser,
+                choices: own.clone(),
+            }
+        }
+    };
     let state = Arc::new(State {
         final_round: cfg.train.max_steps / cfg.sync.sync_steps,
         coord: Mutex::new(coord),
@@ -526,6 +601,7 @@ fn start(opts: &ServerOptions, mirror: Option<Arc<Mirror>>) -> Result<Started> {
             val_loss: logged.as_ref().and_then(|l| l.val_loss),
             ..Watch::default()
         }),
+        settle: Mutex::new(settle),
     });
     Ok(Started {
         state,
@@ -572,9 +648,13 @@ fn first_publication(
     score_tx: &mpsc::Sender<ScoreJob>,
 ) -> Result<()> {
     let cfg = &state.cfg;
-    let (published_round, scope) = {
+    let (published_round, scope, settings) = {
         let coord = state.coord.lock().unwrap();
-        (coord.global().1, coord.scope().clone())
+        (
+            coord.global().1,
+            coord.scope().clone(),
+            coord.cfg().settings(),
+        )
     };
     if fresh {
         let record = RoundRecord {
@@ -589,6 +669,7 @@ fn first_publication(
                 global: &global,
                 next: &scope,
                 budget: &BTreeMap::new(),
+                settings,
                 tokens: 0,
                 gone: &BTreeSet::new(),
                 record: record.clone(),

@@ -38,10 +38,11 @@ impl Spes for Service {
     async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinReply>, Status> {
         let s = &self.state;
         let peer = authorize(&req, req.get_ref().peer)?;
+        s.check_protocol(peer, req.get_ref().protocol)?;
         let r = req.get_ref().clone();
         // A join may make the restart point durable (disk, and a store): off the runtime.
         let state = s.clone();
-        let (standing, scope, published_round) = tokio::task::spawn_blocking(move || {
+        let (standing, scope, published_round, settings) = tokio::task::spawn_blocking(move || {
             state.join(
                 peer,
                 r.session,
@@ -75,6 +76,7 @@ impl Spes for Service {
             shard: s.shard.0 as u32,
             shards: s.shard.1 as u32,
             tokenizer_xxh3: s.tokenizer_xxh3.clone(),
+            settings: Some(crate::settings::to_proto(settings)),
         }))
     }
 
@@ -84,8 +86,9 @@ impl Spes for Service {
     ) -> Result<Response<HeartbeatReply>, Status> {
         let s = &self.state;
         let peer = authorize(&req, req.get_ref().peer)?;
+        s.check_protocol(peer, req.get_ref().protocol)?;
         let (state, session) = (s.clone(), req.get_ref().session);
-        let (standing, _, published_round) =
+        let (standing, _, published_round, _) =
             tokio::task::spawn_blocking(move || state.join(peer, session, false, None, None))
                 .await
                 .map_err(|e| Status::internal(e.to_string()))??;
@@ -191,6 +194,9 @@ impl Spes for Service {
             skipped_own,
             budget: meta.budget.clone(),
             url: url.clone().unwrap_or_default(),
+            settings: Some(crate::settings::to_proto(
+                meta.settings.unwrap_or_else(|| s.cfg.sync.settings()),
+            )),
             ..PayloadHeader::default()
         };
         // What leaves this process: the header, and the bytes unless the store sends them.
@@ -419,7 +425,7 @@ impl State {
             coord
                 .check_handover(peer, handover)
                 .map_err(|e| refusal::of_round_error(&e))?;
-            self.expected_upload_bytes(coord.scope(), peer, round, handover)
+            self.expected_upload_bytes(coord.cfg(), coord.scope(), peer, round, handover)
         };
         if bytes != expected {
             return Err(refusal::status(

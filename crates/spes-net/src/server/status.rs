@@ -2,6 +2,7 @@
 //! counters and reports, and its history, in one snapshot for the page, `/metrics` and the
 //! `Status` call.
 
+use super::closer::Settle;
 use super::State;
 use crate::view::{NodeView, RunInfo, RunView};
 use spes_model::Role;
@@ -11,9 +12,23 @@ impl State {
     /// The run as an operator sees it now.
     pub(super) fn view(&self) -> RunView {
         let now = self.now();
-        let (open_round, scope, ages) = {
+        let (open_round, scope, ages, settings) = {
             let coord = self.coord.lock().unwrap();
-            (coord.round(), coord.scope().clone(), coord.lease_ages(now))
+            let settings = coord.cfg().settings();
+            (
+                coord.round(),
+                coord.scope().clone(),
+                coord.lease_ages(now),
+                settings,
+            )
+        };
+        let choice = match &*self.settle.lock().unwrap() {
+            Settle::Adaptive { choices, .. } => {
+                choices.choices.last().map_or_else(String::new, |c| {
+                    format!("from round {}: {} ({})", c.from_round, c.settings, c.reason)
+                })
+            }
+            _ => String::new(),
         };
         let (round, tokens, initial_val_loss) = {
             let st = &self.progress.read().0;
@@ -59,10 +74,11 @@ impl State {
                 open_round,
                 tokens,
                 sync_steps: self.cfg.sync.sync_steps,
-                wire: serde_json::to_value(self.cfg.sync.wire)
-                    .ok()
-                    .and_then(|v| v.as_str().map(str::to_owned))
-                    .unwrap_or_default(),
+                wire: match self.cfg.sync.adaptive() {
+                    true => format!("{settings} (adaptive)"),
+                    false => settings.to_string(),
+                },
+                choice,
                 n_layers: self.cfg.model.n_layers,
                 n_experts,
                 lease_s: self.cfg.sync.lease_s,

@@ -17,21 +17,23 @@ use super::mirror::Mirror;
 use super::progress::Progress;
 use super::ServerOptions;
 use crate::payload;
+use crate::settings::Choices;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use spes_data::shard::write_atomic;
 use spes_model::MoeModel;
-use spes_sync::{delta, Layout, Named, PartBook, RoundDelta, Scope};
+use spes_sync::{delta, Layout, Named, PartBook, RoundDelta, RoundSettings, Scope};
 use spes_train::metrics::RoundRecord;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub(super) const STATE_FILE: &str = "server.json";
-/// 4: a round's delta parts in one file (`PublishedRound::bundle`), one object to presign;
-/// 3: whole models only every `checkpoint_every_rounds`, rounds replayed from their deltas
-/// (2 wrote a whole model and the carried state every round).
-const FORMAT_VERSION: u32 = 4;
+/// 5: each round records the next one's settings (`PublishedRound::settings`), which may change
+/// between rounds; 4: a round's delta parts in one file (`PublishedRound::bundle`), one object
+/// to presign; 3: whole models only every `checkpoint_every_rounds`, rounds replayed from their
+/// deltas (2 wrote a whole model and the carried state every round).
+const FORMAT_VERSION: u32 = 5;
 
 /// A published round as the restart point records it.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -52,6 +54,9 @@ pub(super) struct PublishedRound {
     /// one ([`spes_sync::Coordinator::budget`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub budget: Vec<u64>,
+    /// The settings of the round after this one (format 4 and before: the config's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<RoundSettings>,
 }
 
 /// A file written under `--out`, with its size and checksum.
@@ -112,6 +117,9 @@ pub(super) struct ServerState {
     /// The most experts each node that declared one may own (`train.memory_gib`), by peer.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub caps: BTreeMap<usize, usize>,
+    /// An adaptive run's choices so far (also exported to `choices.json`).
+    #[serde(default, skip_serializing_if = "Choices::is_empty")]
+    pub choices: Choices,
 }
 
 impl PublishedRound {
@@ -227,6 +235,7 @@ impl From<StateV2> for ServerState {
                         .collect(),
                     bundle: None,
                     budget: Vec::new(),
+                    settings: None,
                 })
                 .collect(),
             initial_val_loss: v2.initial_val_loss,
@@ -234,6 +243,7 @@ impl From<StateV2> for ServerState {
             record: v2.record,
             data_parts: PartBook::default(),
             caps: BTreeMap::new(),
+            choices: Choices::default(),
         }
     }
 }
@@ -253,6 +263,8 @@ pub(super) struct Publication<'a> {
     pub next: &'a Scope,
     /// The rows each of `next`'s members trains in the next round, by peer (empty: by steps).
     pub budget: &'a BTreeMap<usize, u64>,
+    /// The settings of the next round.
+    pub settings: RoundSettings,
     pub tokens: u64,
     pub gone: &'a BTreeSet<usize>,
     pub record: RoundRecord,
@@ -302,6 +314,7 @@ impl Store {
             parts,
             bundle,
             budget,
+            settings: Some(p.settings),
         };
         let (dropped, version) = progress.change(|st| {
             st.rounds.retain(|r| r.round < p.round);
@@ -659,6 +672,7 @@ pub(super) fn open(opts: &ServerOptions, mirror: Option<&Mirror>) -> Result<Open
             record: None,
             data_parts: PartBook::default(),
             caps: BTreeMap::new(),
+            choices: Choices::default(),
         };
         return Ok(Opened {
             model,
@@ -681,15 +695,26 @@ pub(super) fn open(opts: &ServerOptions, mirror: Option<&Mirror>) -> Result<Open
             st.record = None;
             continue;
         };
-        // Replay the rounds after it; the first that cannot be replayed ends the run's history.
+        // Replay the rounds after it, each in the settings the round before announced; the
+        // first that cannot be replayed ends the run's history. The carried state is the
+        // whole model's, but a lossless round leaves no residual.
         let mut at = full.round;
+        let mut carried = carried;
         for r in st.rounds.iter().filter(|r| r.round > full.round) {
-            if r.round != at + 1 || !replay(out, &opts.cfg.sync, &layout, r, &global) {
+            let settings = st.round(at).and_then(|p| p.settings);
+            let cfg = opts
+                .cfg
+                .sync
+                .for_round(settings.unwrap_or_else(|| opts.cfg.sync.settings()));
+            if r.round != at + 1 || !replay(out, &cfg, &layout, r, &global) {
                 tracing::error!(
                     "round {}'s delta is missing or corrupt; resuming after round {at}",
                     r.round
                 );
                 break;
+            }
+            if !cfg.wire().is_lossy() {
+                carried = spes_sync::after_lossless_round(carried);
             }
             at = r.round;
         }
@@ -730,14 +755,15 @@ pub(super) fn read_state(path: &Path) -> Result<ServerState> {
     }
     let bad = || {
         format!(
-            "{} is corrupt or from another spes (expected format_version {FORMAT_VERSION}, 3 or 2)",
+            "{} is corrupt or from another spes (expected format_version {FORMAT_VERSION}, 4, 3 or 2)",
             path.display()
         )
     };
     let version: Version = serde_json::from_str(&text).with_context(bad)?;
     match version.format_version {
-        // Format 3 reads as 4: a file per part (no bundle, offsets 0).
-        FORMAT_VERSION | 3 => {
+        // Format 4 reads as 5 with the config's settings every round, and format 3 as 4 with a
+        // file per part (no bundle, offsets 0).
+        FORMAT_VERSION | 4 | 3 => {
             let mut st: ServerState = serde_json::from_str(&text).with_context(bad)?;
             st.format_version = FORMAT_VERSION;
             Ok(st)

@@ -53,6 +53,7 @@ fn state(out: &std::path::Path) -> Arc<State> {
         shard: (0, 1),
         tokenizer_xxh3: String::new(),
         watch: Mutex::new(Watch::default()),
+        settle: Mutex::new(super::closer::Settle::Pinned),
     })
 }
 

@@ -39,7 +39,11 @@ pub struct RunInfo {
     pub open_round: u64,
     pub tokens: u64,
     pub sync_steps: u64,
+    /// The open round's wire and overlap, in words; "(adaptive)" when the server chooses them.
     pub wire: String,
+    /// An adaptive run's newest choice and why (empty before one).
+    #[serde(default)]
+    pub choice: String,
     pub n_layers: usize,
     pub n_experts: usize,
     pub lease_s: f64,

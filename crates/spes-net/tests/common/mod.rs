@@ -160,6 +160,7 @@ pub fn options(
         shard,
         http: None,
         store: None,
+        replay: None,
     }
 }
 

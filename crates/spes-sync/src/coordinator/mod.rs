@@ -24,7 +24,7 @@ mod next_model;
 use members::Members;
 
 use crate::budget::{self, Work};
-use crate::config::{RoundBy, SyncConfig};
+use crate::config::{RoundBy, RoundSettings, SyncConfig};
 use crate::delta::{self, RoundDelta, WirePart};
 use crate::named::{Layout, Named};
 use crate::outer::OuterState;
@@ -116,6 +116,8 @@ pub struct RoundReport {
     /// peer (empty: each its `sync_steps` steps of the batch).
     #[serde(default)]
     pub budget: BTreeMap<usize, u64>,
+    /// The settings of the next round: its wire and overlap.
+    pub settings: RoundSettings,
 }
 
 /// One upload's part of a round.
@@ -140,7 +142,10 @@ pub struct Start {
 /// Collects round `round()` on top of the model published at `round() - 1` (round 0 = θ⁰).
 pub struct Coordinator {
     layout: Layout,
+    /// The run's `[sync]` rules with the open round's settings.
     cfg: SyncConfig,
+    /// The settings the open round's close announces for the round after it.
+    next: RoundSettings,
     /// Largest RMS change of an uploaded tensor from the global model; `None`: unchecked.
     max_update_rms: Option<f64>,
     round: u64,
@@ -170,12 +175,21 @@ pub struct Coordinator {
 /// A round's aggregator under `cfg`: it measures the uploads' spread when the outer step
 /// needs it (norm-preserving scale, delta wires).
 fn aggregator(cfg: &SyncConfig, scope: Scope) -> Aggregator {
-    let spread = cfg.outer_norm_preserving && cfg.wire.is_delta();
+    let spread = cfg.outer_norm_preserving && cfg.wire().is_delta();
     Aggregator::new(scope, cfg).with_spread(spread)
 }
 
 const MOMENTUM: &str = "momentum/";
 const RESIDUAL: &str = "residual/";
+
+/// The carried state ([`Coordinator::carried`]) after a round that sent changes whole (a
+/// lossless wire): the same without residuals, which such a round flushes every one of.
+pub fn after_lossless_round(carried: Named) -> Named {
+    carried
+        .into_iter()
+        .filter(|(n, _)| !n.starts_with(RESIDUAL))
+        .collect()
+}
 
 impl Coordinator {
     /// Starts after `start.published` rounds, with `scope` the open round's members, under the
@@ -207,6 +221,7 @@ impl Coordinator {
             last_work: BTreeMap::new(),
             round_rows: None,
             layout,
+            next: cfg.settings(),
             cfg,
             max_update_rms,
             round: published + 1,
@@ -220,9 +235,25 @@ impl Coordinator {
         &self.layout
     }
 
-    /// The run's `[sync]` rules.
+    /// The run's `[sync]` rules, with the open round's settings.
     pub fn cfg(&self) -> &SyncConfig {
         &self.cfg
+    }
+
+    /// Sets what the open round's close announces for the round after it (the settings it
+    /// started with unless set). Both ends' wires must be delta wires: a delta's base is the
+    /// model every node holds, which the `fp32` wire does not keep.
+    pub fn set_next(&mut self, settings: RoundSettings) -> Result<(), String> {
+        if !(settings.wire.is_delta() && self.cfg.wire().is_delta()) {
+            return Err(format!(
+                "round {} on {} cannot be followed by a round on {}: only delta wires change between rounds",
+                self.round,
+                self.cfg.wire().name(),
+                settings.wire.name()
+            ));
+        }
+        self.next = settings;
+        Ok(())
     }
 
     /// The round being collected.
@@ -621,7 +652,9 @@ impl Coordinator {
                 .copied()
                 .zip(self.budget(&next_members))
                 .collect(),
+            settings: self.next,
         };
+        self.cfg = self.cfg.for_round(self.next);
         self.round += 1;
         self.opened_at = now;
         report
@@ -702,10 +735,10 @@ impl Coordinator {
                 "hands over experts {experts:?}, but in DiLoCo every member trains every expert"
             )));
         }
-        if !self.cfg.wire.is_delta() {
+        if !self.cfg.wire().is_delta() {
             return Err(invalid(format!(
                 "hands over experts {experts:?}, but sync.wire = {:?} sends values",
-                self.cfg.wire
+                self.cfg.wire()
             )));
         }
         let owners = self.scope().owners();

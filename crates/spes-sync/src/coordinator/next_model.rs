@@ -65,7 +65,7 @@ impl Coordinator {
             format!("the aggregate of `{name}` is not finite; the previous model was kept")
         });
         if discarded.is_some() {
-            self.last_delta = self.cfg.wire.is_delta().then(RoundDelta::default);
+            self.last_delta = self.cfg.wire().is_delta().then(RoundDelta::default);
             return Kept {
                 merge_alpha: None,
                 merges: Vec::new(),
@@ -95,11 +95,14 @@ impl Coordinator {
             mut owned,
             mut handover,
         } = combined;
-        let delta_wire = self.cfg.wire.is_delta();
+        let delta_wire = self.cfg.wire().is_delta();
         // Σ scale·numel and Σ numel over the averaged changes, for the report.
         let mut scaled = (0.0, 0.0);
         let verbatim =
             delta_wire && merge_alpha.is_none() && self.cfg.outer_rule(Source::Owned).is_average();
+        // A round that sends changes whole sends every residual with them: an expert that
+        // owes one is not published as its owner sent it.
+        let flush = !self.cfg.wire().is_lossy() || self.last_round == Some(self.round);
         let mut out = RoundDelta::default();
         let mut momenta = Vec::new();
         let mut next: Vec<Next> = Vec::with_capacity(self.global.len());
@@ -107,7 +110,7 @@ impl Coordinator {
             let mut combined = averaged.remove(name).map(|t| (Source::Averaged, t));
             let handed = handover.remove(name);
             if let Some((peer, d)) = owned.remove(name) {
-                if verbatim && handed.is_none() {
+                if verbatim && handed.is_none() && !(flush && self.residual.contains_key(name)) {
                     let mut value = base.copy();
                     d.apply_(&mut value);
                     let wire = d.into_wire(name);
@@ -188,7 +191,7 @@ impl Coordinator {
             alpha,
             self.cfg.merge_similarity,
         );
-        let delta_wire = self.cfg.wire.is_delta();
+        let delta_wire = self.cfg.wire().is_delta();
         // The merge replaced every expert it touched: its change is now from the base.
         for ((n, (_, value)), (_, base)) in next.iter_mut().zip(values).zip(&self.global) {
             if value.data_ptr() != base.data_ptr() {
@@ -203,24 +206,23 @@ impl Coordinator {
     }
 
     /// Pass 3: the next model and (delta wires) the round's delta, `out` holding the verbatim
-    /// experts already. Lossy wires add the residual and keep what the round leaves out; the
-    /// run's last round sends every change whole in bf16, residual included.
+    /// experts already. Lossy wires add the residual and keep what the round leaves out; a
+    /// round that sends changes whole (a lossless wire after lossy rounds, or the run's last
+    /// round) sends every residual with them, in bf16.
     fn encode(&mut self, next: Vec<Next>, mut out: RoundDelta) -> (Named, Option<RoundDelta>) {
         let last = self.last_round == Some(self.round);
-        let lossy = self.cfg.wire.is_lossy();
+        let lossy = self.cfg.wire().is_lossy() && !last;
         let mut global: Named = Vec::with_capacity(self.global.len());
         for (n, (name, base)) in next.into_iter().zip(&self.global) {
+            let n = match n {
+                Next::Unchanged if !lossy && self.residual.contains_key(name) => {
+                    Next::Change(Tensor::zeros_like(base))
+                }
+                n => n,
+            };
             let value = match n {
                 Next::Unchanged => base.shallow_clone(),
                 Next::Value(v) => v,
-                Next::Change(mut v) if last && lossy => {
-                    if let Some(r) = self.residual.remove(name) {
-                        v += r;
-                    }
-                    let (d, value) = delta::encode_into(base, v);
-                    out.delta.extend(d.into_wire(name));
-                    value
-                }
                 Next::Change(mut v) if lossy => {
                     if let Some(r) = self.residual.get(name) {
                         v += r;
@@ -232,14 +234,17 @@ impl Coordinator {
                     out.delta.extend(d.into_wire(name));
                     value
                 }
-                Next::Change(c) => {
-                    let (d, value) = delta::encode_into(base, c);
+                Next::Change(mut v) => {
+                    if let Some(r) = self.residual.remove(name) {
+                        v += r;
+                    }
+                    let (d, value) = delta::encode_into(base, v);
                     out.delta.extend(d.into_wire(name));
                     value
                 }
             };
             global.push((name.clone(), value));
         }
-        (global, self.cfg.wire.is_delta().then_some(out))
+        (global, self.cfg.wire().is_delta().then_some(out))
     }
 }

@@ -23,7 +23,7 @@ pub fn decode<'a>(
     round: u64,
     shape_of: impl Fn(&str) -> Option<&'a [i64]>,
 ) -> Result<Deltas, String> {
-    let parts = Form::parts_of(cfg.wire);
+    let parts = Form::parts_of(cfg.wire());
     let mut order: Vec<String> = Vec::new();
     let mut whole: HashMap<String, Delta> = HashMap::new();
     let mut split: HashMap<String, [Option<Tensor>; 4]> = HashMap::new();
@@ -45,7 +45,7 @@ pub fn decode<'a>(
                     t.size()
                 ));
             }
-            let d = match (cfg.wire, t.kind()) {
+            let d = match (cfg.wire(), t.kind()) {
                 (Wire::Fp32, Kind::Float | Kind::BFloat16) => Delta::Value(t),
                 (Wire::Fp32, k) => {
                     return Err(format!("tensor `{name}` is {k:?}, expected f32 or bf16"))
@@ -54,7 +54,7 @@ pub fn decode<'a>(
                 (_, k) => {
                     return Err(format!(
                         "tensor `{name}` is {k:?}, expected a bf16 delta (sync.wire = {:?})",
-                        cfg.wire
+                        cfg.wire()
                     ))
                 }
             };
@@ -92,7 +92,7 @@ pub fn decode<'a>(
                 return Err(format!(
                     "tensor `{name}` lacks one of its {} parts ({:?})",
                     list.join(", "),
-                    cfg.wire
+                    cfg.wire()
                 ));
             };
             let shape = shape_of(&name).expect("checked");

@@ -195,7 +195,7 @@ mod tests {
         for wire in [Wire::Int8Delta, Wire::Int4Delta, Wire::Int2Delta] {
             for stride in [1, 3] {
                 let cfg = SyncConfig {
-                    wire,
+                    wire: wire.into(),
                     stride,
                     ..SyncConfig::default()
                 };

@@ -32,10 +32,10 @@ impl Form {
     /// round sends every delta whole in bf16.
     pub fn of(cfg: &SyncConfig, shape: &[i64], round: u64, last: bool) -> Form {
         let bf16 = Form::Whole(Kind::BFloat16);
-        if last && cfg.wire.is_delta() {
+        if last && cfg.wire().is_delta() {
             return bf16;
         }
-        match cfg.wire {
+        match cfg.wire() {
             Wire::Fp32 => Form::Whole(Kind::Float),
             Wire::Bf16Delta => bf16,
             Wire::SparseDelta => {

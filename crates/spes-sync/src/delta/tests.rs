@@ -76,7 +76,7 @@ fn compressed_deltas_apply_exactly_as_their_dense_form() {
         Wire::Bf16Delta,
     ] {
         let cfg = SyncConfig {
-            wire,
+            wire: wire.into(),
             ..small_chunks()
         };
         let c = Delta::of_change(&v, &cfg, 1);
@@ -106,7 +106,7 @@ fn decode_pairs_the_parts_of_what_into_wire_made_and_refuses_strays() {
         Wire::Bf16Delta,
     ] {
         let cfg = SyncConfig {
-            wire,
+            wire: wire.into(),
             ..small_chunks()
         };
         let named = Delta::of_change(&v, &cfg, 1).into_wire("w");
@@ -133,7 +133,7 @@ fn decode_pairs_the_parts_of_what_into_wire_made_and_refuses_strays() {
         assert!(e.contains("unknown tensor `x`"), "{e}");
     }
     let cfg = SyncConfig {
-        wire: Wire::Int4Delta,
+        wire: Wire::Int4Delta.into(),
         ..SyncConfig::default()
     };
     let mut half = Delta::of_change(&v, &cfg, 1).into_wire("w");
@@ -158,7 +158,7 @@ fn decode_pairs_the_parts_of_what_into_wire_made_and_refuses_strays() {
 /// tail of 40 (5 sent).
 fn small_chunks() -> SyncConfig {
     SyncConfig {
-        wire: Wire::SparseDelta,
+        wire: Wire::SparseDelta.into(),
         sparse_chunk: 64,
         sparse_k: 8,
         ..SyncConfig::default()
@@ -274,7 +274,7 @@ fn a_low_rank_delta_carries_a_low_rank_change_and_applies_as_its_product() {
     let b = Tensor::randn([3, 80], (Kind::Float, dev));
     let change = (a.matmul(&b) + Tensor::randn([96, 80], (Kind::Float, dev)) * 0.01) * 1e-3;
     let cfg = SyncConfig {
-        wire: Wire::LowrankDelta,
+        wire: Wire::LowrankDelta.into(),
         rank: 4,
         ..SyncConfig::default()
     };
@@ -326,7 +326,7 @@ fn a_low_rank_delta_carries_a_low_rank_change_and_applies_as_its_product() {
 #[test]
 fn the_low_rank_wire_sends_matrices_in_factors_and_the_rest_whole() {
     let cfg = SyncConfig {
-        wire: Wire::LowrankDelta,
+        wire: Wire::LowrankDelta.into(),
         rank: 8,
         ..SyncConfig::default()
     };

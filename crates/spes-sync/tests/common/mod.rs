@@ -4,7 +4,8 @@
 
 use spes_model::{ModelConfig, MoeModel, NormPlacement, QkNorm};
 use spes_sync::{
-    Coordinator, Layout, Mode, Named, Ownership, RoundError, Scope, Start, SyncConfig, Wire, Work,
+    Choice, Coordinator, Layout, Mode, Named, Ownership, RoundError, Scope, Start, SyncConfig,
+    Wire, Work,
 };
 use std::collections::BTreeSet;
 use std::sync::{Mutex, MutexGuard};
@@ -86,7 +87,7 @@ pub fn cfg() -> SyncConfig {
         merge_alpha: 0.1,
         merge_until: 100,
         merge_top_k: 2,
-        wire: Wire::Fp32,
+        wire: Choice::Pinned(Wire::Fp32),
         ..SyncConfig::default()
     }
 }

@@ -677,18 +677,33 @@ impl RunConfig {
                     bail!("{key}_momentum must be in [0, 1), got {momentum}");
                 }
             }
-            if s.outer_norm_preserving && s.wire == Wire::Fp32 {
+            if s.outer_norm_preserving && s.wire() == Wire::Fp32 {
                 bail!("sync.outer_norm_preserving needs a delta wire (sync.wire = \"bf16_delta\" or a compressed one), not \"fp32\"");
             }
             if s.stride == 0 {
                 bail!("sync.stride must be at least 1, got 0");
             }
-            if s.stride > 1 && s.wire.quantized_bits().is_none() {
+            if s.stride > 1 && s.wire().quantized_bits().is_none() {
                 bail!(
                     "sync.stride = {} needs a quantized wire (sync.wire = \"int8_delta\", \"int4_delta\" or \"int2_delta\"), not {:?}",
                     s.stride,
-                    s.wire
+                    s.wire()
                 );
+            }
+            if !(s.target_utilization > 0.0 && s.target_utilization <= 1.0) {
+                bail!(
+                    "sync.target_utilization must be a share in (0, 1], got {}",
+                    s.target_utilization
+                );
+            }
+            if s.adaptive() && s.stride > 1 {
+                bail!(
+                    "sync.stride = {} needs a pinned quantized wire; the settings an adaptive run chooses among send every value each round",
+                    s.stride
+                );
+            }
+            if s.overlap_steps.is_adaptive() && !s.overlap {
+                bail!("sync.overlap_steps = \"adaptive\" lets the server turn overlap off or on each round; it needs sync.overlap = true (pin sync.overlap_steps to a number with sync.overlap = false)");
             }
             if !(0.0..=1.0).contains(&s.feedback_decay) {
                 bail!(
@@ -828,6 +843,44 @@ mod tests {
         .unwrap();
         assert_eq!(c.sync.mode, Mode::Spes);
         assert_eq!(c.sync.ownership, vec![vec![0, 1], vec![2]]);
+    }
+
+    #[test]
+    fn adaptive_settings_parse_and_contradictions_are_refused_by_name() {
+        use spes_sync::Choice;
+        let spes = |more: &[&str]| {
+            let mut sets: Vec<String> = vec!["sync.mode=spes".into(), "sync.sync_steps=5".into()];
+            sets.extend(more.iter().map(|s| s.to_string()));
+            RunConfig::parse(BASE, &sets)
+        };
+        let c = spes(&["sync.wire=adaptive", "sync.overlap_steps=adaptive"]).unwrap();
+        assert!(c.sync.wire.is_adaptive() && c.sync.overlap_steps.is_adaptive());
+        assert_eq!(c.sync.settings(), spes_sync::FIRST_ROUNDS);
+        // The resolved config says "adaptive" again: nodes read it from the server.
+        let again = RunConfig::parse(&toml::to_string(&c).unwrap(), &[]).unwrap();
+        assert_eq!(again.sync, c.sync);
+        let c = spes(&["sync.wire=int4_delta", "sync.overlap_steps=3"]).unwrap();
+        assert_eq!(c.sync.wire, Choice::Pinned(Wire::Int4Delta));
+        assert_eq!(c.sync.overlap_cap(), 3);
+        let err = format!("{:#}", spes(&["sync.wire=int3_delta"]).unwrap_err());
+        assert!(
+            err.contains("int3_delta") && err.contains("lowrank_delta") && err.contains("adaptive"),
+            "{err}"
+        );
+        let err = format!("{:#}", spes(&["sync.overlap_steps=\"some\""]).unwrap_err());
+        assert!(err.contains("adaptive"), "{err}");
+        let err = spes(&["sync.overlap_steps=adaptive", "sync.overlap=false"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sync.overlap = true"), "{err}");
+        let err = spes(&["sync.wire=adaptive", "sync.stride=3"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sync.stride = 3"), "{err}");
+        let err = spes(&["sync.target_utilization=1.5"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sync.target_utilization"), "{err}");
     }
 
     #[test]

@@ -1,0 +1,332 @@
+//! Settings that choose themselves (`sync.wire` or `sync.overlap_steps = "adaptive"`): after
+//! every round the server asks the planner, fed what the run measured ([`crate::measure`]), how
+//! much of its round the slowest member would train under each candidate setting, and takes,
+//! from two rounds on, the candidate of least expected loss among those that keep it at least
+//! `sync.target_utilization` busy; if none does, the busiest. The expected loss is the
+//! [`LOSS_TABLE`], measured once. A change needs a margin over the target and
+//! [`MIN_ROUNDS`] rounds on the setting before, so measurements that swing do not make the
+//! run flap.
+
+use spes_sync::{RoundSettings, SyncConfig, Wire};
+
+/// One measured setting: its final validation loss over the best setting's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossRow {
+    pub settings: RoundSettings,
+    pub loss_ratio: f64,
+}
+
+const fn row(wire: Wire, overlap: Option<u64>, loss_ratio: f64) -> LossRow {
+    LossRow {
+        settings: RoundSettings {
+            wire,
+            overlap: overlap.is_some(),
+            overlap_steps: match overlap {
+                Some(steps) => steps,
+                None => 0,
+            },
+        },
+        loss_ratio,
+    }
+}
+
+/// The candidates and their expected loss, best first: final validation CE of the recipe grid's
+/// centre recipe (4 nodes, 250 steps, 5 steps a round) with each setting over the best one's,
+/// seed 0, `spes simulate` at commit d35a485 with the overlap as a fixed delay
+/// (docs/guides/configuration.md#settings-that-choose-themselves has the table and command).
+pub const LOSS_TABLE: [LossRow; 5] = [
+    row(Wire::Bf16Delta, None, 1.0),
+    row(Wire::Bf16Delta, Some(1), 1.0008),
+    row(Wire::Int4Delta, Some(1), 1.0023),
+    row(Wire::LowrankDelta, None, 1.0039),
+    row(Wire::LowrankDelta, Some(1), 1.0065),
+];
+
+/// Rounds a setting runs before the next change.
+pub const MIN_ROUNDS: u64 = 5;
+
+/// How far above the target a setting's predicted utilization must be to change to it.
+pub const MARGIN: f64 = 0.02;
+
+/// How much lower a setting's expected loss must be for a run that reaches its target to
+/// change to it.
+pub const LOSS_MARGIN: f64 = 5e-4;
+
+/// The rows of [`LOSS_TABLE`] a run of `sync` may take: those matching its pinned keys. At
+/// least two, else the adaptive key has nothing to choose and the config is refused.
+pub fn candidates(sync: &SyncConfig) -> Result<Vec<LossRow>, String> {
+    let rows: Vec<LossRow> = LOSS_TABLE
+        .iter()
+        .filter(|r| sync.wire.pinned().is_none_or(|w| w == r.settings.wire))
+        .filter(|r| {
+            sync.overlap_steps.pinned().is_none_or(|steps| {
+                r.settings.overlap == sync.overlap
+                    && (!sync.overlap || r.settings.overlap_steps == steps)
+            })
+        })
+        .copied()
+        .collect();
+    if rows.len() < 2 {
+        let table: Vec<String> = LOSS_TABLE.iter().map(|r| r.settings.to_string()).collect();
+        return Err(format!(
+            "sync.wire and sync.overlap_steps: an adaptive key chooses among the measured settings ({}), and with the other key pinned as it is {} of them remain{}; pin both, or make both \"adaptive\"",
+            table.join("; "),
+            rows.len(),
+            if rows.len() == 1 { "s" } else { "" }
+        ));
+    }
+    Ok(rows)
+}
+
+/// What the chooser took, and why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    pub from_round: u64,
+    pub settings: RoundSettings,
+    pub reason: String,
+}
+
+/// An adaptive run's chooser: its candidates, the settings it runs and since when.
+#[derive(Clone, Debug)]
+pub struct Chooser {
+    target: f64,
+    rows: Vec<LossRow>,
+    current: RoundSettings,
+    since: u64,
+    /// Whether the current settings were chosen on measurements (not the first rounds').
+    chosen: bool,
+}
+
+impl Chooser {
+    /// A chooser among `rows` (best loss first; [`candidates`] gives a run's) for a target
+    /// utilization, whose rounds from `since` run `current` (`chosen`: on measurements, rather
+    /// than the first rounds' settings).
+    pub fn new(
+        target: f64,
+        rows: Vec<LossRow>,
+        current: RoundSettings,
+        since: u64,
+        chosen: bool,
+    ) -> Chooser {
+        Chooser {
+            target,
+            rows,
+            current,
+            since,
+            chosen,
+        }
+    }
+
+    /// The settings the chooser asks predictions for.
+    pub fn candidates(&self) -> Vec<RoundSettings> {
+        self.rows.iter().map(|r| r.settings).collect()
+    }
+
+    /// The expected loss of `s` over the best measured setting's, if it is a candidate.
+    pub fn loss_ratio(&self, s: RoundSettings) -> Option<f64> {
+        self.rows
+            .iter()
+            .find(|r| r.settings == s)
+            .map(|r| r.loss_ratio)
+    }
+
+    /// After round `round` closed, given each candidate's predicted utilization: the settings
+    /// from round `round + 2` on (the next close announces them), if they change.
+    pub fn choose(&mut self, round: u64, predicted: &[(RoundSettings, f64)]) -> Option<Decision> {
+        let from_round = round + 2;
+        if self.chosen && from_round < self.since + MIN_ROUNDS {
+            return None;
+        }
+        let util = |s: RoundSettings| {
+            predicted
+                .iter()
+                .find(|(p, _)| *p == s)
+                .map(|(_, u)| *u)
+                .filter(|u| u.is_finite())
+        };
+        let current_util = util(self.current)?;
+        let fits = |s: RoundSettings, extra: f64| util(s).is_some_and(|u| u >= self.target + extra);
+        let current_loss = self.loss_ratio(self.current).unwrap_or(f64::INFINITY);
+        let pick = self
+            .rows
+            .iter()
+            .find(|r| {
+                if r.settings == self.current {
+                    fits(r.settings, 0.0)
+                } else {
+                    fits(r.settings, MARGIN)
+                }
+            })
+            .copied();
+        let (pick, why) = match pick {
+            Some(p) if p.settings == self.current => return self.keep(),
+            Some(p) if fits(self.current, 0.0) => {
+                if p.loss_ratio > current_loss - LOSS_MARGIN {
+                    return self.keep();
+                }
+                (
+                    p,
+                    "a lower expected loss that keeps the slowest member busy enough",
+                )
+            }
+            Some(p) => (
+                p,
+                "the current setting leaves the slowest member idle too long",
+            ),
+            None => {
+                // Nothing reaches the target: the busiest, if clearly busier.
+                let busiest = self
+                    .rows
+                    .iter()
+                    .filter_map(|r| util(r.settings).map(|u| (*r, u)))
+                    .max_by(|a, b| a.1.total_cmp(&b.1))?;
+                if busiest.0.settings == self.current || busiest.1 < current_util + MARGIN {
+                    return self.keep();
+                }
+                (
+                    busiest.0,
+                    "no setting reaches the target; this one comes closest",
+                )
+            }
+        };
+        let options: Vec<String> = self
+            .rows
+            .iter()
+            .map(|r| match util(r.settings) {
+                Some(u) => format!(
+                    "{} {:.1} % (loss {:.4}×)",
+                    r.settings,
+                    100.0 * u,
+                    r.loss_ratio
+                ),
+                None => format!("{} unpredicted", r.settings),
+            })
+            .collect();
+        let reason = format!(
+            "{why} (target {:.0} %): predicted {}",
+            100.0 * self.target,
+            options.join(", ")
+        );
+        self.current = pick.settings;
+        self.since = from_round;
+        self.chosen = true;
+        Some(Decision {
+            from_round,
+            settings: pick.settings,
+            reason,
+        })
+    }
+
+    /// Once a setting was taken on measurements, keeping it counts as chosen too.
+    fn keep(&mut self) -> Option<Decision> {
+        self.chosen = true;
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use spes_sync::{Choice, FIRST_ROUNDS};
+
+    /// Rows of made-up losses, best first: bf16 without and with overlap, low rank with one
+    /// step (the first rounds') and through the round.
+    fn rows() -> Vec<LossRow> {
+        vec![
+            row(Wire::Bf16Delta, None, 1.0),
+            row(Wire::Bf16Delta, Some(1), 1.002),
+            row(Wire::LowrankDelta, Some(1), 1.01),
+            row(Wire::LowrankDelta, Some(0), 1.02),
+        ]
+    }
+
+    fn chooser(chosen: bool) -> Chooser {
+        Chooser::new(0.95, rows(), FIRST_ROUNDS, 1, chosen)
+    }
+
+    /// Predictions where each candidate keeps the slowest member `u(s)` busy.
+    fn predicted(c: &Chooser, u: impl Fn(RoundSettings) -> f64) -> Vec<(RoundSettings, f64)> {
+        c.candidates().into_iter().map(|s| (s, u(s))).collect()
+    }
+
+    #[test]
+    fn the_table_is_ordered_by_loss_and_holds_the_first_rounds() {
+        assert!(LOSS_TABLE
+            .windows(2)
+            .all(|w| w[0].loss_ratio <= w[1].loss_ratio));
+        assert!(LOSS_TABLE.iter().any(|r| r.settings == FIRST_ROUNDS));
+        assert!(LOSS_TABLE.iter().all(|r| r.settings.wire.is_delta()));
+    }
+
+    #[test]
+    fn a_fast_link_takes_the_best_loss_and_a_slow_one_the_busiest() {
+        let mut c = chooser(false);
+        // Every setting keeps the node busy: the best row, as soon as it is measured.
+        let d = c.choose(2, &predicted(&c, |_| 0.99)).unwrap();
+        assert_eq!(d.settings, rows()[0].settings);
+        assert_eq!(d.from_round, 4);
+        assert!(d.reason.contains("99.0 %"), "{}", d.reason);
+        // Then not again before MIN_ROUNDS rounds on it, whatever the link does.
+        assert_eq!(c.choose(3, &predicted(&c, |_| 0.1)), None);
+        // A link that slows down: only the whole-round overlap keeps up.
+        let whole = rows()[3].settings;
+        let slow = |s: RoundSettings| if s == whole { 0.97 } else { 0.6 };
+        let d = c.choose(2 + MIN_ROUNDS, &predicted(&c, slow)).unwrap();
+        assert_eq!(d.settings, whole);
+        // Nothing reaches the target: the busiest, if clearly busier than the current.
+        let mut c = chooser(false);
+        let util = |s: RoundSettings| if s == whole { 0.80 } else { 0.5 };
+        assert_eq!(c.choose(2, &predicted(&c, util)).unwrap().settings, whole);
+        let mut c = chooser(false);
+        let close = |s: RoundSettings| if s == whole { 0.51 } else { 0.5 };
+        assert_eq!(c.choose(2, &predicted(&c, close)), None);
+    }
+
+    #[test]
+    fn a_change_needs_a_margin_and_a_lower_loss() {
+        let mut c = chooser(true);
+        // The best row only just reaches the target: not enough to move; the next one is.
+        let [best, next, ..] = [rows()[0].settings, rows()[1].settings];
+        let just = |s: RoundSettings| if s == best { 0.955 } else { 0.99 };
+        assert_eq!(c.choose(10, &predicted(&c, just)).unwrap().settings, next);
+        // A setting that reaches the target stays unless another is clearly better.
+        let rows = vec![
+            row(Wire::Bf16Delta, None, 1.0),
+            row(Wire::LowrankDelta, Some(1), 1.0002),
+        ];
+        let mut c = Chooser::new(0.95, rows, FIRST_ROUNDS, 1, true);
+        assert_eq!(c.choose(10, &predicted(&c, |_| 0.99)), None);
+        // A prediction missing for the current setting decides nothing.
+        let mut c = chooser(true);
+        assert_eq!(c.choose(10, &[(best, 1.0)]), None);
+    }
+
+    #[test]
+    fn pinned_keys_narrow_the_candidates() {
+        let wire_only = SyncConfig {
+            wire: Choice::Adaptive,
+            overlap: true,
+            overlap_steps: 1.into(),
+            ..SyncConfig::default()
+        };
+        let rows = candidates(&wire_only).unwrap();
+        assert!(rows
+            .iter()
+            .all(|r| r.settings.overlap && r.settings.overlap_steps == 1));
+        assert!(rows.len() >= 2);
+        let overlap_only = SyncConfig {
+            wire: Wire::LowrankDelta.into(),
+            overlap_steps: Choice::Adaptive,
+            ..SyncConfig::default()
+        };
+        let rows = candidates(&overlap_only).unwrap();
+        assert!(rows.iter().all(|r| r.settings.wire == Wire::LowrankDelta));
+        let nothing = SyncConfig {
+            wire: Wire::Int8Delta.into(),
+            overlap_steps: Choice::Adaptive,
+            ..SyncConfig::default()
+        };
+        let e = candidates(&nothing).unwrap_err();
+        assert!(e.contains("0 of them remain"), "{e}");
+    }
+}
