@@ -322,10 +322,10 @@ fn settings_section(server: &[RoundRecord], costs: &[RoundCost]) -> String {
         let Some(c) = r.close.as_ref().and_then(|c| c.choice.as_ref()) else {
             continue;
         };
-        if let (Some(s), Some(from)) = (c.chose, c.from_round) {
+        if let Some(chosen) = &c.chose {
             md.push_str(&format!(
-                "\nAfter round {}: {s} from round {from}, {}.\n",
-                r.round, c.reason
+                "\nAfter round {}: {} from round {}, {}.\n",
+                r.round, chosen.settings, chosen.from_round, chosen.reason
             ));
         }
     }
@@ -500,7 +500,7 @@ pub fn write(out: &Path, summary: &DemoSummary, config_toml: &str) -> Result<()>
 mod tests {
     use super::*;
     use spes_sync::Wire;
-    use spes_train::metrics::{RoundClose, SettingsChoice};
+    use spes_train::metrics::{Chosen, RoundClose, SettingsChoice};
 
     #[test]
     fn the_settings_section_gives_each_run_of_rounds_its_bytes_and_the_reasons() {
@@ -518,10 +518,12 @@ mod tests {
             round,
             close: Some(RoundClose {
                 settings: Some(s),
-                choice: chose.map(|c| SettingsChoice {
-                    chose: Some(c),
-                    from_round: Some(round + 2),
-                    reason: "because".into(),
+                choice: chose.map(|settings| SettingsChoice {
+                    chose: Some(Chosen {
+                        from_round: round + 2,
+                        settings,
+                        reason: "because".into(),
+                    }),
                     ..SettingsChoice::default()
                 }),
                 ..RoundClose::default()

@@ -8,6 +8,7 @@
 //! run flap.
 
 use spes_sync::{RoundSettings, SyncConfig, Wire};
+use spes_train::metrics::Chosen;
 
 /// One measured setting: its final validation loss over the best setting's.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -78,14 +79,6 @@ pub fn candidates(sync: &SyncConfig) -> Result<Vec<LossRow>, String> {
     Ok(rows)
 }
 
-/// What the chooser took, and why.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Decision {
-    pub from_round: u64,
-    pub settings: RoundSettings,
-    pub reason: String,
-}
-
 /// An adaptive run's chooser: its candidates, the settings it runs and since when.
 #[derive(Clone, Debug)]
 pub struct Chooser {
@@ -132,7 +125,7 @@ impl Chooser {
 
     /// After round `round` closed, given each candidate's predicted utilization: the settings
     /// from round `round + 2` on (the next close announces them), if they change.
-    pub fn choose(&mut self, round: u64, predicted: &[(RoundSettings, f64)]) -> Option<Decision> {
+    pub fn choose(&mut self, round: u64, predicted: &[(RoundSettings, f64)]) -> Option<Chosen> {
         let from_round = round + 2;
         if self.chosen && from_round < self.since + MIN_ROUNDS {
             return None;
@@ -210,7 +203,7 @@ impl Chooser {
         self.current = pick.settings;
         self.since = from_round;
         self.chosen = true;
-        Some(Decision {
+        Some(Chosen {
             from_round,
             settings: pick.settings,
             reason,
@@ -218,7 +211,7 @@ impl Chooser {
     }
 
     /// Once a setting was taken on measurements, keeping it counts as chosen too.
-    fn keep(&mut self) -> Option<Decision> {
+    fn keep(&mut self) -> Option<Chosen> {
         self.chosen = true;
         None
     }

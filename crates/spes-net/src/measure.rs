@@ -8,7 +8,7 @@
 
 use crate::link::LinkSpec;
 use crate::plan::{self, PlanInput, PlanRow, WireOption};
-use spes_sync::{RoundSettings, Wire};
+use spes_sync::RoundSettings;
 use spes_train::metrics::{Planned, PlannedOption, RoundClose, UploadTiming};
 use spes_train::{Mode, RunConfig};
 use std::collections::BTreeMap;
@@ -286,25 +286,6 @@ fn slowest(measured: &Measured, members: &[usize]) -> Option<Figures> {
     .then_some(f)
 }
 
-/// The planner's option and overlap cap (steps) of round settings `s` in rounds of
-/// `sync_steps`: overlap off is a cap of 0 steps.
-pub fn option_of(s: RoundSettings, sync_steps: u64) -> Option<(WireOption, u64)> {
-    let option = match s.wire {
-        Wire::Bf16Delta => WireOption::Overlap,
-        Wire::Int4Delta => WireOption::Int4Overlap,
-        Wire::Int2Delta => WireOption::Int2Overlap,
-        Wire::SparseDelta => WireOption::SparseOverlap,
-        Wire::LowrankDelta => WireOption::LowrankOverlap,
-        Wire::Fp32 | Wire::Int8Delta => return None,
-    };
-    let cap = match (s.overlap, s.overlap_steps) {
-        (false, _) => 0,
-        (true, 0) => sync_steps,
-        (true, n) => n.min(sync_steps),
-    };
-    Some((option, cap))
-}
-
 /// Each of `candidates`' predicted utilization of the slowest member among `members` on the
 /// links `measured`, for a run of `cfg` whose `sync` holds the open round's settings (its
 /// measured apply, fold and close scale every candidate's); `None` until the figures are in.
@@ -320,7 +301,7 @@ pub fn predict_settings(
         candidates
             .iter()
             .filter_map(|&s| {
-                let (option, cap) = option_of(s, cfg.sync.sync_steps)?;
+                let (option, cap) = WireOption::of_settings(s, cfg.sync.sync_steps)?;
                 let row = plan::plan(
                     &PlanInput {
                         overlap_cap: cap,
@@ -371,7 +352,7 @@ pub fn planned(cfg: &RunConfig, measured: &Measured, members: &[usize]) -> Optio
 #[cfg(test)]
 mod tests {
     use super::*;
-    use spes_sync::{PeerWork, Work};
+    use spes_sync::{PeerWork, Wire, Work};
     use spes_train::metrics::NodeRound;
 
     fn close(round: u64, up_s: [f64; 2], down_s: f64) -> RoundClose {

@@ -13,7 +13,7 @@
 use crate::link::LinkSpec;
 use spes_model::ModelConfig;
 use spes_sync::delta::Form;
-use spes_sync::{SyncConfig, Wire};
+use spes_sync::{RoundSettings, SyncConfig, Wire};
 
 /// The wire options the planner compares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,6 +51,26 @@ impl WireOption {
         WireOption::SparseOverlap,
         WireOption::LowrankOverlap,
     ];
+
+    /// The option and overlap cap (steps) of round settings `s` in rounds of `sync_steps`:
+    /// each delta wire's overlapped option, overlap off being a cap of 0 steps; `None` for a
+    /// wire the planner lacks.
+    pub fn of_settings(s: RoundSettings, sync_steps: u64) -> Option<(WireOption, u64)> {
+        let option = match s.wire {
+            Wire::Bf16Delta => WireOption::Overlap,
+            Wire::Int4Delta => WireOption::Int4Overlap,
+            Wire::Int2Delta => WireOption::Int2Overlap,
+            Wire::SparseDelta => WireOption::SparseOverlap,
+            Wire::LowrankDelta => WireOption::LowrankOverlap,
+            Wire::Fp32 | Wire::Int8Delta => return None,
+        };
+        let cap = match (s.overlap, s.overlap_steps) {
+            (false, _) => 0,
+            (true, 0) => sync_steps,
+            (true, n) => n.min(sync_steps),
+        };
+        Some((option, cap))
+    }
 
     /// The option labelled `label` (see [`WireOption::label`]).
     pub fn parse(label: &str) -> Option<WireOption> {
@@ -112,9 +132,7 @@ impl WireOption {
     /// The `--set` overrides that select this option in a run (`stride`: of the strided one;
     /// the low-rank one keeps the run's `sync.rank`).
     pub fn overrides(self, stride: u64) -> Vec<String> {
-        // The key's own spelling, as a config file writes it.
-        let wire = serde_json::to_value(self.wire()).expect("a wire is a name");
-        let mut out = vec![format!("sync.wire={}", wire.as_str().expect("a name"))];
+        let mut out = vec![format!("sync.wire={}", self.wire().name())];
         if self != WireOption::Fp32 {
             out.push(format!("sync.skip_own_experts={}", self.skips_own()));
         }

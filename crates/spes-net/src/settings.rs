@@ -7,6 +7,7 @@ use crate::proto;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use spes_sync::{RoundSettings, SyncConfig, Wire};
+pub use spes_train::metrics::Chosen;
 use std::path::Path;
 
 /// The protocol this build speaks (`JoinRequest.protocol`): 1 follows settings that change
@@ -27,7 +28,7 @@ pub fn to_proto(s: RoundSettings) -> proto::RoundSettings {
 
 /// Settings from a round's header; a wire this build does not know is an error naming it.
 pub fn from_proto(p: &proto::RoundSettings) -> Result<RoundSettings> {
-    let wire = wire_named(&p.wire).with_context(|| {
+    let wire = Wire::named(&p.wire).with_context(|| {
         format!(
             "the server announced wire `{}`, unknown to this spes",
             p.wire
@@ -38,20 +39,6 @@ pub fn from_proto(p: &proto::RoundSettings) -> Result<RoundSettings> {
         overlap: p.overlap,
         overlap_steps: p.overlap_steps,
     })
-}
-
-fn wire_named(name: &str) -> Option<Wire> {
-    serde_json::from_value(serde_json::Value::String(name.to_owned())).ok()
-}
-
-/// One choice of an adaptive run: the settings it ran from round `from_round` on, and why.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Chosen {
-    pub from_round: u64,
-    pub settings: RoundSettings,
-    /// The figures and predictions it was chosen on, in words (empty when replayed).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub reason: String,
 }
 
 /// An adaptive run's choices, oldest first: what `choices.json` holds.

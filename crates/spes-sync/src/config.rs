@@ -52,6 +52,21 @@ pub enum Wire {
 }
 
 impl Wire {
+    pub const ALL: [Wire; 7] = [
+        Wire::Fp32,
+        Wire::Bf16Delta,
+        Wire::SparseDelta,
+        Wire::Int8Delta,
+        Wire::Int4Delta,
+        Wire::Int2Delta,
+        Wire::LowrankDelta,
+    ];
+
+    /// The wire `sync.wire` spells `name`.
+    pub fn named(name: &str) -> Option<Wire> {
+        Wire::ALL.into_iter().find(|w| w.name() == name)
+    }
+
     /// The wire's name as `sync.wire` spells it.
     pub fn name(self) -> &'static str {
         match self {
@@ -648,16 +663,9 @@ mod tests {
 
     #[test]
     fn round_settings_name_their_wire_as_the_config_does_and_ignore_steps_without_overlap() {
-        for wire in [
-            Wire::Fp32,
-            Wire::Bf16Delta,
-            Wire::SparseDelta,
-            Wire::Int8Delta,
-            Wire::Int4Delta,
-            Wire::Int2Delta,
-            Wire::LowrankDelta,
-        ] {
+        for wire in Wire::ALL {
             assert_eq!(serde_json::to_value(wire).unwrap(), wire.name());
+            assert_eq!(Wire::named(wire.name()), Some(wire));
         }
         let off = |steps| RoundSettings {
             wire: Wire::Bf16Delta,

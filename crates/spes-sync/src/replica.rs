@@ -187,6 +187,12 @@ impl Replica {
         }
     }
 
+    /// Whether the weights may carry more than the base: the last apply kept progress (whatever
+    /// the next round's settings), or this round's settings keep it.
+    fn weights_carry(&self) -> bool {
+        self.carries || self.cfg.keeps_progress()
+    }
+
     /// The `[sync]` rules of the round this node trains, with its settings.
     pub fn cfg(&self) -> &SyncConfig {
         &self.cfg
@@ -510,9 +516,7 @@ impl Replica {
         let mut reset = false;
         if changed {
             let before = std::mem::replace(&mut self.owned, owned);
-            // The weights carry progress when the last apply kept it, whatever the next round's
-            // settings are.
-            let keeps_progress = self.carries || self.cfg.keeps_progress();
+            let keeps_progress = self.weights_carry();
             let next_round = self.held.map(|r| r + 1);
             if let Some(base) = &mut self.base {
                 for (name, w) in weights {
@@ -614,7 +618,7 @@ impl Replica {
     pub fn state(&self, weights: &Named) -> Option<ReplicaState> {
         let round = self.held?;
         let remainder = match &self.base {
-            Some(base) if self.carries || self.cfg.keeps_progress() => tch::no_grad(|| {
+            Some(base) if self.weights_carry() => tch::no_grad(|| {
                 self.trained(weights)
                     .filter_map(|(n, t)| {
                         let r = t - base.values.get(n)?;

@@ -296,11 +296,18 @@ pub struct RoundClose {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SettingsChoice {
     pub candidates: Vec<Candidate>,
-    /// The settings taken from round `from_round` on, and why; `None`: kept.
+    /// What it took; `None`: it kept the settings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub chose: Option<RoundSettings>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub from_round: Option<u64>,
+    pub chose: Option<Chosen>,
+}
+
+/// One choice of an adaptive run: the settings it runs from round `from_round` on, and why.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Chosen {
+    pub from_round: u64,
+    pub settings: RoundSettings,
+    /// The figures and predictions it was chosen on, in words (empty in a file written by
+    /// hand).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub reason: String,
 }

@@ -6,7 +6,7 @@
 use super::store::Publication;
 use super::State;
 use crate::choose::Chooser;
-use crate::settings::{Choices, Chosen};
+use crate::settings::Choices;
 use anyhow::Result;
 use spes_data::ValWindows;
 use spes_model::MoeModel;
@@ -436,16 +436,10 @@ fn settle_next(
                 d.settings,
                 d.reason
             );
-            choices.push(Chosen {
-                from_round: d.from_round,
-                settings: d.settings,
-                reason: d.reason.clone(),
-            });
+            choices.push(d.clone());
             let choice = SettingsChoice {
                 candidates,
-                chose: Some(d.settings),
-                from_round: Some(d.from_round),
-                reason: d.reason,
+                chose: Some(d.clone()),
             };
             (d.settings, Some(choice), Some(choices.clone()))
         }

@@ -9,7 +9,8 @@
 //! 2. [`Coordinator::merge`]: on merge rounds, similar experts mixed; a merged expert's fate
 //!    becomes its change from the base.
 //! 3. [`Coordinator::encode`]: each change in the wire's form (lossy wires add the residual of
-//!    earlier rounds and keep what they leave out; the run's last round sends it whole), the
+//!    earlier rounds and keep what they leave out; a round that sends changes whole, a lossless
+//!    wire's or the run's last, sends every residual with them), the
 //!    model being the base plus the published delta, computed as every node computes it.
 //!
 //! [`Coordinator::publish`] runs them and keeps the result unless it is not finite.
@@ -52,6 +53,12 @@ pub(super) struct Kept {
 }
 
 impl Coordinator {
+    /// Whether the open round sends every change whole, with every residual the lossy rounds
+    /// before held back: on a lossless wire, and on the run's last round.
+    fn sends_whole(&self) -> bool {
+        !self.cfg.wire().is_lossy() || self.last_round == Some(self.round)
+    }
+
     /// The next model from `combined`, merged with `merge_alpha` on merge rounds, and what the
     /// round publishes; kept unless what decides the model is not finite (then the previous
     /// model stays and the round publishes nothing).
@@ -102,7 +109,7 @@ impl Coordinator {
             delta_wire && merge_alpha.is_none() && self.cfg.outer_rule(Source::Owned).is_average();
         // A round that sends changes whole sends every residual with them: an expert that
         // owes one is not published as its owner sent it.
-        let flush = !self.cfg.wire().is_lossy() || self.last_round == Some(self.round);
+        let flush = self.sends_whole();
         let mut out = RoundDelta::default();
         let mut momenta = Vec::new();
         let mut next: Vec<Next> = Vec::with_capacity(self.global.len());
@@ -210,8 +217,7 @@ impl Coordinator {
     /// round that sends changes whole (a lossless wire after lossy rounds, or the run's last
     /// round) sends every residual with them, in bf16.
     fn encode(&mut self, next: Vec<Next>, mut out: RoundDelta) -> (Named, Option<RoundDelta>) {
-        let last = self.last_round == Some(self.round);
-        let lossy = self.cfg.wire().is_lossy() && !last;
+        let lossy = !self.sends_whole();
         let mut global: Named = Vec::with_capacity(self.global.len());
         for (n, (name, base)) in next.into_iter().zip(&self.global) {
             let n = match n {
