@@ -31,7 +31,7 @@ fi
 dir=$out/$recipe/$name/seed-$seed
 [ -f "$dir/simulate.json" ] && exit 0
 # The keys experiments/recipe-grid.toml pins (a change given after them overrides them).
-set=(--set "data.path=$data" --set train.eval_batches=16 --set sync.overlap=false
+set=(--set "data.path=$data" --set train.eval_batches=16 --set sync.overlap=false --set sync.wire=lowrank_delta
   --set train.second_moment=own --set sync.mode=spes --set "train.seed=$seed")
 for k in "${keys[@]}"; do set+=(--set "$k"); done
 echo "== $recipe $name seed $seed"

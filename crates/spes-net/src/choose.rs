@@ -2,46 +2,13 @@
 //! every round the server asks the planner, fed what the run measured ([`crate::measure`]), how
 //! much of its round the slowest member would train under each candidate setting, and takes,
 //! from two rounds on, the candidate of least expected loss among those that keep it at least
-//! `sync.target_utilization` busy; if none does, the busiest. The expected loss is the
-//! [`LOSS_TABLE`], measured once. A change needs a margin over the target and
+//! `sync.target_utilization` busy; if none does, the busiest. The expected loss is
+//! [`spes_sync::LOSS_TABLE`], measured once. A change needs a margin over the target and
 //! [`MIN_ROUNDS`] rounds on the setting before, so measurements that swing do not make the
 //! run flap.
 
-use spes_sync::{RoundSettings, SyncConfig, Wire};
+use spes_sync::{LossRow, RoundSettings};
 use spes_train::metrics::Chosen;
-
-/// One measured setting: its final validation loss over the best setting's.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct LossRow {
-    pub settings: RoundSettings,
-    pub loss_ratio: f64,
-}
-
-const fn row(wire: Wire, overlap: Option<u64>, loss_ratio: f64) -> LossRow {
-    LossRow {
-        settings: RoundSettings {
-            wire,
-            overlap: overlap.is_some(),
-            overlap_steps: match overlap {
-                Some(steps) => steps,
-                None => 0,
-            },
-        },
-        loss_ratio,
-    }
-}
-
-/// The candidates and their expected loss, best first: final validation CE of the recipe grid's
-/// centre recipe (4 nodes, 250 steps, 5 steps a round) with each setting over the best one's,
-/// seed 0, `spes simulate` at commit d35a485 with the overlap as a fixed delay
-/// (docs/guides/configuration.md#settings-that-choose-themselves has the table and command).
-pub const LOSS_TABLE: [LossRow; 5] = [
-    row(Wire::Bf16Delta, None, 1.0),
-    row(Wire::Bf16Delta, Some(1), 1.0008),
-    row(Wire::Int4Delta, Some(1), 1.0023),
-    row(Wire::LowrankDelta, None, 1.0039),
-    row(Wire::LowrankDelta, Some(1), 1.0065),
-];
 
 /// Rounds a setting runs before the next change.
 pub const MIN_ROUNDS: u64 = 5;
@@ -52,32 +19,6 @@ pub const MARGIN: f64 = 0.02;
 /// How much lower a setting's expected loss must be for a run that reaches its target to
 /// change to it.
 pub const LOSS_MARGIN: f64 = 5e-4;
-
-/// The rows of [`LOSS_TABLE`] a run of `sync` may take: those matching its pinned keys. At
-/// least two, else the adaptive key has nothing to choose and the config is refused.
-pub fn candidates(sync: &SyncConfig) -> Result<Vec<LossRow>, String> {
-    let rows: Vec<LossRow> = LOSS_TABLE
-        .iter()
-        .filter(|r| sync.wire.pinned().is_none_or(|w| w == r.settings.wire))
-        .filter(|r| {
-            sync.overlap_steps.pinned().is_none_or(|steps| {
-                r.settings.overlap == sync.overlap
-                    && (!sync.overlap || r.settings.overlap_steps == steps)
-            })
-        })
-        .copied()
-        .collect();
-    if rows.len() < 2 {
-        let table: Vec<String> = LOSS_TABLE.iter().map(|r| r.settings.to_string()).collect();
-        return Err(format!(
-            "sync.wire and sync.overlap_steps: an adaptive key chooses among the measured settings ({}), and with the other key pinned as it is {} of them remain{}; pin both, or make both \"adaptive\"",
-            table.join("; "),
-            rows.len(),
-            if rows.len() == 1 { "s" } else { "" }
-        ));
-    }
-    Ok(rows)
-}
 
 /// An adaptive run's chooser: its candidates, the settings it runs and since when.
 #[derive(Clone, Debug)]
@@ -91,7 +32,8 @@ pub struct Chooser {
 }
 
 impl Chooser {
-    /// A chooser among `rows` (best loss first; [`candidates`] gives a run's) for a target
+    /// A chooser among `rows` (best loss first; [`spes_sync::loss_table::candidates`] gives a
+    /// run's) for a target
     /// utilization, whose rounds from `since` run `current` (`chosen`: on measurements, rather
     /// than the first rounds' settings).
     pub fn new(
@@ -220,7 +162,11 @@ impl Chooser {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use spes_sync::{Choice, FIRST_ROUNDS};
+    use spes_sync::{Wire, FIRST_ROUNDS};
+
+    const fn row(wire: Wire, overlap: Option<u64>, loss_ratio: f64) -> LossRow {
+        LossRow::new(wire, overlap, loss_ratio)
+    }
 
     /// Rows of made-up losses, best first: bf16 without and with overlap, low rank with one
     /// step (the first rounds') and through the round.
@@ -240,15 +186,6 @@ mod tests {
     /// Predictions where each candidate keeps the slowest member `u(s)` busy.
     fn predicted(c: &Chooser, u: impl Fn(RoundSettings) -> f64) -> Vec<(RoundSettings, f64)> {
         c.candidates().into_iter().map(|s| (s, u(s))).collect()
-    }
-
-    #[test]
-    fn the_table_is_ordered_by_loss_and_holds_the_first_rounds() {
-        assert!(LOSS_TABLE
-            .windows(2)
-            .all(|w| w[0].loss_ratio <= w[1].loss_ratio));
-        assert!(LOSS_TABLE.iter().any(|r| r.settings == FIRST_ROUNDS));
-        assert!(LOSS_TABLE.iter().all(|r| r.settings.wire.is_delta()));
     }
 
     #[test]
@@ -292,34 +229,5 @@ mod tests {
         // A prediction missing for the current setting decides nothing.
         let mut c = chooser(true);
         assert_eq!(c.choose(10, &[(best, 1.0)]), None);
-    }
-
-    #[test]
-    fn pinned_keys_narrow_the_candidates() {
-        let wire_only = SyncConfig {
-            wire: Choice::Adaptive,
-            overlap: true,
-            overlap_steps: 1.into(),
-            ..SyncConfig::default()
-        };
-        let rows = candidates(&wire_only).unwrap();
-        assert!(rows
-            .iter()
-            .all(|r| r.settings.overlap && r.settings.overlap_steps == 1));
-        assert!(rows.len() >= 2);
-        let overlap_only = SyncConfig {
-            wire: Wire::LowrankDelta.into(),
-            overlap_steps: Choice::Adaptive,
-            ..SyncConfig::default()
-        };
-        let rows = candidates(&overlap_only).unwrap();
-        assert!(rows.iter().all(|r| r.settings.wire == Wire::LowrankDelta));
-        let nothing = SyncConfig {
-            wire: Wire::Int8Delta.into(),
-            overlap_steps: Choice::Adaptive,
-            ..SyncConfig::default()
-        };
-        let e = candidates(&nothing).unwrap_err();
-        assert!(e.contains("0 of them remain"), "{e}");
     }
 }

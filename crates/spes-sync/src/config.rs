@@ -539,10 +539,30 @@ impl SyncConfig {
                 overlap: self.overlap,
                 overlap_steps: if self.overlap { steps } else { 0 },
             },
+            Choice::Adaptive if !self.overlap => RoundSettings {
+                wire: self.wire(),
+                overlap: false,
+                overlap_steps: 0,
+            },
             Choice::Adaptive => RoundSettings {
                 wire: self.wire(),
                 ..FIRST_ROUNDS
             },
+        }
+    }
+
+    /// Pins adaptive keys that leave the server fewer than two measured settings to choose
+    /// among ([`crate::loss_table::candidates`]): to the one that remains, or where none does
+    /// (a wire or overlap the table lacks) to [`SyncConfig::settings`]. So pinning one key
+    /// (`--set sync.wire=fp32`, `sync.overlap=false`) over an adaptive config runs as pinned.
+    pub fn settle_choices(&mut self) {
+        if !self.adaptive() {
+            return;
+        }
+        let rows = crate::loss_table::candidates(self);
+        if rows.len() < 2 {
+            let s = rows.first().map_or(self.settings(), |r| r.settings);
+            *self = self.for_round(s);
         }
     }
 

@@ -11,6 +11,7 @@ pub mod config;
 pub mod coordinator;
 pub mod delta;
 mod hearing;
+pub mod loss_table;
 pub mod named;
 pub mod outer;
 pub mod ownership;
@@ -27,6 +28,7 @@ pub use coordinator::{
     after_lossless_round, Coordinator, PeerWork, RoundError, RoundReport, Standing, Start,
 };
 pub use delta::{Delta, Deltas, RoundDelta};
+pub use loss_table::{LossRow, LOSS_TABLE};
 pub use named::{Layout, Named};
 pub use outer::OuterRule;
 pub use ownership::{Claims, Ownership, UNOWNED};

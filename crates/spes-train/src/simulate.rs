@@ -85,7 +85,15 @@ fn bytes(named: &Named) -> u64 {
 /// Runs `cfg` (a decentralized config with steps-based rounds) from θ⁰ to `train.max_steps`
 /// and returns what each round measured.
 pub fn simulate(cfg: &RunConfig, device: Device, opts: &SimOptions) -> Result<SimResult> {
-    let sync = &cfg.sync;
+    // Without links there is nothing to choose by: an adaptive run's keys take the first
+    // rounds' settings throughout.
+    let sync = &cfg.sync.for_round(cfg.sync.settings());
+    if cfg.sync.adaptive() {
+        tracing::info!(
+            "sync.wire / sync.overlap_steps = \"adaptive\": spes simulate has no links to choose by, so every round runs the first rounds' settings ({}); pin both keys to try others",
+            sync.settings()
+        );
+    }
     let h = sync.sync_steps;
     if h == 0 || !cfg.train.max_steps.is_multiple_of(h) {
         bail!(
@@ -104,9 +112,6 @@ pub fn simulate(cfg: &RunConfig, device: Device, opts: &SimOptions) -> Result<Si
             "the delay ({} steps) must be at most a round (sync.sync_steps = {h}): the round is applied before the next upload",
             opts.delay_steps
         );
-    }
-    if sync.adaptive() {
-        bail!("spes simulate has no links to measure: pin sync.wire and sync.overlap_steps (an adaptive run chooses them from its links)");
     }
     let delay = opts.delay_steps.min(sync.overlap_cap());
     let started = Instant::now();

@@ -565,7 +565,7 @@ fn start(opts: &ServerOptions, mirror: Option<Arc<Mirror>>) -> Result<Started> {
             let last = own.choices.last();
             let chooser = Chooser::new(
                 cfg.sync.target_utilization,
-                crate::choose::candidates(&cfg.sync).map_err(|e| anyhow::anyhow!(e))?,
+                spes_sync::loss_table::candidates(&cfg.sync),
                 settings_of(open + 1),
                 last.map_or(1, |c| c.from_round),
                 last.is_some(),

@@ -1,0 +1,121 @@
+//! What each round setting an adaptive run may take costs in loss, measured once: the table
+//! the server's chooser orders its candidates by, and the rule that narrows it to a run's
+//! pinned keys.
+
+use crate::config::{RoundSettings, SyncConfig, Wire};
+
+/// One measured setting: its final validation loss over the best setting's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossRow {
+    pub settings: RoundSettings,
+    pub loss_ratio: f64,
+}
+
+impl LossRow {
+    /// `overlap`: `None` for none, `Some(0)` through the round, `Some(n)` n steps.
+    pub const fn new(wire: Wire, overlap: Option<u64>, loss_ratio: f64) -> LossRow {
+        LossRow {
+            settings: RoundSettings {
+                wire,
+                overlap: overlap.is_some(),
+                overlap_steps: match overlap {
+                    Some(steps) => steps,
+                    None => 0,
+                },
+            },
+            loss_ratio,
+        }
+    }
+}
+
+const fn row(wire: Wire, overlap: Option<u64>, loss_ratio: f64) -> LossRow {
+    LossRow::new(wire, overlap, loss_ratio)
+}
+
+/// The candidates and their expected loss, best first: final validation CE of the recipe grid's
+/// centre recipe (4 nodes, 250 steps, 5 steps a round) with each setting over the best one's,
+/// seed 0, `spes simulate` with the overlap as a fixed delay (through the round: 5 steps) at
+/// commits d35a485 and 750a418 (docs/guides/configuration.md#settings-that-choose-themselves
+/// has the table and command).
+pub const LOSS_TABLE: [LossRow; 8] = [
+    row(Wire::Bf16Delta, None, 1.0),
+    row(Wire::Bf16Delta, Some(1), 1.0008),
+    row(Wire::Int4Delta, Some(1), 1.0023),
+    row(Wire::LowrankDelta, None, 1.0039),
+    row(Wire::LowrankDelta, Some(1), 1.0065),
+    row(Wire::Int4Delta, Some(0), 1.0118),
+    row(Wire::LowrankDelta, Some(0), 1.0142),
+    row(Wire::Bf16Delta, Some(0), 1.0144),
+];
+
+/// The rows of [`LOSS_TABLE`] a run of `sync` may take: those matching its pinned keys
+/// (`sync.overlap = false` pins overlap off whatever `overlap_steps` says).
+pub fn candidates(sync: &SyncConfig) -> Vec<LossRow> {
+    LOSS_TABLE
+        .iter()
+        .filter(|r| sync.wire.pinned().is_none_or(|w| w == r.settings.wire))
+        .filter(|r| match sync.overlap_steps.pinned() {
+            Some(steps) => {
+                r.settings.overlap == sync.overlap
+                    && (!sync.overlap || r.settings.overlap_steps == steps)
+            }
+            None => sync.overlap || !r.settings.overlap,
+        })
+        .copied()
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Choice, FIRST_ROUNDS};
+
+    #[test]
+    fn the_table_is_ordered_by_loss_and_holds_the_first_rounds() {
+        assert!(LOSS_TABLE
+            .windows(2)
+            .all(|w| w[0].loss_ratio <= w[1].loss_ratio));
+        assert!(LOSS_TABLE.iter().any(|r| r.settings == FIRST_ROUNDS));
+        assert!(LOSS_TABLE.iter().all(|r| r.settings.wire.is_delta()));
+    }
+
+    #[test]
+    fn pinned_keys_narrow_the_candidates() {
+        let adaptive = SyncConfig {
+            wire: Choice::Adaptive,
+            overlap_steps: Choice::Adaptive,
+            ..SyncConfig::default()
+        };
+        assert_eq!(candidates(&adaptive).len(), LOSS_TABLE.len());
+        let wire_only = SyncConfig {
+            overlap: true,
+            overlap_steps: 1.into(),
+            ..adaptive.clone()
+        };
+        let rows = candidates(&wire_only);
+        assert!(rows
+            .iter()
+            .all(|r| r.settings.overlap && r.settings.overlap_steps == 1));
+        assert_eq!(rows.len(), 3);
+        let no_overlap = SyncConfig {
+            overlap: false,
+            ..adaptive.clone()
+        };
+        let rows = candidates(&no_overlap);
+        assert!(rows.iter().all(|r| !r.settings.overlap));
+        assert_eq!(rows.len(), 2);
+        let overlap_only = SyncConfig {
+            wire: Wire::LowrankDelta.into(),
+            overlap: true,
+            ..adaptive.clone()
+        };
+        let rows = candidates(&overlap_only);
+        assert!(rows.iter().all(|r| r.settings.wire == Wire::LowrankDelta));
+        assert_eq!(rows.len(), 3);
+        let unmeasured = SyncConfig {
+            wire: Wire::Int8Delta.into(),
+            ..adaptive
+        };
+        assert!(candidates(&unmeasured).is_empty());
+    }
+}
