@@ -20,6 +20,9 @@ pub const MARGIN: f64 = 0.02;
 /// change to it.
 pub const LOSS_MARGIN: f64 = 5e-4;
 
+/// Predicted utilizations this close count as equally busy.
+pub const AS_BUSY: f64 = 0.005;
+
 /// An adaptive run's chooser: its candidates, the settings it runs and since when.
 #[derive(Clone, Debug)]
 pub struct Chooser {
@@ -109,12 +112,18 @@ impl Chooser {
                 "the current setting leaves the slowest member idle too long",
             ),
             None => {
-                // Nothing reaches the target: the busiest, if clearly busier.
+                // Nothing reaches the target: the busiest, if clearly busier; of settings
+                // as busy (an exchange hidden whole by each), the least expected loss.
+                let most = self
+                    .rows
+                    .iter()
+                    .filter_map(|r| util(r.settings))
+                    .max_by(f64::total_cmp)?;
                 let busiest = self
                     .rows
                     .iter()
                     .filter_map(|r| util(r.settings).map(|u| (*r, u)))
-                    .max_by(|a, b| a.1.total_cmp(&b.1))?;
+                    .find(|(_, u)| *u >= most - AS_BUSY)?;
                 if busiest.0.settings == self.current || busiest.1 < current_util + MARGIN {
                     return self.keep();
                 }
@@ -210,6 +219,22 @@ mod tests {
         let mut c = chooser(false);
         let close = |s: RoundSettings| if s == whole { 0.51 } else { 0.5 };
         assert_eq!(c.choose(2, &predicted(&c, close)), None);
+        // Settings as busy as the busiest (each hides the exchange whole): the least loss.
+        let other = row(Wire::Int4Delta, Some(0), 1.025);
+        let rows = [rows(), vec![other]].concat();
+        for (w, o, pick) in [
+            (0.90, 0.898, whole),
+            (0.897, 0.90, whole),
+            (0.88, 0.90, other.settings),
+        ] {
+            let mut c = Chooser::new(0.95, rows.clone(), FIRST_ROUNDS, 1, false);
+            let util = |s: RoundSettings| match s {
+                s if s == whole => w,
+                s if s == other.settings => o,
+                _ => 0.5,
+            };
+            assert_eq!(c.choose(2, &predicted(&c, util)).unwrap().settings, pick);
+        }
     }
 
     #[test]
