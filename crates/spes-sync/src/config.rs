@@ -551,21 +551,6 @@ impl SyncConfig {
         }
     }
 
-    /// Pins adaptive keys that leave the server fewer than two measured settings to choose
-    /// among ([`crate::loss_table::candidates`]): to the one that remains, or where none does
-    /// (a wire or overlap the table lacks) to [`SyncConfig::settings`]. So pinning one key
-    /// (`--set sync.wire=fp32`, `sync.overlap=false`) over an adaptive config runs as pinned.
-    pub fn settle_choices(&mut self) {
-        if !self.adaptive() {
-            return;
-        }
-        let rows = crate::loss_table::candidates(self);
-        if rows.len() < 2 {
-            let s = rows.first().map_or(self.settings(), |r| r.settings);
-            *self = self.for_round(s);
-        }
-    }
-
     /// This run's config for a round of settings `s`: the changing keys pinned to them.
     pub fn for_round(&self, s: RoundSettings) -> SyncConfig {
         SyncConfig {

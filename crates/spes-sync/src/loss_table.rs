@@ -65,6 +65,21 @@ pub fn candidates(sync: &SyncConfig) -> Vec<LossRow> {
         .collect()
 }
 
+/// Pins adaptive keys of `sync` that leave the server fewer than two measured settings to
+/// choose among ([`candidates`]): to the one that remains, or where none does (a wire or
+/// overlap the table lacks) to [`SyncConfig::settings`]. So pinning one key (`--set
+/// sync.wire=fp32`, `sync.overlap=false`) over an adaptive config runs as pinned.
+pub fn settle(sync: &mut SyncConfig) {
+    if !sync.adaptive() {
+        return;
+    }
+    let rows = candidates(sync);
+    if rows.len() < 2 {
+        let s = rows.first().map_or(sync.settings(), |r| r.settings);
+        *sync = sync.for_round(s);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -515,7 +515,7 @@ impl RunConfig {
         let mut cfg: RunConfig = serde_path_to_error::deserialize(toml::Value::Table(doc))
             .map_err(|e| anyhow::anyhow!("key `{}`: {}", e.path(), e.inner()))?;
         cfg.derived = derived;
-        cfg.sync.settle_choices();
+        spes_sync::loss_table::settle(&mut cfg.sync);
         cfg.validate()?;
         Ok(cfg)
     }
