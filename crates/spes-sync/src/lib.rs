@@ -33,5 +33,7 @@ pub use named::{Layout, Named};
 pub use outer::OuterRule;
 pub use ownership::{Claims, Ownership, UNOWNED};
 pub use parts::{PartBook, PartError};
-pub use replica::{Applied, FetchPlan, Follow, Published, Replica, ReplicaError, ReplicaState};
+pub use replica::{
+    Applied, FetchPlan, Follow, Prepared, Preparer, Published, Replica, ReplicaError, ReplicaState,
+};
 pub use round::{merge_experts, validate, Aggregator, Combined, MergeEvent, Scope};

@@ -82,6 +82,109 @@ pub struct Applied {
     pub kept_progress: bool,
 }
 
+/// A replica's view for preparing a round ([`Replica::preparer`]): it shares the base's,
+/// the sent deltas' and the frozen weights' storage, and reads them only; the replica must not
+/// upload or apply until the round it prepares is finished.
+pub struct Preparer {
+    cfg: SyncConfig,
+    layout: Layout,
+    held: Option<u64>,
+    base_round: Option<u64>,
+    base: HashMap<String, Tensor>,
+    sent: HashMap<String, Delta>,
+    /// Expand what was sent (fp32) where progress may be kept.
+    expand_sent: bool,
+    /// Tensors whose progress comes from the feedback buffer's changes instead.
+    buffered: std::collections::HashSet<String>,
+    /// The weights of tensors without a base (experts this node does not train), when `ahead`.
+    frozen: Named,
+    ahead: bool,
+}
+
+/// A published round decoded and checked, with (when prepared ahead) each tensor's value after
+/// it and the fp32 form of what this node sent: what [`Replica::finish`] applies.
+pub struct Prepared {
+    round: u64,
+    after_upload: bool,
+    deltas: HashMap<String, Delta>,
+    /// Each tensor's value after the round: a trained tensor's new base, another's new weight.
+    after: HashMap<String, Tensor>,
+    /// `f32(sent)` per trained tensor whose progress is kept by subtracting it.
+    sent: HashMap<String, Tensor>,
+}
+
+impl Preparer {
+    /// Decodes and checks `published` (it must follow the round the replica holds) and, when
+    /// prepared ahead, forms what the round does to every tensor, each value by the same fp32
+    /// operations in the same order as [`Replica::finish`] would in place, so the bits agree.
+    pub fn prepare(self, published: Published) -> Result<Prepared> {
+        let round = published.round;
+        if self.base_round.is_none_or(|b| b + 1 != round) {
+            return Err(ReplicaError::NotHeld {
+                round,
+                held: self
+                    .held
+                    .map_or("no round".into(), |r| format!("round {r}")),
+            });
+        }
+        let layout = &self.layout;
+        let deltas = delta::decode(published.tensors, &self.cfg, round, |n| layout.shape_of(n))
+            .map_err(|reason| ReplicaError::Malformed { round, reason })?;
+        let mut deltas: HashMap<String, Delta> = deltas.into_iter().collect();
+        if published.skipped_own {
+            for (name, d) in &self.sent {
+                let expert = layout
+                    .position(name)
+                    .is_some_and(|i| matches!(layout.entries[i].1, Role::Expert { .. }));
+                if expert {
+                    deltas.entry(name.clone()).or_insert_with(|| d.share());
+                }
+            }
+        }
+        let mut after = HashMap::new();
+        let mut sent = HashMap::new();
+        if self.ahead {
+            tch::no_grad(|| {
+                let values = self
+                    .base
+                    .iter()
+                    .chain(self.frozen.iter().map(|(n, t)| (n, t)));
+                for (name, t) in values {
+                    if let Some(d) = deltas.get(name) {
+                        let mut v = t.copy();
+                        d.apply_(&mut v);
+                        after.insert(name.clone(), v);
+                    }
+                }
+                if self.expand_sent && published.after_upload {
+                    for (name, b) in &self.base {
+                        match self.sent.get(name) {
+                            Some(d) if d.subtracts_as_dense() && !self.buffered.contains(name) => {
+                                sent.insert(name.clone(), d.to_f32(b));
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+            });
+        }
+        Ok(Prepared {
+            round,
+            after_upload: published.after_upload,
+            deltas,
+            after,
+            sent,
+        })
+    }
+}
+
+impl Prepared {
+    /// The round it brings the replica to.
+    pub fn round(&self) -> u64 {
+        self.round
+    }
+}
+
 /// What following a round's ownership changed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Follow {
@@ -414,9 +517,67 @@ impl Replica {
     /// plus the delta (bit-identical to the server's model, see [`crate::delta`]). When this
     /// node's upload went into the round and its weights carry more than it sent (a lossy wire,
     /// or steps trained since, with overlap), that progress is kept on top:
-    /// `θ ← global + (θ_now − base_before − sent)`.
+    /// `θ ← global + (θ_now − base_before − sent)`. [`Replica::preparer`] then
+    /// [`Replica::finish`], in place (no tensor beyond the deltas).
     pub fn apply(&mut self, published: Published, weights: &Named) -> Result<Applied> {
-        let round = published.round;
+        let trained_since = published.trained_since_upload;
+        let prepared = self.preparer(weights, false).prepare(published)?;
+        self.finish(prepared, weights, trained_since)
+    }
+
+    /// What [`Preparer::prepare`] needs of this replica and `weights`, detached (sharing their
+    /// storage), so that a round can be prepared on another thread while the node trains on.
+    /// `ahead`: form each tensor's value after the round and the fp32 form of what was sent
+    /// there, so [`Replica::finish`] is left a few element-wise passes; this costs about two
+    /// copies of the model while the round is in flight (the node does it on CPU, where
+    /// decoding is what takes the time).
+    pub fn preparer(&self, weights: &Named, ahead: bool) -> Preparer {
+        let base: HashMap<String, Tensor> = self.base.as_ref().map_or_else(HashMap::new, |b| {
+            b.values
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect()
+        });
+        // Steps trained since the upload are known only when the round is applied: the sent
+        // deltas are expanded whenever progress may be kept.
+        let may_keep = !self.flushed && self.cfg.keeps_progress();
+        let frozen = if ahead {
+            weights
+                .iter()
+                .filter(|(n, _)| !base.contains_key(n))
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Preparer {
+            cfg: self.cfg.clone(),
+            layout: self.layout.clone(),
+            held: self.held,
+            base_round: self.base.as_ref().map(|b| b.round),
+            base,
+            sent: self
+                .sent
+                .iter()
+                .map(|(n, d)| (n.clone(), d.share()))
+                .collect(),
+            expand_sent: ahead && may_keep,
+            buffered: self.changes.keys().cloned().collect(),
+            frozen,
+            ahead,
+        }
+    }
+
+    /// Applies a prepared round ([`Replica::apply`] does both halves), keeping progress when
+    /// the node's upload went into it and its weights carry more than it sent
+    /// (`trained_since_upload`: it trained steps since that upload, with overlap).
+    pub fn finish(
+        &mut self,
+        mut prepared: Prepared,
+        weights: &Named,
+        trained_since_upload: bool,
+    ) -> Result<Applied> {
+        let round = prepared.round;
         let held = self.base_round();
         let base = self
             .base
@@ -426,30 +587,17 @@ impl Replica {
                 round,
                 held: held.map_or("no round".into(), |r| format!("round {r}")),
             })?;
-        let layout = &self.layout;
-        let deltas = delta::decode(published.tensors, &self.cfg, round, |n| layout.shape_of(n))
-            .map_err(|reason| ReplicaError::Malformed { round, reason })?;
-        let mut deltas: HashMap<String, Delta> = deltas.into_iter().collect();
-        if published.skipped_own {
-            for (name, d) in &self.sent {
-                let expert = layout
-                    .position(name)
-                    .is_some_and(|i| matches!(layout.entries[i].1, Role::Expert { .. }));
-                if expert {
-                    deltas.entry(name.clone()).or_insert_with(|| d.share());
-                }
-            }
-        }
         // After the last round the weights are the final model: a flushed upload leaves only
         // its bf16 rounding, which no later round would carry.
-        let keep_progress = published.after_upload
+        let keep_progress = prepared.after_upload
             && !std::mem::take(&mut self.flushed)
-            && (self.cfg.feeds_back_in_weights()
-                || self.cfg.overlaps() && published.trained_since_upload);
+            && (self.cfg.feeds_back_in_weights() || self.cfg.overlaps() && trained_since_upload);
         let changes = std::mem::take(&mut self.changes);
+        let deltas = &prepared.deltas;
         tch::no_grad(|| -> Result<()> {
             for (name, w) in weights {
                 let d = deltas.get(name);
+                let after = prepared.after.remove(name);
                 let mut theta = w.shallow_clone();
                 match base.values.get_mut(name) {
                     Some(b) => {
@@ -461,24 +609,31 @@ impl Replica {
                             (false, _) => None,
                             // A buffer holds what was not sent: keep only steps trained since.
                             (true, Some(change)) => Some(&theta - &*b - change),
-                            (true, None) => {
-                                let sent = self.sent.get(name).ok_or_else(not_sent)?;
-                                Some(sent.subtract_from(&(&theta - &*b)))
-                            }
+                            (true, None) => match prepared.sent.get(name) {
+                                Some(sent) => Some(&theta - &*b - sent),
+                                None => {
+                                    let sent = self.sent.get(name).ok_or_else(not_sent)?;
+                                    Some(sent.subtract_from(&(&theta - &*b)))
+                                }
+                            },
                         };
-                        if let Some(d) = d {
-                            d.apply_(b);
+                        match (after, d) {
+                            (Some(a), _) => *b = a,
+                            (None, Some(d)) => d.apply_(b),
+                            (None, None) => {}
                         }
                         theta.copy_(b);
                         if let Some(p) = progress {
                             let _ = theta.g_add_(&p);
                         }
                     }
-                    None => {
-                        if let Some(d) = d {
-                            d.apply_(&mut theta);
+                    None => match (after, d) {
+                        (Some(a), _) => {
+                            theta.copy_(&a);
                         }
-                    }
+                        (None, Some(d)) => d.apply_(&mut theta),
+                        (None, None) => {}
+                    },
                 }
             }
             Ok(())

@@ -16,6 +16,9 @@ use tch::{Kind, Tensor};
 struct Node {
     replica: Replica,
     weights: Named,
+    /// Rounds are prepared ahead ([`Replica::preparer`]), as a node on CPU does while it
+    /// trains on, instead of applied in place.
+    ahead: bool,
 }
 
 /// A node of peer `peer` that starts from the coordinator's θ⁰ (round 0).
@@ -30,7 +33,11 @@ fn node(c: &Coordinator, peer: usize, cfg: &SyncConfig) -> Node {
     replica.hold(c.global().1, &weights);
     let members: Vec<usize> = c.scope().members().into_iter().collect();
     replica.follow(&c.scope().owners(), &members, &weights);
-    Node { replica, weights }
+    Node {
+        replica,
+        weights,
+        ahead: false,
+    }
 }
 
 fn role_of(c: &Coordinator, name: &str) -> Role {
@@ -92,18 +99,21 @@ fn deliver_then(
         let plan = n.replica.fetch_plan(Some(round), after_upload);
         assert!(plan.have_previous, "round {round}: a delta will do");
         let (tensors, skipped_own) = c.delta().unwrap().for_peer(n.replica.peer(), plan.skip_own);
-        n.replica
-            .apply(
-                Published {
-                    round,
-                    tensors,
-                    skipped_own,
-                    after_upload,
-                    trained_since_upload: trained_since,
-                },
-                &n.weights,
-            )
-            .unwrap()
+        let published = Published {
+            round,
+            tensors,
+            skipped_own,
+            after_upload,
+            trained_since_upload: trained_since,
+        };
+        if n.ahead {
+            let prepared = n.replica.preparer(&n.weights, true).prepare(published);
+            n.replica
+                .finish(prepared.unwrap(), &n.weights, trained_since)
+                .unwrap()
+        } else {
+            n.replica.apply(published, &n.weights).unwrap()
+        }
     } else {
         for ((_, w), (_, g)) in n.weights.iter().zip(global) {
             w.shallow_clone().copy_(g);
@@ -536,6 +546,70 @@ fn a_strided_wire_sends_each_value_every_stride_rounds_and_stays_bit_identical()
 }
 
 #[test]
+fn a_round_prepared_ahead_gives_the_bits_of_one_applied_in_place() {
+    let _draws = draws();
+    let m = sized(2, 4, 32);
+    for wire in Wire::ALL.into_iter().filter(|w| w.is_delta()) {
+        for feedback in [Feedback::Weights, Feedback::Buffer] {
+            if feedback == Feedback::Buffer && !wire.is_lossy() {
+                continue;
+            }
+            let cfg = SyncConfig {
+                overlap: true,
+                rank: 2,
+                feedback,
+                ..wire_cfg(wire)
+            };
+            let what = format!("{wire:?} {feedback:?}");
+            let (mut c, mut nodes) = two_nodes(&m, &cfg);
+            // Each node's twin takes the same steps and prepares every round ahead.
+            let mut twins: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
+            for t in &mut twins {
+                t.ahead = true;
+            }
+            tch::manual_seed(5);
+            let step_both = |c: &Coordinator, n: &mut Node, t: &mut Node| {
+                tch::no_grad(|| {
+                    for ((name, w), (_, v)) in n.weights.iter().zip(&t.weights) {
+                        if n.replica.trains(role_of(c, name)) {
+                            let r = w.randn_like() * 1e-3;
+                            let _ = w.shallow_clone().g_add_(&r);
+                            let _ = v.shallow_clone().g_add_(&r);
+                        }
+                    }
+                })
+            };
+            for round in 1..=4u64 {
+                let now = round as f64;
+                for (n, t) in nodes.iter_mut().zip(&mut twins) {
+                    step_both(&c, n, t);
+                    let wire = t.replica.upload(&t.weights, c.round(), false).unwrap();
+                    drop(wire);
+                    upload(&mut c, n, now);
+                }
+                c.close(now + 0.5);
+                for (peer, (n, t)) in nodes.iter_mut().zip(&mut twins).enumerate() {
+                    // Steps trained while the round was in flight, kept on top of it.
+                    step_both(&c, n, t);
+                    let a = deliver(&c, n, true, true);
+                    let b = deliver(&c, t, true, true);
+                    assert_eq!(a, b, "{what} round {round} peer {peer}");
+                    assert_identical(&c, t, &format!("{what} round {round} peer {peer}"));
+                    for ((name, w), (_, v)) in n.weights.iter().zip(&t.weights) {
+                        assert!(w.equal(v), "{what} round {round}: `{name}` differs");
+                        let (x, y) = (n.replica.base_of(name), t.replica.base_of(name));
+                        assert_eq!(x.is_some(), y.is_some(), "{what}: `{name}`");
+                        if let (Some(x), Some(y)) = (x, y) {
+                            assert!(x.equal(y), "{what} round {round}: base of `{name}`");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn overlap_keeps_the_progress_made_since_the_upload() {
     let _draws = draws();
     let m = model(1, 4);
@@ -823,6 +897,7 @@ fn a_node_that_rejoins_or_restores_its_state_stays_bit_identical() {
     nodes[1] = Node {
         replica: fresh,
         weights,
+        ahead: false,
     };
     // Node 0 restarts from its saved state alone plus the global model of its base round.
     let state = nodes[0].replica.state(&nodes[0].weights).unwrap();
@@ -841,9 +916,11 @@ fn a_node_that_rejoins_or_restores_its_state_stays_bit_identical() {
         let off = (a - b).abs().max().double_value(&[]);
         assert!(off < 1e-6, "`{name}` restored off by {off}");
     }
+    // It prepares its rounds ahead from here, as the node on CPU does.
     nodes[0] = Node {
         replica: restored,
         weights,
+        ahead: true,
     };
     assert_identical(&c, &nodes[0], "restored");
     round_of(&mut c, &mut nodes, 3);

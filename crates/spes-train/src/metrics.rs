@@ -83,8 +83,8 @@ pub struct SyncRecord {
     pub bytes_down_server: u64,
     /// From the upload to the loaded model.
     pub sync_s: f64,
-    /// Training stood still for it (with overlap, only the wait for the result), the node's
-    /// checkpoint included.
+    /// Training stood still for it (with overlap, the upload's encoding and the wait for the
+    /// result), the node's checkpoint included.
     pub idle_s: f64,
     /// The round's training steps.
     pub compute_s: f64,

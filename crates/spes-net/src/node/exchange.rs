@@ -8,8 +8,8 @@ use crate::dial::explain;
 use crate::proto::refusal::Kind as Refused;
 use crate::proto::PayloadHeader;
 use crate::refusal;
-use anyhow::Result;
-use spes_sync::{delta, Named, Published, Work};
+use anyhow::{bail, Result};
+use spes_sync::{delta, Named, Prepared, Preparer, Published, Work};
 use spes_train::metrics::{Event, SyncRecord};
 use std::time::Instant;
 use tonic::Code;
@@ -21,6 +21,66 @@ pub(super) struct SyncTimes {
     up_s: f64,
     down_s: f64,
     apply_s: f64,
+}
+
+/// What the overlap thread hands back: how the exchange went and, for a fetched delta of the
+/// round, that round read and prepared while the node trained on ([`Preparer`]).
+pub(super) struct Done {
+    exchange: Exchange,
+    ready: Option<Result<Ready>>,
+}
+
+/// A round prepared on the overlap thread, and the seconds its read and preparation took there.
+pub(super) struct Ready {
+    prepared: Prepared,
+    seconds: f64,
+}
+
+/// A round as [`Node::load`] takes it: its wire tensors, or prepared ahead.
+pub(super) enum Incoming {
+    Tensors(Named),
+    Prepared(Prepared),
+}
+
+/// Runs an upload and fetch, then reads and prepares the fetched round with `preparer` when it
+/// is round `round`'s delta (the overlap thread's work).
+fn exchange_and_prepare(
+    link: &super::transport::Link,
+    round: u64,
+    files: Vec<Upload>,
+    work: Work,
+    plan: spes_sync::FetchPlan,
+    preparer: Option<Preparer>,
+) -> Done {
+    let exchange = link.exchange(round, files, work, plan);
+    let ready = match (&exchange, preparer) {
+        (Exchange::Fetched { fetched, .. }, Some(preparer))
+            if fetched.header.delta && fetched.header.round == round =>
+        {
+            let t = Instant::now();
+            let ready = fetched.read().and_then(|tensors| {
+                let read_s = t.elapsed().as_secs_f64();
+                let prepared = preparer.prepare(Published {
+                    round,
+                    tensors,
+                    skipped_own: fetched.header.skipped_own,
+                    after_upload: true,
+                    // Known when the round is finished, not here.
+                    trained_since_upload: true,
+                })?;
+                let seconds = t.elapsed().as_secs_f64();
+                tracing::debug!(
+                    "node {}: round {round} read in {read_s:.3} s and prepared in {:.3} s while training on",
+                    link.peer,
+                    seconds - read_s
+                );
+                Ok(Ready { prepared, seconds })
+            });
+            Some(ready)
+        }
+        _ => None,
+    };
+    Done { exchange, ready }
 }
 
 impl Node {
@@ -46,15 +106,28 @@ impl Node {
     /// Overlap: uploads and fetches the round that ends now on another thread while this one
     /// trains on; the result is applied when it is in ([`Node::train_round`]).
     pub(super) fn start_sync(&mut self, upload: &Named) -> Result<()> {
+        let t = Instant::now();
         let (round, files, work) = self.prepare_upload(upload)?;
+        let encode = t.elapsed();
+        tracing::debug!(
+            "node {}: round {round} encoded in {:.3} s",
+            self.peer(),
+            encode.as_secs_f64()
+        );
         let plan = self.replica.fetch_plan(Some(round), true);
         let link = self.link.clone();
+        // On CPU, decoding the round is most of its apply: done while training on, it leaves
+        // the node a few element-wise passes. A GPU applies in place (milliseconds), keeping
+        // its memory for training.
+        let preparer = (plan.have_previous && self.trainer.device == tch::Device::Cpu)
+            .then(|| self.replica.preparer(&self.weights(), true));
         let thread = std::thread::Builder::new()
             .name(format!("sync-{round}"))
-            .spawn(move || link.exchange(round, files, work, plan))?;
+            .spawn(move || exchange_and_prepare(&link, round, files, work, plan, preparer))?;
         self.pending = Some(Pending {
             thread,
-            started: Instant::now(),
+            started: t,
+            encode,
             round,
         });
         Ok(())
@@ -65,12 +138,13 @@ impl Node {
         let Some(p) = self.pending.take() else {
             return Ok(());
         };
-        let t = Instant::now();
-        let exchange = p
+        // Training stood still for the upload's encoding too, before the exchange began.
+        let t = Instant::now() - p.encode;
+        let done = p
             .thread
             .join()
             .map_err(|_| anyhow::anyhow!("node {}: the sync thread panicked", self.peer()))?;
-        self.settle(exchange, p.round, p.started, t)?;
+        self.settle(done.exchange, done.ready, p.round, p.started, t)?;
         Ok(())
     }
 
@@ -81,14 +155,16 @@ impl Node {
         let (round, files, work) = self.prepare_upload(upload)?;
         let plan = self.replica.fetch_plan(Some(round), true);
         let exchange = self.link.exchange(round, files, work, plan);
-        self.settle(exchange, round, t0, t0)
+        self.settle(exchange, None, round, t0, t0)
     }
 
-    /// Acts on how an upload and fetch went: loads the fetched round, or whatever round the
-    /// server's refusal names; then follows the round's ownership and checkpoints.
+    /// Acts on how an upload and fetch went: loads the fetched round (`ready`: prepared on the
+    /// overlap thread), or whatever round the server's refusal names; then follows the round's
+    /// ownership and checkpoints.
     pub(super) fn settle(
         &mut self,
         exchange: Exchange,
+        ready: Option<Result<Ready>>,
         round: u64,
         t0: Instant,
         idle_from: Instant,
@@ -100,21 +176,28 @@ impl Node {
                 self.meter.bytes_up += up.bytes;
                 let header = fetched.header.clone();
                 let t = Instant::now();
-                let named = fetched.read()?;
+                let (incoming, ahead_s) = match ready {
+                    Some(ready) => {
+                        let ready = ready?;
+                        (Incoming::Prepared(ready.prepared), ready.seconds)
+                    }
+                    None => (Incoming::Tensors(fetched.read()?), 0.0),
+                };
                 let read_s = t.elapsed().as_secs_f64();
-                self.load(&header, named, true)?;
+                self.load(&header, incoming, true)?;
                 let load_s = t.elapsed().as_secs_f64() - read_s;
                 self.follow(&header)?;
                 tracing::debug!(
-                    "node {peer}: round {} waited {:.3} s, read in {read_s:.3} s, applied in {load_s:.3} s, followed in {:.3} s",
+                    "node {peer}: round {} stood still {:.3} s (its encoding included), read in {read_s:.3} s, applied in {load_s:.3} s, followed in {:.3} s",
                     header.round,
                     (t - idle_from).as_secs_f64(),
                     t.elapsed().as_secs_f64() - read_s - load_s
                 );
+                // The apply's whole cost, wherever it ran: the planner decides what it hides.
                 let times = SyncTimes {
                     up_s: up.seconds,
                     down_s: fetched.transfer_s,
-                    apply_s: read_s + load_s,
+                    apply_s: ahead_s + read_s + load_s,
                 };
                 return self.finish_sync(t0, idle_from, up.bytes, header.total_bytes, times);
             }
@@ -182,7 +265,7 @@ impl Node {
     }
 
     /// Checkpoints and logs a sync: `sync_s` from the upload to the loaded model, `idle_s` the
-    /// time training stood still for it (checkpoint included), `compute_s` the round's steps,
+    /// time training stood still for it (encoding and checkpoint included), `compute_s` the round's steps,
     /// and what the upload, download and apply took.
     pub(super) fn finish_sync(
         &mut self,
@@ -238,7 +321,7 @@ impl Node {
             Err(s) => return Err(explain(s, "the server")),
         };
         let header = fetched.header.clone();
-        self.load(&header, fetched.read()?, false)?;
+        self.load(&header, Incoming::Tensors(fetched.read()?), false)?;
         Ok(header)
     }
 
@@ -247,26 +330,38 @@ impl Node {
     pub(super) fn load(
         &mut self,
         header: &PayloadHeader,
-        named: Named,
+        incoming: Incoming,
         after_upload: bool,
     ) -> Result<()> {
         let h = self.trainer.cfg.sync.sync_steps;
         let weights = self.weights();
+        let trained_since_upload = self.trainer.step > header.round * h;
         let kept_progress = if header.delta {
-            let applied = self.replica.apply(
-                Published {
-                    round: header.round,
-                    tensors: named,
-                    skipped_own: header.skipped_own,
-                    after_upload,
-                    trained_since_upload: self.trainer.step > header.round * h,
-                },
-                &weights,
-            )?;
+            let prepared = match incoming {
+                Incoming::Prepared(p) => p,
+                Incoming::Tensors(tensors) => {
+                    self.replica.preparer(&weights, false).prepare(Published {
+                        round: header.round,
+                        tensors,
+                        skipped_own: header.skipped_own,
+                        after_upload,
+                        trained_since_upload,
+                    })?
+                }
+            };
+            let applied = self
+                .replica
+                .finish(prepared, &weights, trained_since_upload)?;
             // In place, unlike `MoeModel::load`, which refreshes the copies itself.
             self.trainer.model.refresh_resident();
             applied.kept_progress
         } else {
+            let Incoming::Tensors(named) = incoming else {
+                bail!(
+                    "round {}: a whole model is never prepared ahead",
+                    header.round
+                );
+            };
             let source = format!("round {} from the server", header.round);
             self.trainer.model.load(&named, &source)?;
             drop(named);

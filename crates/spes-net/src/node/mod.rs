@@ -33,7 +33,7 @@ use spes_train::{checkpoint, RunConfig, Trainer};
 use std::path::PathBuf;
 use std::time::Instant;
 use tch::Device;
-use transport::{Exchange, Link};
+use transport::Link;
 
 pub use connect::{run_settings, SettingsSource};
 pub use spes_train::metrics::NodeSummary;
@@ -77,10 +77,12 @@ pub struct NodeOptions {
     pub metrics_listener: Option<std::net::TcpListener>,
 }
 
-/// An upload and fetch running on another thread (overlap), and when it started.
+/// An upload and fetch running on another thread (overlap): when its upload's encoding
+/// started, and how long that took (training stood still for it).
 struct Pending {
-    thread: std::thread::JoinHandle<Exchange>,
+    thread: std::thread::JoinHandle<exchange::Done>,
     started: Instant,
+    encode: std::time::Duration,
     round: u64,
 }
 

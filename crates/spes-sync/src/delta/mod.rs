@@ -178,6 +178,12 @@ impl Delta {
         })
     }
 
+    /// Whether [`Delta::subtract_from`] is `x − f32(self)` to the bit, so `f32(self)` may be
+    /// formed ahead ([`crate::replica::Preparer`]); a sparse delta subtracts its entries alone.
+    pub fn subtracts_as_dense(&self) -> bool {
+        !matches!(self, Delta::Sparse(_))
+    }
+
     /// `x − f32(self)`.
     pub fn subtract_from(&self, x: &Tensor) -> Tensor {
         tch::no_grad(|| match self {
