@@ -169,6 +169,12 @@ impl Measured {
         };
         let apply_per_byte = |n: &NodeFigures| n.apply.map(|(s, b)| s / b);
         let (fold_s, fold_bytes) = self.fold?;
+        let computes: Vec<f64> = peers
+            .iter()
+            .filter_map(|p| self.nodes.get(p)?.compute_s)
+            .collect();
+        let pace_s = computes.iter().copied().fold(0.0, f64::max)
+            - computes.iter().copied().fold(f64::INFINITY, f64::min);
         Some(Figures {
             up_bytes_per_s: of(&|n| n.up_bytes_per_s, false)?,
             down_bytes_per_s: of(&|n| n.down_bytes_per_s, false)?,
@@ -178,6 +184,7 @@ impl Measured {
             fold_s_per_byte: fold_s / fold_bytes.max(1.0),
             close_s: self.close_s?,
             skew_s: self.skew_s.unwrap_or(0.0),
+            pace_s: pace_s.max(0.0),
         })
     }
 }
@@ -200,8 +207,10 @@ pub struct Figures {
     pub fold_s_per_byte: f64,
     /// The server's close and durable write of a round.
     pub close_s: f64,
-    /// The slowest member's compute of a round beyond the fastest's.
+    /// The slowest member's compute of a round beyond the fastest's, round by round.
     pub skew_s: f64,
+    /// The slowest member's mean compute of a round beyond the fastest's mean: its pace.
+    pub pace_s: f64,
 }
 
 /// The planner's input for `cfg` with `members` nodes on the measured `f`, its apply and fold
@@ -246,6 +255,7 @@ pub fn plan_input(
         fold_scale: 1.0,
         close_scale: 1.0,
         skew_s: f.skew_s,
+        pace_s: f.pace_s.min(f.skew_s),
     };
     if let Some(option) = current {
         let planned = plan::plan(&input, option);
@@ -280,6 +290,7 @@ fn slowest(measured: &Measured, members: &[usize]) -> Option<Figures> {
         f.fold_s_per_byte,
         f.close_s,
         f.skew_s,
+        f.pace_s,
     ];
     (positive.iter().all(|v| v.is_finite() && *v > 0.0)
         && finite.iter().all(|v| v.is_finite() && *v >= 0.0))
@@ -342,6 +353,7 @@ pub fn planned(cfg: &RunConfig, measured: &Measured, members: &[usize]) -> Optio
         latency_s: f.latency_s,
         step_s: input.step_s,
         skew_s: input.skew_s,
+        pace_s: input.pace_s,
         apply_scale: input.apply_scale,
         fold_scale: input.fold_scale,
         close_scale: input.close_scale,
@@ -441,6 +453,38 @@ mod tests {
         assert!((slow.latency_s - 0.9).abs() < 1e-9, "{}", slow.latency_s);
     }
 
+    /// The members' spread round by round is `skew_s`; the part that lasts, one node slower
+    /// every round, is `pace_s`, which chance spreads do not build.
+    #[test]
+    fn a_pace_is_the_spread_that_lasts() {
+        let with_compute = |round: u64, c: [f64; 2]| {
+            let mut r = close(round, [1.0, 0.5], 0.25);
+            for w in &mut r.work {
+                w.work.compute_s = c[w.peer];
+            }
+            r
+        };
+        let mut steady = Measured::default();
+        let mut chance = Measured::default();
+        for round in 0..6 {
+            steady.observe(&with_compute(round, [10.0, 11.0]));
+            let turn = if round % 2 == 0 {
+                [10.0, 11.0]
+            } else {
+                [11.0, 10.0]
+            };
+            chance.observe(&with_compute(round, turn));
+        }
+        let s = steady.at_quantile(&[0, 1], 1.0).unwrap();
+        assert!(
+            (s.skew_s - 1.0).abs() < 1e-9 && (s.pace_s - 1.0).abs() < 1e-9,
+            "{s:?}"
+        );
+        let c = chance.at_quantile(&[0, 1], 1.0).unwrap();
+        assert!((c.skew_s - 1.0).abs() < 1e-9, "{c:?}");
+        assert!(c.pace_s < 0.5, "{c:?}");
+    }
+
     /// A change of settings starts the wire's costs (fold, close, apply) over, so figures of
     /// one wire never scale another's; the links and steps carry over. The candidates' predictions
     /// follow the planner: on a slow uplink, overlap keeps the node busier than waiting.
@@ -501,6 +545,7 @@ mod tests {
             fold_s_per_byte: 2e-7,
             close_s: 0.3,
             skew_s: 0.0,
+            pace_s: 0.0,
         };
         let input = plan_input(&cfg, 4, &f, current);
         let rows = predict(&input, current);

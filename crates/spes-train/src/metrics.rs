@@ -332,6 +332,9 @@ pub struct Planned {
     pub step_s: f64,
     /// Seconds the slowest member's steps of a round take beyond the fastest's.
     pub skew_s: f64,
+    /// The part of `skew_s` that is pace: the slowest member's mean beyond the fastest's.
+    #[serde(default)]
+    pub pace_s: f64,
     /// The measured apply, fold and close over what the planner's rates give them.
     pub apply_scale: f64,
     pub fold_scale: f64,

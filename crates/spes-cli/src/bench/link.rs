@@ -155,6 +155,7 @@ pub fn run(a: Args) -> Result<()> {
             fold_scale: 1.0,
             close_scale: 1.0,
             skew_s: 0.0,
+            pace_s: 0.0,
         };
         rows.push((option, m, plan::plan(&input, option)));
     }

@@ -256,6 +256,7 @@ fn measure(a: &Args, data: &Path, nodes: usize, largest: usize) -> Result<Row> {
             fold_scale: 1.0,
             close_scale: 1.0,
             skew_s: 0.0,
+            pace_s: 0.0,
         },
         WireOption::Bf16DeltaSkipOwn,
     );

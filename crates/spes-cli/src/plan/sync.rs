@@ -106,6 +106,7 @@ pub fn input(a: &Args, preset: &str, nodes: usize) -> Result<PlanInput> {
         fold_scale: 1.0,
         close_scale: 1.0,
         skew_s: 0.0,
+        pace_s: 0.0,
     })
 }
 
