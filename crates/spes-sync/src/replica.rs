@@ -28,7 +28,7 @@ use crate::config::{Mode, RoundBy, RoundSettings, SyncConfig};
 use crate::delta::{self, Delta, WirePart};
 use crate::named::{Layout, Named};
 use spes_model::Role;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use tch::{Device, Kind, Tensor};
 use thiserror::Error;
 
@@ -71,7 +71,8 @@ pub struct Published {
     pub skipped_own: bool,
     /// This node's upload went into this round.
     pub after_upload: bool,
-    /// The node trained steps since its upload (overlap).
+    /// The node trained steps since its upload (overlap). Read by [`Replica::apply`];
+    /// [`Replica::finish`] is told it instead, since a round prepared ahead is finished later.
     pub trained_since_upload: bool,
 }
 
@@ -83,8 +84,10 @@ pub struct Applied {
 }
 
 /// A replica's view for preparing a round ([`Replica::preparer`]): it shares the base's,
-/// the sent deltas' and the frozen weights' storage, and reads them only; the replica must not
-/// upload or apply until the round it prepares is finished.
+/// the sent deltas' and the frozen weights' storage, and reads them only. Until the round it
+/// prepares is finished, nothing may change the replica or those weights but training its own
+/// tensors: no upload, apply, `hold`, `take_base`, `follow` or `restore` (the node settles the
+/// round before any of them).
 pub struct Preparer {
     cfg: SyncConfig,
     layout: Layout,
@@ -95,7 +98,7 @@ pub struct Preparer {
     /// Expand what was sent (fp32) where progress may be kept.
     expand_sent: bool,
     /// Tensors whose progress comes from the feedback buffer's changes instead.
-    buffered: std::collections::HashSet<String>,
+    buffered: HashSet<String>,
     /// The weights of tensors without a base (experts this node does not train), when `ahead`.
     frozen: Named,
     ahead: bool,
@@ -168,6 +171,8 @@ impl Preparer {
                 }
             });
         }
+        // A tensor with its value formed needs its delta no more.
+        deltas.retain(|name, _| !after.contains_key(name));
         Ok(Prepared {
             round,
             after_upload: published.after_upload,

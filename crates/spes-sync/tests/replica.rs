@@ -558,15 +558,15 @@ fn a_round_prepared_ahead_gives_the_bits_of_one_applied_in_place() {
                 overlap: true,
                 rank: 2,
                 feedback,
+                // Experts change hands between rounds prepared ahead.
+                rotate_every_rounds: 2,
                 ..wire_cfg(wire)
             };
             let what = format!("{wire:?} {feedback:?}");
             let (mut c, mut nodes) = two_nodes(&m, &cfg);
-            // Each node's twin takes the same steps and prepares every round ahead.
+            // Each node's twin takes the same steps and prepares every round ahead, as a
+            // node does while it trains on.
             let mut twins: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
-            for t in &mut twins {
-                t.ahead = true;
-            }
             tch::manual_seed(5);
             let step_both = |c: &Coordinator, n: &mut Node, t: &mut Node| {
                 tch::no_grad(|| {
@@ -581,26 +581,48 @@ fn a_round_prepared_ahead_gives_the_bits_of_one_applied_in_place() {
             };
             for round in 1..=4u64 {
                 let now = round as f64;
+                let mut preparers = Vec::new();
                 for (n, t) in nodes.iter_mut().zip(&mut twins) {
                     step_both(&c, n, t);
-                    let wire = t.replica.upload(&t.weights, c.round(), false).unwrap();
-                    drop(wire);
+                    drop(t.replica.upload(&t.weights, c.round(), false).unwrap());
+                    // As the node does: the preparer is made right after the upload.
+                    preparers.push(t.replica.preparer(&t.weights, true));
                     upload(&mut c, n, now);
                 }
                 c.close(now + 0.5);
-                for (peer, (n, t)) in nodes.iter_mut().zip(&mut twins).enumerate() {
-                    // Steps trained while the round was in flight, kept on top of it.
-                    step_both(&c, n, t);
-                    let a = deliver(&c, n, true, true);
-                    let b = deliver(&c, t, true, true);
-                    assert_eq!(a, b, "{what} round {round} peer {peer}");
-                    assert_identical(&c, t, &format!("{what} round {round} peer {peer}"));
+                let (_, r) = c.global();
+                let members: Vec<usize> = c.scope().members().into_iter().collect();
+                // Every other round lands before the node trains on.
+                let since = round % 2 == 1;
+                let twinned = nodes.iter_mut().zip(&mut twins).zip(preparers);
+                for (peer, ((n, t), preparer)) in twinned.enumerate() {
+                    let at = format!("{what} round {round} peer {peer}");
+                    if since {
+                        step_both(&c, n, t);
+                    }
+                    let a = deliver(&c, n, true, since);
+                    let plan = t.replica.fetch_plan(Some(r), true);
+                    let (tensors, skipped_own) = c.delta().unwrap().for_peer(peer, plan.skip_own);
+                    let prepared = preparer
+                        .prepare(Published {
+                            round: r,
+                            tensors,
+                            skipped_own,
+                            after_upload: true,
+                            trained_since_upload: since,
+                        })
+                        .unwrap();
+                    let b = t.replica.finish(prepared, &t.weights, since).unwrap();
+                    t.replica.follow(&c.scope().owners(), &members, &t.weights);
+                    assert_eq!(a, b, "{at}");
+                    assert_identical(&c, t, &at);
+                    assert_eq!(n.replica.owned(), t.replica.owned(), "{at}");
                     for ((name, w), (_, v)) in n.weights.iter().zip(&t.weights) {
-                        assert!(w.equal(v), "{what} round {round}: `{name}` differs");
+                        assert!(w.equal(v), "{at}: `{name}` differs");
                         let (x, y) = (n.replica.base_of(name), t.replica.base_of(name));
-                        assert_eq!(x.is_some(), y.is_some(), "{what}: `{name}`");
+                        assert_eq!(x.is_some(), y.is_some(), "{at}: `{name}`");
                         if let (Some(x), Some(y)) = (x, y) {
-                            assert!(x.equal(y), "{what} round {round}: base of `{name}`");
+                            assert!(x.equal(y), "{at}: base of `{name}`");
                         }
                     }
                 }

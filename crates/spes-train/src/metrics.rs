@@ -93,8 +93,9 @@ pub struct SyncRecord {
     pub bytes_written: u64,
     /// Its upload, from the first byte to the server's acknowledgement (retries and staging
     /// in the store included); its download, from the round's header to the last byte (not
-    /// the wait for the round); decoding and applying it. 0 where the round's own exchange did
-    /// not happen (a refusal, or the newest model taken instead).
+    /// the wait for the round); decoding and applying it (on CPU with overlap, mostly on the
+    /// exchange's thread while training ran on). 0 where the round's own exchange did not
+    /// happen (a refusal, or the newest model taken instead).
     #[serde(default)]
     pub up_s: f64,
     #[serde(default)]

@@ -139,7 +139,8 @@ impl Node {
             return Ok(());
         };
         // Training stood still for the upload's encoding too, before the exchange began.
-        let t = Instant::now() - p.encode;
+        let now = Instant::now();
+        let t = now.checked_sub(p.encode).unwrap_or(now);
         let done = p
             .thread
             .join()
@@ -356,6 +357,7 @@ impl Node {
             self.trainer.model.refresh_resident();
             applied.kept_progress
         } else {
+            // Only deltas are prepared ahead (`exchange_and_prepare`): a guard, not a path.
             let Incoming::Tensors(named) = incoming else {
                 bail!(
                     "round {}: a whole model is never prepared ahead",
