@@ -183,13 +183,6 @@ impl Preparer {
     }
 }
 
-impl Prepared {
-    /// The round it brings the replica to.
-    pub fn round(&self) -> u64 {
-        self.round
-    }
-}
-
 /// What following a round's ownership changed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Follow {
@@ -622,23 +615,24 @@ impl Replica {
                                 }
                             },
                         };
-                        match (after, d) {
-                            (Some(a), _) => *b = a,
-                            (None, Some(d)) => d.apply_(b),
-                            (None, None) => {}
+                        // A value formed ahead took its delta's place.
+                        if let Some(a) = after {
+                            *b = a;
+                        } else if let Some(d) = d {
+                            d.apply_(b);
                         }
                         theta.copy_(b);
                         if let Some(p) = progress {
                             let _ = theta.g_add_(&p);
                         }
                     }
-                    None => match (after, d) {
-                        (Some(a), _) => {
+                    None => {
+                        if let Some(a) = after {
                             theta.copy_(&a);
+                        } else if let Some(d) = d {
+                            d.apply_(&mut theta);
                         }
-                        (None, Some(d)) => d.apply_(&mut theta),
-                        (None, None) => {}
-                    },
+                    }
                 }
             }
             Ok(())

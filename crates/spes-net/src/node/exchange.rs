@@ -338,21 +338,19 @@ impl Node {
         let weights = self.weights();
         let trained_since_upload = self.trainer.step > header.round * h;
         let kept_progress = if header.delta {
-            let prepared = match incoming {
-                Incoming::Prepared(p) => p,
-                Incoming::Tensors(tensors) => {
-                    self.replica.preparer(&weights, false).prepare(Published {
+            let applied = match incoming {
+                Incoming::Prepared(p) => self.replica.finish(p, &weights, trained_since_upload)?,
+                Incoming::Tensors(tensors) => self.replica.apply(
+                    Published {
                         round: header.round,
                         tensors,
                         skipped_own: header.skipped_own,
                         after_upload,
                         trained_since_upload,
-                    })?
-                }
+                    },
+                    &weights,
+                )?,
             };
-            let applied = self
-                .replica
-                .finish(prepared, &weights, trained_since_upload)?;
             // In place, unlike `MoeModel::load`, which refreshes the copies itself.
             self.trainer.model.refresh_resident();
             applied.kept_progress
