@@ -35,5 +35,6 @@ pub use ownership::{Claims, Ownership, UNOWNED};
 pub use parts::{PartBook, PartError};
 pub use replica::{
     Applied, FetchPlan, Follow, Prepared, Preparer, Published, Replica, ReplicaError, ReplicaState,
+    Sent, Uploader,
 };
 pub use round::{merge_experts, validate, Aggregator, Combined, MergeEvent, Scope};

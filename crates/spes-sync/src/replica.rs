@@ -6,7 +6,8 @@
 //! the fp32 values of the tensors it trains, on the delta wires), the deltas it sent in its last
 //! upload, and which experts it owns. It does:
 //! - the upload: trained tensors → wire tensors ([`Replica::upload`]), remembering what was
-//!   sent;
+//!   sent; taken at the step boundary and encoded elsewhere when the node trains on
+//!   ([`Replica::take_upload`]);
 //! - the fetch plan: what to ask the server for ([`Replica::fetch_plan`]);
 //! - the apply: a published delta → new weights ([`Replica::apply`]), keeping what the weights
 //!   hold beyond the upload (steps trained since, with overlap; what a lossy wire did not
@@ -87,7 +88,8 @@ pub struct Applied {
 /// the sent deltas' and the frozen weights' storage, and reads them only. Until the round it
 /// prepares is finished, nothing may change the replica or those weights but training its own
 /// tensors: no upload, apply, `hold`, `take_base`, `follow` or `restore` (the node settles the
-/// round before any of them).
+/// round before any of them). An upload encoded after the preparer was made is told to it with
+/// [`Preparer::with_upload`] and to the replica with [`Replica::sent`] before the finish.
 pub struct Preparer {
     cfg: SyncConfig,
     layout: Layout,
@@ -117,6 +119,19 @@ pub struct Prepared {
 }
 
 impl Preparer {
+    /// Takes what the upload this round follows left, when that upload was encoded after the
+    /// preparer was made ([`Replica::take_upload`] ahead).
+    pub fn with_upload(&mut self, sent: &Sent) {
+        let Some(s) = &sent.0 else {
+            return;
+        };
+        self.sent = s.sent.iter().map(|(n, d)| (n.clone(), d.share())).collect();
+        if let Some(b) = &s.buffer {
+            self.buffered = b.changes.keys().cloned().collect();
+        }
+        self.expand_sent = self.ahead && !s.flushed && self.cfg.keeps_progress();
+    }
+
     /// Decodes and checks `published` (it must follow the round the replica holds) and, when
     /// prepared ahead, forms what the round does to every tensor, each value by the same fp32
     /// operations in the same order as [`Replica::finish`] would in place, so the bits agree.
@@ -180,6 +195,104 @@ impl Preparer {
             after,
             sent,
         })
+    }
+}
+
+/// A round's upload taken from the weights ([`Replica::take_upload`]), not yet encoded.
+pub struct Uploader {
+    cfg: SyncConfig,
+    round: u64,
+    last: bool,
+    /// Each trained tensor in order, and whether it is an expert's.
+    tensors: Vec<(String, Taken, bool)>,
+    /// `sync.feedback = "buffer"`: what earlier uploads did not send, per trained tensor.
+    feedback: HashMap<String, Tensor>,
+    /// What this upload hands over of experts the node lost, by name in order.
+    handover: Named,
+}
+
+/// A trained tensor as an upload took it.
+enum Taken {
+    /// Its change from the base, copied (encoded ahead).
+    Change(Tensor),
+    /// The weight and base themselves (encoded in place, before the node trains on).
+    Weights { theta: Tensor, base: Tensor },
+    /// Its value (the fp32 wire).
+    Value(Tensor),
+}
+
+/// What an encoded upload leaves the replica for the next apply ([`Replica::sent`]): nothing
+/// on the fp32 wire.
+pub struct Sent(Option<SentState>);
+
+struct SentState {
+    sent: HashMap<String, Delta>,
+    flushed: bool,
+    /// `Some` when the upload used a feedback buffer.
+    buffer: Option<Buffer>,
+}
+
+/// A feedback buffer after an upload: what is still unsent, and each tensor's change at the
+/// upload (kept when progress may be kept).
+struct Buffer {
+    feedback: HashMap<String, Tensor>,
+    changes: HashMap<String, Tensor>,
+}
+
+impl Uploader {
+    /// Encodes the upload: its wire tensors, and what the replica must be told back.
+    pub fn encode(self) -> (Named, Sent) {
+        let cfg = &self.cfg;
+        let mut wire = Vec::new();
+        let mut sent = HashMap::new();
+        let mut feedback = HashMap::new();
+        let mut changes = HashMap::new();
+        let keep_all = cfg.keeps_progress();
+        let buffer = cfg.feeds_back_in_buffer();
+        // A buffer earlier lossy rounds left goes out whole with a lossless wire's first upload.
+        let buffered = buffer || !self.feedback.is_empty();
+        for (name, taken, expert) in self.tensors {
+            let change = match taken {
+                Taken::Value(t) => {
+                    wire.push((name, t));
+                    continue;
+                }
+                Taken::Change(c) => c,
+                Taken::Weights { theta, base } => tch::no_grad(|| &theta - &base),
+            };
+            // SparseLoCo: e ← β·e + Δ; send C(e); e ← e − C(e).
+            let owed = match self.feedback.get(&name) {
+                Some(e) => tch::no_grad(|| e * cfg.feedback_decay + &change),
+                None => change.shallow_clone(),
+            };
+            let d = if self.last {
+                Delta::whole(&owed)
+            } else {
+                Delta::of_change(&owed, cfg, self.round)
+            };
+            if buffer && !self.last {
+                feedback.insert(name.clone(), d.subtract_from(&owed));
+            }
+            if buffered && keep_all {
+                changes.insert(name.clone(), change);
+            }
+            wire.extend(d.share().into_wire(&name));
+            if keep_all || expert {
+                sent.insert(name, d);
+            }
+        }
+        for (name, h) in &self.handover {
+            wire.extend(Delta::whole(h).into_wire(&WirePart::Handover.name(name)));
+        }
+        if !cfg.wire().is_delta() {
+            return (wire, Sent(None));
+        }
+        let state = SentState {
+            sent,
+            flushed: self.last,
+            buffer: buffered.then_some(Buffer { feedback, changes }),
+        };
+        (wire, Sent(Some(state)))
     }
 }
 
@@ -387,72 +500,96 @@ impl Replica {
 
     /// The upload of the round that ends now: the trained tensors of `weights` in the wire
     /// form of `sync.wire` for round `round` — whole fp32 tensors, or each one's change from the
-    /// base — as wire
-    /// tensors (store their floats as [`delta::payload_kind`]). The run's `last` round sends
-    /// every change whole in bf16 on a lossy wire too, so the final model holds all that was
-    /// trained. Remembers what the next [`Replica::apply`] needs of it.
+    /// base — as wire tensors (store their floats as [`delta::payload_kind`]). The run's `last`
+    /// round sends every change whole in bf16 on a lossy wire too, so the final model holds all
+    /// that was trained. Remembers what the next [`Replica::apply`] needs of it.
+    /// [`Replica::take_upload`], [`Uploader::encode`] and [`Replica::sent`], in place.
     pub fn upload(&mut self, weights: &Named, round: u64, last: bool) -> Result<Named> {
+        let (wire, sent) = self.take_upload(weights, round, last, false)?.encode();
+        self.sent(sent);
+        Ok(wire)
+    }
+
+    /// Takes the upload of the round that ends now from `weights` ([`Replica::upload`]), to be
+    /// encoded by [`Uploader::encode`] (on another thread, while the node trains on, when
+    /// `ahead`: each trained tensor's change, or its value on the fp32 wire, is copied now) and
+    /// told back with [`Replica::sent`] before anything else reads or changes the replica.
+    pub fn take_upload(
+        &mut self,
+        weights: &Named,
+        round: u64,
+        last: bool,
+        ahead: bool,
+    ) -> Result<Uploader> {
+        let cfg = self.cfg.clone();
         if !self.cfg.wire().is_delta() {
-            return Ok(self
+            // The fp32 wire sends values and leaves the replica as it is.
+            let copy = |t: &Tensor| match ahead {
+                // The weights train on while the upload is encoded.
+                true => tch::no_grad(|| t.copy()),
+                false => t.detach(),
+            };
+            let tensors = self
                 .trained(weights)
-                .map(|(n, t)| (n.clone(), t.detach()))
-                .collect());
+                .map(|(n, t)| (n.clone(), Taken::Value(copy(t)), false))
+                .collect();
+            return Ok(Uploader {
+                cfg,
+                round,
+                last,
+                tensors,
+                feedback: HashMap::new(),
+                handover: Vec::new(),
+            });
         }
-        let keep_all = self.cfg.keeps_progress();
-        let buffer = self.cfg.feeds_back_in_buffer();
-        // A buffer earlier lossy rounds left goes out whole with a lossless wire's first upload.
-        let buffered = buffer || !self.feedback.is_empty();
-        let mut wire = Vec::new();
-        let mut sent = HashMap::new();
-        let mut feedback = HashMap::new();
-        let mut changes = HashMap::new();
+        let mut tensors = Vec::new();
         for (name, t) in self.trained(weights) {
             let b = self
                 .base
                 .as_ref()
                 .and_then(|b| b.values.get(name))
                 .ok_or_else(|| ReplicaError::NoBase { name: name.clone() })?;
-            let change = tch::no_grad(|| t - b);
-            // SparseLoCo: e ← β·e + Δ; send C(e); e ← e − C(e).
-            let owed = match self.feedback.get(name) {
-                Some(e) => tch::no_grad(|| e * self.cfg.feedback_decay + &change),
-                None => change.shallow_clone(),
-            };
-            let d = if last {
-                Delta::whole(&owed)
+            let taken = if ahead {
+                Taken::Change(tch::no_grad(|| t - b))
             } else {
-                Delta::of_change(&owed, &self.cfg, round)
+                Taken::Weights {
+                    theta: t.shallow_clone(),
+                    base: b.shallow_clone(),
+                }
             };
-            if buffer && !last {
-                feedback.insert(name.clone(), d.subtract_from(&owed));
-            }
-            if buffered && keep_all {
-                changes.insert(name.clone(), change);
-            }
-            wire.extend(d.share().into_wire(name));
-            if keep_all || self.is_expert(name) {
-                sent.insert(name.clone(), d);
-            }
+            tensors.push((name.clone(), taken, self.is_expert(name)));
         }
-        if self.handover_round == Some(round) {
-            let mut names: Vec<&String> = self.handover.keys().collect();
-            names.sort();
-            for name in names {
-                let d = Delta::whole(&self.handover[name]);
-                wire.extend(d.into_wire(&WirePart::Handover.name(name)));
-            }
+        let handover = if self.handover_round == Some(round) {
+            crate::named::sorted(&self.handover)
         } else {
             // Owed to another round's upload, which did not happen (the node resynced).
             self.handover.clear();
             self.handover_round = None;
+            Vec::new()
+        };
+        // In flight until told back: nothing may read what the last upload left.
+        self.sent.clear();
+        Ok(Uploader {
+            cfg,
+            round,
+            last,
+            tensors,
+            feedback: std::mem::take(&mut self.feedback),
+            handover,
+        })
+    }
+
+    /// Takes back what an upload taken by [`Replica::take_upload`] left for the next apply.
+    pub fn sent(&mut self, sent: Sent) {
+        let Some(sent) = sent.0 else {
+            return;
+        };
+        self.sent = sent.sent;
+        self.flushed = sent.flushed;
+        if let Some(buffer) = sent.buffer {
+            self.feedback = buffer.feedback;
+            self.changes = buffer.changes;
         }
-        self.sent = sent;
-        self.flushed = last;
-        if buffered {
-            self.feedback = feedback;
-            self.changes = changes;
-        }
-        Ok(wire)
     }
 
     /// The experts whose unsent change the upload of round `round` hands over (ascending): the

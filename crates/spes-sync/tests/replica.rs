@@ -564,8 +564,8 @@ fn a_round_prepared_ahead_gives_the_bits_of_one_applied_in_place() {
             };
             let what = format!("{wire:?} {feedback:?}");
             let (mut c, mut nodes) = two_nodes(&m, &cfg);
-            // Each node's twin takes the same steps and prepares every round ahead, as a
-            // node does while it trains on.
+            // Each node's twin takes the same steps, and encodes its upload and prepares every
+            // round ahead, as a node does while it trains on.
             let mut twins: Vec<Node> = (0..2).map(|p| node(&c, p, &cfg)).collect();
             tch::manual_seed(5);
             let step_both = |c: &Coordinator, n: &mut Node, t: &mut Node| {
@@ -581,25 +581,45 @@ fn a_round_prepared_ahead_gives_the_bits_of_one_applied_in_place() {
             };
             for round in 1..=4u64 {
                 let now = round as f64;
-                let mut preparers = Vec::new();
+                let mut ahead = Vec::new();
                 for (n, t) in nodes.iter_mut().zip(&mut twins) {
                     step_both(&c, n, t);
-                    drop(t.replica.upload(&t.weights, c.round(), false).unwrap());
-                    // As the node does: the preparer is made right after the upload.
-                    preparers.push(t.replica.preparer(&t.weights, true));
-                    upload(&mut c, n, now);
+                    // As the node does: the upload is taken, then the preparer made; both
+                    // run while the node trains on.
+                    let uploader = t.replica.take_upload(&t.weights, c.round(), false, true);
+                    let preparer = t.replica.preparer(&t.weights, true);
+                    let peer = n.replica.peer();
+                    let wire = n.replica.upload(&n.weights, c.round(), false).unwrap();
+                    let sent: Named = wire.iter().map(|(k, v)| (k.clone(), v.copy())).collect();
+                    c.upload(
+                        peer,
+                        100 + peer as u64,
+                        c.round(),
+                        wire,
+                        Work::default(),
+                        now,
+                    )
+                    .unwrap();
+                    ahead.push((uploader.unwrap(), preparer, sent));
                 }
                 c.close(now + 0.5);
                 let (_, r) = c.global();
                 let members: Vec<usize> = c.scope().members().into_iter().collect();
                 // Every other round lands before the node trains on.
                 let since = round % 2 == 1;
-                let twinned = nodes.iter_mut().zip(&mut twins).zip(preparers);
-                for (peer, ((n, t), preparer)) in twinned.enumerate() {
+                let twinned = nodes.iter_mut().zip(&mut twins).zip(ahead);
+                for (peer, ((n, t), (uploader, mut preparer, sent))) in twinned.enumerate() {
                     let at = format!("{what} round {round} peer {peer}");
                     if since {
                         step_both(&c, n, t);
                     }
+                    // Encoded after the node trained on: the bits it sent all the same.
+                    let (wire, upload_left) = uploader.encode();
+                    assert_eq!(wire.len(), sent.len(), "{at}");
+                    for ((a, x), (b, y)) in wire.iter().zip(&sent) {
+                        assert!(a == b && x.equal(y), "{at}: wire `{a}` differs from `{b}`");
+                    }
+                    preparer.with_upload(&upload_left);
                     let a = deliver(&c, n, true, since);
                     let plan = t.replica.fetch_plan(Some(r), true);
                     let (tensors, skipped_own) = c.delta().unwrap().for_peer(peer, plan.skip_own);
@@ -612,6 +632,8 @@ fn a_round_prepared_ahead_gives_the_bits_of_one_applied_in_place() {
                             trained_since_upload: since,
                         })
                         .unwrap();
+                    // Told back at the boundary that settles the round, before its finish.
+                    t.replica.sent(upload_left);
                     let b = t.replica.finish(prepared, &t.weights, since).unwrap();
                     t.replica.follow(&c.scope().owners(), &members, &t.weights);
                     assert_eq!(a, b, "{at}");

@@ -9,7 +9,7 @@ use crate::proto::refusal::Kind as Refused;
 use crate::proto::PayloadHeader;
 use crate::refusal;
 use anyhow::{bail, Result};
-use spes_sync::{delta, Named, Prepared, Preparer, Published, Work};
+use spes_sync::{delta, Named, Prepared, Preparer, Published, Sent, Uploader, Work};
 use spes_train::metrics::{Event, SyncRecord};
 use std::time::Instant;
 use tonic::Code;
@@ -23,9 +23,12 @@ pub(super) struct SyncTimes {
     apply_s: f64,
 }
 
-/// What the overlap thread hands back: how the exchange went and, for a fetched delta of the
-/// round, that round read and prepared while the node trained on ([`Preparer`]).
+/// What the overlap thread hands back: its upload's encoding, how the exchange went and, for a
+/// fetched delta of the round, that round read and prepared while the node trained on
+/// ([`Preparer`]).
 pub(super) struct Done {
+    /// What the upload left the replica, when it was encoded there.
+    sent: Option<Sent>,
     exchange: Exchange,
     ready: Option<Result<Ready>>,
 }
@@ -42,16 +45,46 @@ pub(super) enum Incoming {
     Prepared(Prepared),
 }
 
-/// Runs an upload and fetch, then reads and prepares the fetched round with `preparer` when it
-/// is round `round`'s delta (the overlap thread's work).
+/// A round's upload as taken at the step boundary ([`Node::take_upload`]), to be encoded.
+pub(super) struct Outgoing {
+    round: u64,
+    uploader: Uploader,
+    /// How its floats are stored ([`delta::payload_kind`]).
+    kind: tch::Kind,
+    /// The experts it hands over.
+    handover: Vec<usize>,
+    work: Work,
+}
+
+impl Outgoing {
+    /// Encodes the upload for the wire, per server shard.
+    fn encode(self, link: &super::transport::Link) -> (Vec<Upload>, Sent, Work) {
+        let t = Instant::now();
+        let (wire, sent) = self.uploader.encode();
+        let files = link.encode_upload(wire, self.kind, &self.handover);
+        tracing::debug!(
+            "node {}: round {} encoded in {:.3} s",
+            link.peer,
+            self.round,
+            t.elapsed().as_secs_f64()
+        );
+        (files, sent, self.work)
+    }
+}
+
+/// The overlap thread's work: encodes the upload, uploads and fetches, then reads and prepares
+/// the fetched round with `preparer` when it is the upload's round's delta.
 fn exchange_and_prepare(
     link: &super::transport::Link,
-    round: u64,
-    files: Vec<Upload>,
-    work: Work,
+    out: Outgoing,
     plan: spes_sync::FetchPlan,
-    preparer: Option<Preparer>,
+    mut preparer: Option<Preparer>,
 ) -> Done {
+    let round = out.round;
+    let (files, sent, work) = out.encode(link);
+    if let Some(p) = &mut preparer {
+        p.with_upload(&sent);
+    }
     let exchange = link.exchange(round, files, work, plan);
     let ready = match (&exchange, preparer) {
         (Exchange::Fetched { fetched, .. }, Some(preparer))
@@ -80,18 +113,21 @@ fn exchange_and_prepare(
         }
         _ => None,
     };
-    Done { exchange, ready }
+    Done {
+        sent: Some(sent),
+        exchange,
+        ready,
+    }
 }
 
 impl Node {
-    /// Encodes `upload` for the wire and writes it per server shard: the round that ends now,
-    /// with what the round trained.
-    pub(super) fn prepare_upload(&mut self, upload: &Named) -> Result<(u64, Vec<Upload>, Work)> {
+    /// Takes the upload of the round that ends now, with what the round trained: the change of
+    /// each trained tensor copied when `ahead` (encoded while the node trains on).
+    pub(super) fn take_upload(&mut self, upload: &Named, ahead: bool) -> Result<Outgoing> {
         self.session.check_lost()?;
         let work = std::mem::take(&mut self.work);
         let round = self.trainer.step / self.trainer.cfg.sync.sync_steps;
         let last = self.trainer.step >= self.trainer.cfg.train.max_steps;
-        let wire = self.replica.upload(upload, round, last)?;
         let handover = self.replica.handing_over(round);
         if !handover.is_empty() {
             tracing::info!(
@@ -99,31 +135,50 @@ impl Node {
                 self.peer()
             );
         }
-        let kind = delta::payload_kind(self.replica.cfg().wire());
-        Ok((round, self.link.encode_upload(wire, kind, &handover), work))
+        let uploader = self.replica.take_upload(upload, round, last, ahead)?;
+        Ok(Outgoing {
+            round,
+            uploader,
+            kind: delta::payload_kind(self.replica.cfg().wire()),
+            handover,
+            work,
+        })
     }
 
-    /// Overlap: uploads and fetches the round that ends now on another thread while this one
-    /// trains on; the result is applied when it is in ([`Node::train_round`]).
+    /// Overlap: encodes, uploads and fetches the round that ends now on another thread while
+    /// this one trains on; the result is applied when it is in ([`Node::train_round`]).
     pub(super) fn start_sync(&mut self, upload: &Named) -> Result<()> {
         let t = Instant::now();
-        let (round, files, work) = self.prepare_upload(upload)?;
+        // On CPU, encoding the upload and decoding the round are most of a sync's work: done
+        // while training on, they leave the node a copy of its change and a few element-wise
+        // passes. A GPU does both in place (milliseconds), keeping its memory for training.
+        let ahead = self.trainer.device == tch::Device::Cpu;
+        let out = self.take_upload(upload, ahead)?;
+        let round = out.round;
+        let plan = self.replica.fetch_plan(Some(round), true);
+        let preparer =
+            (plan.have_previous && ahead).then(|| self.replica.preparer(&self.weights(), true));
+        let link = self.link.clone();
+        let job: Box<dyn FnOnce() -> Done + Send> = if ahead {
+            Box::new(move || exchange_and_prepare(&link, out, plan, preparer))
+        } else {
+            let (files, sent, work) = out.encode(&self.link);
+            self.replica.sent(sent);
+            Box::new(move || Done {
+                sent: None,
+                exchange: link.exchange(round, files, work, plan),
+                ready: None,
+            })
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("sync-{round}"))
+            .spawn(job)?;
         let encode = t.elapsed();
         tracing::debug!(
-            "node {}: round {round} encoded in {:.3} s",
+            "node {}: round {round} taken for its upload in {:.3} s",
             self.peer(),
             encode.as_secs_f64()
         );
-        let plan = self.replica.fetch_plan(Some(round), true);
-        let link = self.link.clone();
-        // On CPU, decoding the round is most of its apply: done while training on, it leaves
-        // the node a few element-wise passes. A GPU applies in place (milliseconds), keeping
-        // its memory for training.
-        let preparer = (plan.have_previous && self.trainer.device == tch::Device::Cpu)
-            .then(|| self.replica.preparer(&self.weights(), true));
-        let thread = std::thread::Builder::new()
-            .name(format!("sync-{round}"))
-            .spawn(move || exchange_and_prepare(&link, round, files, work, plan, preparer))?;
         self.pending = Some(Pending {
             thread,
             started: t,
@@ -138,13 +193,16 @@ impl Node {
         let Some(p) = self.pending.take() else {
             return Ok(());
         };
-        // Training stood still for the upload's encoding too, before the exchange began.
+        // Training stood still while the upload was taken too, before the exchange began.
         let now = Instant::now();
         let t = now.checked_sub(p.encode).unwrap_or(now);
         let done = p
             .thread
             .join()
             .map_err(|_| anyhow::anyhow!("node {}: the sync thread panicked", self.peer()))?;
+        if let Some(sent) = done.sent {
+            self.replica.sent(sent);
+        }
         self.settle(done.exchange, done.ready, p.round, p.started, t)?;
         Ok(())
     }
@@ -153,7 +211,10 @@ impl Node {
     /// (or whatever round the server says to load). Returns the round now loaded.
     pub fn sync(&mut self, upload: &Named) -> Result<u64> {
         let t0 = Instant::now();
-        let (round, files, work) = self.prepare_upload(upload)?;
+        let out = self.take_upload(upload, false)?;
+        let round = out.round;
+        let (files, sent, work) = out.encode(&self.link);
+        self.replica.sent(sent);
         let plan = self.replica.fetch_plan(Some(round), true);
         let exchange = self.link.exchange(round, files, work, plan);
         self.settle(exchange, None, round, t0, t0)
