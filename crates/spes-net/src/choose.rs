@@ -129,7 +129,7 @@ impl Chooser {
                 }
                 (
                     busiest.0,
-                    "no setting reaches the target; this one comes closest",
+                    "the current setting falls short of the target and no other clears it by the margin a change needs; this one comes closest",
                 )
             }
         };

@@ -11,6 +11,7 @@ pub mod choose;
 mod dial;
 pub mod fault;
 pub mod link;
+pub mod lived;
 pub mod measure;
 pub mod node;
 pub mod payload;

@@ -171,6 +171,7 @@ pub(super) fn run_closer(
         put_before: s.store.bytes_put(),
         last_full: Instant::now(),
         measured: Default::default(),
+        lived: Default::default(),
     };
     while !stop.load(Ordering::Relaxed) {
         let _ = wake.recv_timeout(Duration::from_millis(100));
@@ -204,6 +205,8 @@ struct Books {
     last_full: Instant,
     /// The links and speeds the rounds measured.
     measured: crate::measure::Measured,
+    /// What each setting the run ran predicted and lived.
+    lived: crate::lived::Lived,
 }
 
 /// A round the coordinator closed, with what publishing it needs.
@@ -290,6 +293,10 @@ fn publish(
         close.nodes = s.watch.lock().unwrap().node_rounds(&took_part);
     }
     record.data_parts = s.progress.read().0.data_parts.of_members(&report.members);
+    let full = s.full_round(report.round, book.last_full.elapsed().as_secs_f64());
+    // Nodes fetch a delta round's delta: its whole model, a restart point, is written after
+    // the round is announced, while they train on.
+    let full_after = full && c.delta.is_some();
     let publication = Publication {
         round: report.round,
         global: &c.global,
@@ -301,27 +308,36 @@ fn publish(
         record: record.clone(),
         delta: c.delta.as_ref(),
         carried: c.carried,
-        full: s.full_round(report.round, book.last_full.elapsed().as_secs_f64()),
+        full: full && !full_after,
     };
-    let mut pause = Duration::from_millis(500);
     let publishing = Instant::now();
-    while let Err(e) = s.store.publish(&s.progress, &publication) {
-        super::mirror::exit_if_fenced(&e);
-        tracing::error!(
-            "publishing round {} failed, retrying in {:.1} s: {e:#}",
-            report.round,
-            pause.as_secs_f64()
-        );
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_secs(30));
-        if stop.load(Ordering::Relaxed) {
-            return None;
-        }
+    let published = until_written(stop, &format!("publishing round {}", report.round), || {
+        s.store.publish(&s.progress, &publication)
+    });
+    if !published {
+        return None;
     }
     let publish_s = publishing.elapsed().as_secs_f64();
     s.watch.lock().unwrap().counters.publish_s = publish_s;
     s.published.send_replace(report.round);
-    if publication.full {
+    if full_after {
+        let t = Instant::now();
+        let what = format!("writing round {}'s whole model", report.round);
+        let written = until_written(stop, &what, || {
+            let carried = &publication.carried;
+            s.store
+                .publish_full(&s.progress, report.round, &c.global, carried)
+        });
+        if !written {
+            return None;
+        }
+        tracing::debug!(
+            "round {}: whole model written in {:.2} s after the round was announced",
+            report.round,
+            t.elapsed().as_secs_f64()
+        );
+    }
+    if full {
         book.last_full = Instant::now();
     }
     book.opened_at = s.now();
@@ -335,13 +351,23 @@ fn publish(
         close.publish_s = publish_s;
         close.settings = Some(c.settings);
         book.measured.observe(close);
+        book.lived.observe(&close.nodes);
         // The planner scales every option by what the closed round's own setting measured.
         let round_cfg = RunConfig {
             sync: s.cfg.sync.for_round(c.settings),
             ..s.cfg.clone()
         };
         close.planned = crate::measure::planned(&round_cfg, &book.measured, &report.members);
-        close.choice = settle_next(s, report.round, &round_cfg, &book.measured, &report.members);
+        let own = crate::measure::predict_settings(
+            &round_cfg,
+            &book.measured,
+            &report.members,
+            &[c.settings],
+        );
+        if let Some(&(_, u)) = own.as_ref().and_then(|o| o.first()) {
+            book.lived.predicted(report.round, c.settings, u);
+        }
+        close.choice = settle_next(s, report.round, &round_cfg, book, &report.members);
         if let Some(p) = &close.planned {
             let options: Vec<String> = p
                 .options
@@ -384,6 +410,25 @@ fn publish(
     })
 }
 
+/// Runs `write` until it works, waiting longer after each failure: false if the server was
+/// stopped meanwhile.
+fn until_written(stop: &AtomicBool, what: &str, mut write: impl FnMut() -> Result<()>) -> bool {
+    let mut pause = Duration::from_millis(500);
+    while let Err(e) = write() {
+        super::mirror::exit_if_fenced(&e);
+        tracing::error!(
+            "{what} failed, retrying in {:.1} s: {e:#}",
+            pause.as_secs_f64()
+        );
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_secs(30));
+        if stop.load(Ordering::Relaxed) {
+            return false;
+        }
+    }
+    true
+}
+
 /// How the rounds' settings are decided after each round.
 pub(super) enum Settle {
     /// Both keys pinned: the config's, every round.
@@ -401,7 +446,7 @@ fn settle_next(
     s: &State,
     round: u64,
     round_cfg: &RunConfig,
-    measured: &crate::measure::Measured,
+    book: &Books,
     members: &[usize],
 ) -> Option<SettingsChoice> {
     let mut settle = s.settle.lock().unwrap();
@@ -409,13 +454,35 @@ fn settle_next(
         Settle::Pinned => return None,
         Settle::Replay(choices) => (choices.at(round + 2, &s.cfg.sync), None, None),
         Settle::Adaptive { chooser, choices } => {
-            let predicted = crate::measure::predict_settings(
+            let planned = crate::measure::predict_settings(
                 round_cfg,
-                measured,
+                &book.measured,
                 members,
                 &chooser.candidates(),
             )?;
-            let decision = chooser.choose(round, &predicted);
+            // Each candidate's prediction, corrected by what it lived when it ran.
+            let mut corrections = Vec::new();
+            let predicted: Vec<(RoundSettings, f64)> = planned
+                .iter()
+                .map(|&(settings, u)| match book.lived.correction(settings) {
+                    Some(c) => {
+                        corrections.push(format!(
+                            "{settings} {:.1} % planned, {:+.1} points lived",
+                            100.0 * u,
+                            100.0 * c
+                        ));
+                        (settings, (u + c).clamp(0.0, 1.0))
+                    }
+                    None => (settings, u),
+                })
+                .collect();
+            let decision = chooser.choose(round, &predicted).map(|mut d| {
+                if !corrections.is_empty() {
+                    d.reason +=
+                        &format!("; corrected by what they lived: {}", corrections.join(", "));
+                }
+                d
+            });
             let candidates = predicted
                 .iter()
                 .map(|&(settings, utilization)| Candidate {

@@ -272,7 +272,8 @@ pub(super) struct Publication<'a> {
     pub delta: Option<&'a RoundDelta>,
     /// [`spes_sync::Coordinator::carried`] after the round.
     pub carried: Named,
-    /// Write the whole model and the carried state too.
+    /// Write the whole model and the carried state too, before the round is announced (a
+    /// round without a delta, which nodes fetch whole; else [`Store::publish_full`] after).
     pub full: bool,
 }
 
@@ -328,14 +329,40 @@ impl Store {
             (prune(st, self.keep), true)
         });
         progress.commit(version.expect("a publication changes the restart point"))?;
+        self.drop_files(dropped);
+        self.remove_pending(|r| r <= p.round);
+        Ok(())
+    }
+
+    /// Writes published round `round`'s whole model and carried state (`global`, `carried`)
+    /// as a restart point, after the round was announced: until this returns, a restart
+    /// replays the round from an older one. Safe to retry after a failure.
+    pub fn publish_full(
+        &self,
+        progress: &Progress,
+        round: u64,
+        global: &Named,
+        carried: &Named,
+    ) -> Result<()> {
+        let full = self.write_full(round, global, carried)?;
+        let (dropped, version) = progress.change(|st| {
+            st.fulls.retain(|x| x.round < round);
+            st.fulls.push(full);
+            (prune(st, self.keep), true)
+        });
+        progress.commit(version.expect("a whole model changes the restart point"))?;
+        self.drop_files(dropped);
+        Ok(())
+    }
+
+    /// Removes files the restart point no longer names, here and in the store.
+    fn drop_files(&self, dropped: Vec<String>) {
         for file in dropped {
             let _ = std::fs::remove_file(self.out.join(&file));
             if let Some(m) = &self.mirror {
                 m.delete(&file);
             }
         }
-        self.remove_pending(|r| r <= p.round);
-        Ok(())
     }
 
     /// Writes a round's delta as one file of parts: everything but the experts published
