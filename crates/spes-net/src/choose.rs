@@ -129,7 +129,7 @@ impl Chooser {
                 }
                 (
                     busiest.0,
-                    "the current setting falls short of the target and no other clears it by the margin a change needs; this one comes closest",
+                    "the current setting falls short of the target and no other is predicted above it by the margin a change needs; this one comes closest",
                 )
             }
         };

@@ -1,105 +1,148 @@
-//! How busy the members were under each setting a run ran, against what the planner predicted
-//! for it while it ran. The planner is close for the setting that runs, whose costs it
-//! measures, and further off for the others, which borrow those costs; an adaptive run
-//! corrects each candidate's prediction by what that setting lived, once it ran a few rounds,
-//! so a setting the planner overrates is not taken again and again.
+//! How busy the members were under each setting an adaptive run chose, against the prediction
+//! it was chosen on. The planner is close for the setting that runs, whose costs it measures,
+//! and further off for the others, which borrow those costs: a setting chosen on a prediction
+//! its rounds then fall short of is predicted that much lower while another runs, so it is not
+//! taken again and again.
 //!
 //! What a node lived comes from its own report (compute and idle seconds of a sync), which the
-//! server cannot check: a correction is bounded ([`MAX_CORRECTION`]).
+//! server cannot check. A report counts only for a round the node uploaded to, its seconds only
+//! within the server's own round time, and the figure is the lower median of the nodes' (the
+//! least busy with fewer than three), so one node alone cannot move it; a correction is bounded
+//! ([`MAX_CORRECTION`]).
 
 use spes_sync::RoundSettings;
 use spes_train::metrics::NodeRound;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Rounds a setting must have lived, reported by some member, before its correction counts.
+/// Rounds a chosen setting must have lived, reported by its members, before it corrects.
 pub const MIN_LIVED_ROUNDS: usize = 3;
 
 /// The most a correction moves a prediction, either way.
 pub const MAX_CORRECTION: f64 = 0.15;
 
-/// Rounds whose settings and prediction are kept for the reports still to come.
+/// Rounds whose settings are kept for the reports still to come.
 const KEEP_ROUNDS: u64 = 16;
 
-/// What each setting predicted and lived, as the rounds' reports come in.
+/// Rounds after its last that a setting's tally is forgotten (links and speeds change).
+const FORGET_ROUNDS: u64 = 60;
+
+/// What each chosen setting was predicted and lived, as the rounds' reports come in.
 #[derive(Clone, Debug, Default)]
 pub struct Lived {
-    /// Per recent round: its settings and the planner's prediction for them then.
-    rounds: BTreeMap<u64, (RoundSettings, f64)>,
-    /// Per setting that ran, what its rounds predicted and lived.
+    /// Per recent round: its settings, its time on the server's clock and who uploaded to it.
+    rounds: BTreeMap<u64, Ran>,
+    /// Per setting chosen on a prediction: that prediction and what its rounds lived.
     tallies: Vec<(RoundSettings, Tally)>,
     /// The reports counted, by peer and round (a report repeats until the next).
     counted: BTreeSet<(usize, u64)>,
 }
 
-/// One setting's rounds: each node's compute and idle seconds, and the prediction of each
-/// round counted.
+/// A closed round as the server saw it.
+#[derive(Clone, Debug)]
+struct Ran {
+    settings: RoundSettings,
+    round_s: f64,
+    uploaders: BTreeSet<usize>,
+}
+
+/// One chosen setting: the predicted utilization it was chosen on, each node's compute and
+/// idle seconds in its rounds since, and which rounds were counted.
 #[derive(Clone, Debug, Default)]
 struct Tally {
+    expected: f64,
     nodes: BTreeMap<usize, (f64, f64)>,
-    predicted: BTreeMap<u64, f64>,
+    rounds: BTreeSet<u64>,
 }
 
 impl Tally {
-    /// The least busy node's share of its time trained, minus the rounds' mean prediction.
+    /// What the members lived (the nodes' lower median share of their time trained) minus the
+    /// prediction the setting was chosen on.
     fn error(&self) -> Option<f64> {
-        if self.predicted.len() < MIN_LIVED_ROUNDS {
+        if self.rounds.len() < MIN_LIVED_ROUNDS {
             return None;
         }
-        let lived = self
+        let mut shares: Vec<f64> = self
             .nodes
             .values()
             .filter(|(c, i)| c + i > 0.0)
             .map(|(c, i)| c / (c + i))
-            .min_by(f64::total_cmp)?;
-        let predicted = self.predicted.values().sum::<f64>() / self.predicted.len() as f64;
-        Some(lived - predicted)
+            .collect();
+        shares.sort_by(f64::total_cmp);
+        let at = if shares.len() >= 3 {
+            (shares.len() - 1) / 2
+        } else {
+            0
+        };
+        Some(shares.get(at)? - self.expected)
     }
 }
 
 impl Lived {
-    /// Round `round` ran `settings`, for which the planner predicted `utilization` (the
-    /// slowest member's share of its round trained) when it closed.
-    pub fn predicted(&mut self, round: u64, settings: RoundSettings, utilization: f64) {
+    /// The chooser took `settings`, predicted at `utilization`: its tally starts over.
+    pub fn chosen(&mut self, settings: RoundSettings, utilization: f64) {
+        self.tallies.retain(|(s, _)| *s != settings);
         if utilization.is_finite() {
-            self.rounds.insert(round, (settings, utilization));
+            let tally = Tally {
+                expected: utilization,
+                ..Tally::default()
+            };
+            self.tallies.push((settings, tally));
         }
+    }
+
+    /// Round `round` closed: it ran `settings`, took `round_s` seconds from its opening to its
+    /// close on the server's clock, and `uploaders` uploaded to it.
+    pub fn closed(
+        &mut self,
+        round: u64,
+        settings: RoundSettings,
+        round_s: f64,
+        uploaders: &[usize],
+    ) {
+        let ran = Ran {
+            settings,
+            round_s,
+            uploaders: uploaders.iter().copied().collect(),
+        };
+        self.rounds.insert(round, ran);
         let oldest = round.saturating_sub(KEEP_ROUNDS);
         self.rounds.retain(|&r, _| r >= oldest);
         self.counted.retain(|&(_, r)| r >= oldest);
+        let forget = round.saturating_sub(FORGET_ROUNDS);
+        self.tallies
+            .retain(|(_, t)| t.rounds.last().is_none_or(|&r| r >= forget));
     }
 
     /// Takes in the nodes' reports of their syncs, each for the round its sync loaded.
     pub fn observe(&mut self, reports: &[NodeRound]) {
         for r in reports {
+            let Some(ran) = self.rounds.get(&r.round) else {
+                continue;
+            };
             let fine = [r.compute_s, r.idle_s]
                 .iter()
                 .all(|v| v.is_finite() && *v >= 0.0);
-            let Some(&(settings, utilization)) = self.rounds.get(&r.round) else {
-                continue;
-            };
-            if !fine || !self.counted.insert((r.peer, r.round)) {
+            if !fine || !ran.uploaders.contains(&r.peer) || ran.round_s <= 0.0 {
                 continue;
             }
-            let at = match self.tallies.iter().position(|(s, _)| *s == settings) {
-                Some(i) => i,
-                None => {
-                    self.tallies.push((settings, Tally::default()));
-                    self.tallies.len() - 1
-                }
+            let Some((_, tally)) = self.tallies.iter_mut().find(|(s, _)| *s == ran.settings) else {
+                continue;
             };
-            let tally = &mut self.tallies[at].1;
+            if !self.counted.insert((r.peer, r.round)) {
+                continue;
+            }
+            // A node's seconds of a round fit in the round's time on the server's clock.
+            let compute = r.compute_s.min(ran.round_s);
+            let idle = r.idle_s.min(ran.round_s);
             let node = tally.nodes.entry(r.peer).or_default();
-            // Idle beyond the sync it is part of is not believed.
-            *node = (
-                node.0 + r.compute_s,
-                node.1 + r.idle_s.min(r.sync_s.max(0.0)),
-            );
-            tally.predicted.insert(r.round, utilization);
+            *node = (node.0 + compute, node.1 + idle);
+            tally.rounds.insert(r.round);
         }
     }
 
-    /// How far the members' lived utilization under `settings` was from its prediction,
-    /// bounded, once it ran [`MIN_LIVED_ROUNDS`] rounds.
+    /// How far what the members lived under `settings` fell short of (or beyond) the
+    /// prediction it was chosen on, bounded, once it ran [`MIN_LIVED_ROUNDS`] rounds: what to
+    /// add to its prediction while another setting runs.
     pub fn correction(&self, settings: RoundSettings) -> Option<f64> {
         let (_, tally) = self.tallies.iter().find(|(s, _)| *s == settings)?;
         Some(tally.error()?.clamp(-MAX_CORRECTION, MAX_CORRECTION))
@@ -130,41 +173,60 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_setting_is_corrected_by_what_its_least_busy_node_lived() {
-        let one_step = settings(Wire::LowrankDelta, 1);
-        let through = settings(Wire::Int4Delta, 0);
-        let mut lived = Lived::default();
-        for round in 1..=4 {
-            lived.predicted(round, one_step, 0.97);
-            // Node 1 trains 8 s of every 9: 88.9 %, where 97 % was predicted.
-            let reports = [report(0, round, 9.0, 0.0), report(1, round, 8.0, 1.0)];
+    /// Four nodes train 9 s of every 10 but one, which trains `slow` s of them.
+    fn rounds(lived: &mut Lived, s: RoundSettings, from: u64, to: u64, slow: f64) {
+        for round in from..=to {
+            lived.closed(round, s, 10.0, &[0, 1, 2, 3]);
+            let mut reports: Vec<NodeRound> = (0..3).map(|p| report(p, round, 9.0, 1.0)).collect();
+            reports.push(report(3, round, slow, 10.0 - slow));
             lived.observe(&reports);
             // A report repeats until the next one: it counts once.
             lived.observe(&reports);
-            if round < MIN_LIVED_ROUNDS as u64 {
-                assert_eq!(lived.correction(one_step), None, "round {round}");
-            }
         }
-        let c = lived.correction(one_step).unwrap();
-        assert!((c - (8.0 / 9.0 - 0.97)).abs() < 1e-9, "{c}");
-        // A setting that did not run is not corrected.
-        assert_eq!(lived.correction(through), None);
-        // Reports of a round with no prediction kept count for nothing.
-        lived.observe(&[report(1, 99, 0.0, 100.0)]);
-        assert!((lived.correction(one_step).unwrap() - c).abs() < 1e-12);
     }
 
     #[test]
-    fn a_correction_is_bounded_and_idle_beyond_its_sync_is_not_believed() {
+    fn a_chosen_setting_is_corrected_by_what_its_members_lived() {
+        let one_step = settings(Wire::LowrankDelta, 1);
+        let through = settings(Wire::Int4Delta, 0);
+        let mut lived = Lived::default();
+        // The first rounds' setting was not chosen on a prediction: nothing to correct.
+        rounds(&mut lived, one_step, 1, 3, 9.0);
+        assert_eq!(lived.correction(one_step), None);
+        lived.chosen(one_step, 0.97);
+        rounds(&mut lived, one_step, 4, 5, 9.0);
+        assert_eq!(lived.correction(one_step), None, "two rounds are too few");
+        rounds(&mut lived, one_step, 6, 9, 9.0);
+        // The nodes trained 90 % where 97 % was predicted.
+        let c = lived.correction(one_step).unwrap();
+        assert!((c - (0.9 - 0.97)).abs() < 1e-9, "{c}");
+        // A setting not chosen is not corrected, and chosen again it starts over.
+        assert_eq!(lived.correction(through), None);
+        lived.chosen(one_step, 0.9);
+        assert_eq!(lived.correction(one_step), None);
+    }
+
+    #[test]
+    fn one_node_alone_cannot_move_a_correction_and_it_is_bounded() {
         let s = settings(Wire::Int4Delta, 0);
         let mut lived = Lived::default();
+        lived.chosen(s, 0.95);
+        // Node 3 says it trained nothing: the lower median is the others' 90 %.
+        rounds(&mut lived, s, 1, 4, 0.0);
+        let c = lived.correction(s).unwrap();
+        assert!((c - (0.9 - 0.95)).abs() < 1e-9, "{c}");
+        // Reports of a round it did not upload to, or of a round not kept, count for nothing.
+        lived.closed(5, s, 10.0, &[0, 1, 2]);
+        lived.observe(&[report(3, 5, 0.0, 1e6), report(2, 99, 0.0, 1e6)]);
+        assert!((lived.correction(s).unwrap() - c).abs() < 1e-12);
+        // Every node standing still half its round: the correction stops at the bound.
+        let mut all = Lived::default();
+        all.chosen(s, 0.95);
         for round in 1..=3 {
-            lived.predicted(round, s, 0.95);
-            // Idle of 50 s in a 5 s sync is read as 5 s: 50 %, and the correction stops at
-            // the bound.
-            lived.observe(&[report(0, round, 5.0, 50.0)]);
+            all.closed(round, s, 10.0, &[0, 1]);
+            // 50 s of idle in a 10 s round is read as 10 s.
+            all.observe(&[report(0, round, 10.0, 50.0), report(1, round, 5.0, 5.0)]);
         }
-        assert_eq!(lived.correction(s), Some(-MAX_CORRECTION));
+        assert_eq!(all.correction(s), Some(-MAX_CORRECTION));
     }
 }

@@ -512,7 +512,7 @@ impl Replica {
 
     /// Takes the upload of the round that ends now from `weights` ([`Replica::upload`]), to be
     /// encoded by [`Uploader::encode`] (on another thread, while the node trains on, when
-    /// `ahead`: each trained tensor's change, or its value on the fp32 wire, is copied now) and
+    /// `ahead`: each trained tensor's change is copied now) and
     /// told back with [`Replica::sent`] before anything else reads or changes the replica.
     pub fn take_upload(
         &mut self,
@@ -523,15 +523,11 @@ impl Replica {
     ) -> Result<Uploader> {
         let cfg = self.cfg.clone();
         if !self.cfg.wire().is_delta() {
-            // The fp32 wire sends values and leaves the replica as it is.
-            let copy = |t: &Tensor| match ahead {
-                // The weights train on while the upload is encoded.
-                true => tch::no_grad(|| t.copy()),
-                false => t.detach(),
-            };
+            // The fp32 wire sends values and leaves the replica as it is. It has no overlap
+            // (`SyncConfig::overlaps`), so its values are encoded before training goes on.
             let tensors = self
                 .trained(weights)
-                .map(|(n, t)| (n.clone(), Taken::Value(copy(t)), false))
+                .map(|(n, t)| (n.clone(), Taken::Value(t.detach()), false))
                 .collect();
             return Ok(Uploader {
                 cfg,

@@ -250,7 +250,7 @@ impl Node {
                 let load_s = t.elapsed().as_secs_f64() - read_s;
                 self.follow(&header)?;
                 tracing::debug!(
-                    "node {peer}: round {} stood still {:.3} s (its encoding included), read in {read_s:.3} s, applied in {load_s:.3} s, followed in {:.3} s",
+                    "node {peer}: round {} stood still {:.3} s (its upload taken or encoded included), read in {read_s:.3} s, applied in {load_s:.3} s, followed in {:.3} s",
                     header.round,
                     (t - idle_from).as_secs_f64(),
                     t.elapsed().as_secs_f64() - read_s - load_s
@@ -327,7 +327,7 @@ impl Node {
     }
 
     /// Checkpoints and logs a sync: `sync_s` from the upload to the loaded model, `idle_s` the
-    /// time training stood still for it (encoding and checkpoint included), `compute_s` the round's steps,
+    /// time training stood still for it (the upload's take, or its encoding where it is encoded in place, and the checkpoint included), `compute_s` the round's steps,
     /// and what the upload, download and apply took.
     pub(super) fn finish_sync(
         &mut self,

@@ -320,6 +320,8 @@ fn publish(
     let publish_s = publishing.elapsed().as_secs_f64();
     s.watch.lock().unwrap().counters.publish_s = publish_s;
     s.published.send_replace(report.round);
+    // The next round opens with the announcement.
+    book.opened_at = s.now();
     if full_after {
         let t = Instant::now();
         let what = format!("writing round {}'s whole model", report.round);
@@ -340,7 +342,6 @@ fn publish(
     if full {
         book.last_full = Instant::now();
     }
-    book.opened_at = s.now();
     if let Some(close) = &mut record.close {
         let written = spes_train::process::bytes_written();
         close.bytes_written = written.saturating_sub(book.written_before);
@@ -351,6 +352,8 @@ fn publish(
         close.publish_s = publish_s;
         close.settings = Some(c.settings);
         book.measured.observe(close);
+        book.lived
+            .closed(report.round, c.settings, close.round_s, &report.peers);
         book.lived.observe(&close.nodes);
         // The planner scales every option by what the closed round's own setting measured.
         let round_cfg = RunConfig {
@@ -358,15 +361,6 @@ fn publish(
             ..s.cfg.clone()
         };
         close.planned = crate::measure::planned(&round_cfg, &book.measured, &report.members);
-        let own = crate::measure::predict_settings(
-            &round_cfg,
-            &book.measured,
-            &report.members,
-            &[c.settings],
-        );
-        if let Some(&(_, u)) = own.as_ref().and_then(|o| o.first()) {
-            book.lived.predicted(report.round, c.settings, u);
-        }
         close.choice = settle_next(s, report.round, &round_cfg, book, &report.members);
         if let Some(p) = &close.planned {
             let options: Vec<String> = p
@@ -446,7 +440,7 @@ fn settle_next(
     s: &State,
     round: u64,
     round_cfg: &RunConfig,
-    book: &Books,
+    book: &mut Books,
     members: &[usize],
 ) -> Option<SettingsChoice> {
     let mut settle = s.settle.lock().unwrap();
@@ -460,12 +454,14 @@ fn settle_next(
                 members,
                 &chooser.candidates(),
             )?;
-            // Each candidate's prediction, corrected by what it lived when it ran.
+            // Each other candidate's prediction, corrected by what it lived when it last ran
+            // (the running one's costs are measured).
+            let running = round_cfg.sync.settings();
             let mut corrections = Vec::new();
             let predicted: Vec<(RoundSettings, f64)> = planned
                 .iter()
                 .map(|&(settings, u)| match book.lived.correction(settings) {
-                    Some(c) => {
+                    Some(c) if settings != running => {
                         corrections.push(format!(
                             "{settings} {:.1} % planned, {:+.1} points lived",
                             100.0 * u,
@@ -473,13 +469,18 @@ fn settle_next(
                         ));
                         (settings, (u + c).clamp(0.0, 1.0))
                     }
-                    None => (settings, u),
+                    _ => (settings, u),
                 })
                 .collect();
             let decision = chooser.choose(round, &predicted).map(|mut d| {
                 if !corrections.is_empty() {
                     d.reason +=
                         &format!("; corrected by what they lived: {}", corrections.join(", "));
+                }
+                // Its rounds are held to the planner's own prediction.
+                let planned_u = planned.iter().find(|(s, _)| *s == d.settings);
+                if let Some(&(settings, u)) = planned_u {
+                    book.lived.chosen(settings, u);
                 }
                 d
             });
