@@ -275,7 +275,11 @@ pub struct RoundClose {
     pub work: Vec<spes_sync::PeerWork>,
     /// `sync.round_by = "tokens"`: the rows each member of the next round trains in it, by
     /// peer.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "by_peer"
+    )]
     pub budget: BTreeMap<usize, u64>,
     /// Each upload that went into the round as the server timed it, by peer.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -610,9 +614,42 @@ impl MetricsLog {
     }
 }
 
+/// A map by peer as JSON writes it (string keys). Inside a flattened record (`RoundRecord`'s
+/// `close`) serde buffers the fields and hands the keys over as strings, which an integer-keyed
+/// map refuses, and the whole flattened part would read back as absent.
+fn by_peer<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BTreeMap<usize, u64>, D::Error> {
+    BTreeMap::<String, u64>::deserialize(d)?
+        .into_iter()
+        .map(|(k, v)| {
+            let peer = k
+                .parse()
+                .map_err(|_| serde::de::Error::custom(format!("`{k}` is not a peer id")))?;
+            Ok((peer, v))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_round_by_tokens_reads_back_with_how_it_closed() {
+        let record = RoundRecord {
+            round: 3,
+            close: Some(RoundClose {
+                joined: vec![4],
+                budget: BTreeMap::from([(0, 20), (4, 12)]),
+                ..RoundClose::default()
+            }),
+            ..RoundRecord::default()
+        };
+        let line = serde_json::to_string(&record).unwrap();
+        let back: RoundRecord = serde_json::from_str(&line).unwrap();
+        let close = back.close.expect("the close reads back");
+        assert_eq!(close.joined, vec![4]);
+        assert_eq!(close.budget, BTreeMap::from([(0, 20), (4, 12)]));
+    }
 
     #[test]
     fn a_log_rotates_and_reads_back_in_order() {
