@@ -1,7 +1,8 @@
 //! The chaos test: a real server and real nodes (processes of the `spes` binary) on 127.0.0.1.
 //! Crash points (`SPES_FAULT`, read only because this test sets it) SIGKILL one node mid-
 //! training, one mid-upload, one mid-download, and the server twice: right after node 1's
-//! first join (its cap) is durable and before the reply, and mid-publish; each is restarted. One
+//! first join (its cap) is durable and before the reply, mid-publish, and after announcing a
+//! checkpoint round before its whole model is recorded; each is restarted. One
 //! node leaves for good after round 3 and a new one joins once round 4 is out. What is asserted
 //! holds for any timing: the run finishes, every round is published once, every expert has one
 //! owner in every round, the eviction and the join are in the metrics, and every live node ends
@@ -75,11 +76,14 @@ evict_after_s = 1
         };
     let mut server_args = config_args.to_vec();
     server_args.extend(["--linger-s".into(), "20".into()]);
+    // Whole models every 4 rounds: the server dies once between announcing round 8 and
+    // recording its whole model, and restarts from round 4's.
+    server_args.extend(["--set".into(), "sync.checkpoint_every_rounds=4".into()]);
     let mut procs = vec![
         {
             let mut p = run.server(&server_args);
             // Node 1's join in round 1 declares its cap: the restart point changes.
-            (p.fault, p.restart) = (Some("joined@1,publish@4"), true);
+            (p.fault, p.restart) = (Some("joined@1,publish@4,full@8"), true);
             p
         },
         // Checkpoints every 4 rounds and dies in round 8: it restarts from the checkpoint of

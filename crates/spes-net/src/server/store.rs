@@ -345,6 +345,7 @@ impl Store {
         carried: &Named,
     ) -> Result<()> {
         let full = self.write_full(round, global, carried)?;
+        crate::fault::point("full", round);
         let (dropped, version) = progress.change(|st| {
             st.fulls.retain(|x| x.round < round);
             st.fulls.push(full);
