@@ -454,22 +454,32 @@ fn settle_next(
                 members,
                 &chooser.candidates(),
             )?;
-            // Each other candidate's prediction, corrected by what it lived when it last ran
-            // (the running one's costs are measured).
+            // The running candidate's prediction is what it lived over its last rounds; each
+            // other's is corrected by what it lived when it last ran.
             let running = round_cfg.sync.settings();
             let mut corrections = Vec::new();
             let predicted: Vec<(RoundSettings, f64)> = planned
                 .iter()
-                .map(|&(settings, u)| match book.lived.correction(settings) {
-                    Some(c) if settings != running => {
-                        corrections.push(format!(
-                            "{settings} {:.1} % planned, {:+.1} points lived",
-                            100.0 * u,
-                            100.0 * c
-                        ));
-                        (settings, (u + c).clamp(0.0, 1.0))
-                    }
-                    _ => (settings, u),
+                .map(|&(settings, u)| {
+                    let lived = if settings == running {
+                        book.lived.recent(settings, u)
+                    } else {
+                        book.lived.correction(settings).map(|c| u + c)
+                    };
+                    let Some(lived) = lived else {
+                        return (settings, u);
+                    };
+                    corrections.push(format!(
+                        "{settings} {:.1} % planned, {:+.1} points lived{}",
+                        100.0 * u,
+                        100.0 * (lived - u),
+                        if settings == running {
+                            " (running)"
+                        } else {
+                            ""
+                        }
+                    ));
+                    (settings, lived.clamp(0.0, 1.0))
                 })
                 .collect();
             let decision = chooser.choose(round, &predicted).map(|mut d| {
