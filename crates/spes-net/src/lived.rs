@@ -6,9 +6,10 @@
 //!
 //! The running setting is the other way round: its costs are measured, but the planner's model
 //! of them leaves things out (measured on loopback, a one-step overlap lived 3–5 points above
-//! its prediction, so the run left a setting that kept its target). What it lived over its last
-//! [`RECENT_ROUNDS`] rounds stands for its prediction, within [`MAX_CORRECTION`] of it: a window,
-//! not the whole tally, so a link that degrades still moves the run.
+//! its prediction, so the run left a setting that kept its target). What it lived in its last
+//! [`RECENT_ROUNDS`] rounds (the lower median of the rounds', so one round's stall does not
+//! count) stands for its prediction, within [`MAX_CORRECTION`] of it: a window, not the whole
+//! tally, so a link that degrades still moves the run.
 //!
 //! What a node lived comes from its own report (compute and idle seconds of a sync), which the
 //! server cannot check. A report counts only for a round the node uploaded to, its seconds only
@@ -162,9 +163,10 @@ impl Lived {
         Some(tally.error()?.clamp(-MAX_CORRECTION, MAX_CORRECTION))
     }
 
-    /// What the members lived under `settings` over its last [`RECENT_ROUNDS`] rounds with
-    /// reports, once there are [`MIN_LIVED_ROUNDS`] of them: the running setting's prediction,
-    /// given its `planned` one, within [`MAX_CORRECTION`] of that.
+    /// What the members lived under `settings` in its last [`RECENT_ROUNDS`] rounds with
+    /// reports (the lower median of the rounds'), once there are [`MIN_LIVED_ROUNDS`] of them:
+    /// the running setting's prediction, given its `planned` one, within [`MAX_CORRECTION`] of
+    /// that.
     pub fn recent(&self, settings: RoundSettings, planned: f64) -> Option<f64> {
         let last: Vec<&Ran> = self
             .rounds
@@ -176,12 +178,14 @@ impl Lived {
         if last.len() < MIN_LIVED_ROUNDS {
             return None;
         }
-        let mut nodes: BTreeMap<usize, (f64, f64)> = BTreeMap::new();
-        for (&peer, &(compute, idle)) in last.iter().flat_map(|ran| ran.nodes.iter()) {
-            let node = nodes.entry(peer).or_default();
-            *node = (node.0 + compute, node.1 + idle);
-        }
-        let lived = share_trained(&nodes)?;
+        // The lower median of the rounds', so that one round's stall (a merge in the close)
+        // does not move the run while a link that stays worse does.
+        let mut shares: Vec<f64> = last
+            .iter()
+            .filter_map(|ran| share_trained(&ran.nodes))
+            .collect();
+        shares.sort_by(f64::total_cmp);
+        let lived = *shares.get(shares.len().checked_sub(1)? / 2)?;
         Some(lived.clamp(planned - MAX_CORRECTION, planned + MAX_CORRECTION))
     }
 }
@@ -255,9 +259,14 @@ mod tests {
         // The members trained 90 % where 93 % was planned: 90 % stands.
         let r = lived.recent(one_step, 0.93).unwrap();
         assert!((r - 0.9).abs() < 1e-9, "{r}");
+        // One round's stall does not move it.
+        lived.closed(4, one_step, 10.0, &[0, 1, 2, 3]);
+        lived.observe(&(0..4).map(|p| report(p, 4, 4.0, 6.0)).collect::<Vec<_>>());
+        let r = lived.recent(one_step, 0.93).unwrap();
+        assert!((r - 0.9).abs() < 1e-9, "{r}");
         // Only the last rounds count: a link that got worse moves it within a window.
         lived.chosen(through, 0.8);
-        rounds(&mut lived, through, 4, 8, 9.0);
+        rounds(&mut lived, through, 5, 8, 9.0);
         for round in 9..=13 {
             lived.closed(round, through, 10.0, &[0, 1, 2, 3]);
             let reports: Vec<NodeRound> = (0..4).map(|p| report(p, round, 6.0, 4.0)).collect();
@@ -267,7 +276,7 @@ mod tests {
         assert!((r - 0.6).abs() < 1e-9, "{r}");
         // ... while the whole tally remembers the good rounds too.
         let c = lived.correction(through).unwrap();
-        assert!((c - (0.75 - 0.8)).abs() < 1e-9, "{c}");
+        assert!((c - (66.0 / 90.0 - 0.8)).abs() < 1e-9, "{c}");
         // Bounded as a correction is, either way.
         assert_eq!(lived.recent(through, 0.80), Some(0.80 - MAX_CORRECTION));
         assert_eq!(lived.recent(one_step, 0.50), Some(0.50 + MAX_CORRECTION));
