@@ -1,30 +1,30 @@
 //! How busy the members were under each setting an adaptive run chose, against the prediction
-//! it was chosen on. The planner is close for the setting that runs, whose costs it measures,
-//! and further off for the others, which borrow those costs: a setting chosen on a prediction
-//! its rounds then fall short of is predicted that much lower while another runs, so it is not
-//! taken again and again.
+//! it was chosen on. The planner's figures for the settings not running borrow the running
+//! one's costs: a setting chosen on a prediction its rounds then fall short of is predicted that
+//! much lower while another runs, so it is not taken again and again.
 //!
-//! The running setting is the other way round: its costs are measured, but the planner's model
-//! of them leaves things out (measured on loopback, a one-step overlap lived 3–5 points above
-//! its prediction, so the run left a setting that kept its target). What it lived in its last
-//! [`RECENT_ROUNDS`] rounds (the lower median of the rounds', so one round's stall does not
-//! count) stands for its prediction, within [`MAX_CORRECTION`] of it: a window, not the whole
-//! tally, so a link that degrades still moves the run.
+//! The running setting's costs are measured, but the planner's model of them leaves things
+//! out (on loopback a one-step overlap lived 3–5 points above its prediction, so the run left a
+//! setting that kept its target). What it lived in its last [`RECENT_ROUNDS`] rounds since it
+//! started (the lower median of the rounds', so one round's stall does not count) stands for its
+//! prediction: a window, not the whole tally, so a link that degrades still moves the run.
 //!
 //! What a node lived comes from its own report (compute and idle seconds of a sync), which the
 //! server cannot check. A report counts only for a round the node uploaded to, its seconds only
-//! within the server's own round time, and the figure is the lower median of the nodes' (the
-//! least busy with fewer than three), so one node alone cannot move it; a correction is bounded
-//! ([`MAX_CORRECTION`]).
+//! within the server's own round time, and a round's figure is the lower median of the nodes'
+//! (the least busy's with fewer than three), so one node alone cannot move it past what the
+//! others lived (with fewer than three, only down); a running setting's round counts once three
+//! of its uploaders reported (all, with fewer). Either figure stays within [`MAX_CORRECTION`] of
+//! the planner's.
 
 use spes_sync::RoundSettings;
 use spes_train::metrics::NodeRound;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Rounds a chosen setting must have lived, reported by its members, before it corrects.
+/// Rounds a setting must have lived, reported by its members, before what it lived counts.
 pub const MIN_LIVED_ROUNDS: usize = 3;
 
-/// The most a correction moves a prediction, either way.
+/// The most what a setting lived moves its prediction, either way.
 pub const MAX_CORRECTION: f64 = 0.15;
 
 /// The running setting's last rounds that stand for its prediction.
@@ -39,7 +39,8 @@ const FORGET_ROUNDS: u64 = 60;
 /// What each chosen setting was predicted and lived, as the rounds' reports come in.
 #[derive(Clone, Debug, Default)]
 pub struct Lived {
-    /// Per recent round: its settings, its time on the server's clock and who uploaded to it.
+    /// Per recent round: its settings, its time on the server's clock, who uploaded to it and
+    /// what they reported.
     rounds: BTreeMap<u64, Ran>,
     /// Per setting chosen on a prediction: that prediction and what its rounds lived.
     tallies: Vec<(RoundSettings, Tally)>,
@@ -163,30 +164,42 @@ impl Lived {
         Some(tally.error()?.clamp(-MAX_CORRECTION, MAX_CORRECTION))
     }
 
-    /// What the members lived under `settings` in its last [`RECENT_ROUNDS`] rounds with
-    /// reports (the lower median of the rounds'), once there are [`MIN_LIVED_ROUNDS`] of them:
-    /// the running setting's prediction, given its `planned` one, within [`MAX_CORRECTION`] of
-    /// that.
+    /// What the members lived under `settings` in its last [`RECENT_ROUNDS`] rounds since it
+    /// last started (the lower median of the rounds'), once [`MIN_LIVED_ROUNDS`] of them were
+    /// reported: the running setting's prediction, given its `planned` one, within
+    /// [`MAX_CORRECTION`] of that.
     pub fn recent(&self, settings: RoundSettings, planned: f64) -> Option<f64> {
-        let last: Vec<&Ran> = self
+        if !planned.is_finite() {
+            return None;
+        }
+        let mut shares: Vec<f64> = self
             .rounds
             .values()
             .rev()
-            .filter(|ran| ran.settings == settings && !ran.nodes.is_empty())
+            .take_while(|ran| ran.settings == settings)
+            .filter_map(Ran::lived)
             .take(RECENT_ROUNDS)
             .collect();
-        if last.len() < MIN_LIVED_ROUNDS {
+        if shares.len() < MIN_LIVED_ROUNDS {
             return None;
         }
         // The lower median of the rounds', so that one round's stall (a merge in the close)
         // does not move the run while a link that stays worse does.
-        let mut shares: Vec<f64> = last
-            .iter()
-            .filter_map(|ran| share_trained(&ran.nodes))
-            .collect();
         shares.sort_by(f64::total_cmp);
-        let lived = *shares.get(shares.len().checked_sub(1)? / 2)?;
+        let lived = shares[(shares.len() - 1) / 2];
         Some(lived.clamp(planned - MAX_CORRECTION, planned + MAX_CORRECTION))
+    }
+}
+
+impl Ran {
+    /// What the round's members lived, once three of its uploaders reported (all of them, with
+    /// fewer): a round that one report alone stands for could be moved by that node.
+    fn lived(&self) -> Option<f64> {
+        let quorum = self.uploaders.len().min(3);
+        if self.nodes.len() < quorum.max(1) {
+            return None;
+        }
+        share_trained(&self.nodes)
     }
 }
 
@@ -252,6 +265,13 @@ mod tests {
         let one_step = settings(Wire::Int4Delta, 1);
         let through = settings(Wire::Int4Delta, 0);
         let mut lived = Lived::default();
+        let every = |lived: &mut Lived, s: RoundSettings, round: u64, compute_s: f64| {
+            lived.closed(round, s, 10.0, &[0, 1, 2, 3]);
+            let reports: Vec<NodeRound> = (0..4)
+                .map(|p| report(p, round, compute_s, 10.0 - compute_s))
+                .collect();
+            lived.observe(&reports);
+        };
         // Not chosen on a prediction, the first rounds' setting still has rounds that stand.
         rounds(&mut lived, one_step, 1, 2, 9.0);
         assert_eq!(lived.recent(one_step, 0.93), None, "two rounds are too few");
@@ -260,31 +280,39 @@ mod tests {
         let r = lived.recent(one_step, 0.93).unwrap();
         assert!((r - 0.9).abs() < 1e-9, "{r}");
         // One round's stall does not move it.
-        lived.closed(4, one_step, 10.0, &[0, 1, 2, 3]);
-        lived.observe(&(0..4).map(|p| report(p, 4, 4.0, 6.0)).collect::<Vec<_>>());
+        every(&mut lived, one_step, 4, 4.0);
         let r = lived.recent(one_step, 0.93).unwrap();
         assert!((r - 0.9).abs() < 1e-9, "{r}");
-        // Only the last rounds count: a link that got worse moves it within a window.
+        // Nor do rounds that one node alone reported so far.
+        for round in 5..=6 {
+            lived.closed(round, one_step, 10.0, &[0, 1, 2, 3]);
+            lived.observe(&[report(0, round, 1.0, 9.0)]);
+        }
+        let r = lived.recent(one_step, 0.93).unwrap();
+        assert!((r - 0.9).abs() < 1e-9, "{r}");
+        // Within the bound of the planner's figure, either way.
+        assert_eq!(lived.recent(one_step, 0.50), Some(0.50 + MAX_CORRECTION));
+        assert_eq!(lived.recent(one_step, f64::NAN), None);
+        // Only the last rounds of the setting's stretch count: a link that got worse moves it.
         lived.chosen(through, 0.8);
-        rounds(&mut lived, through, 5, 8, 9.0);
-        for round in 9..=13 {
-            lived.closed(round, through, 10.0, &[0, 1, 2, 3]);
-            let reports: Vec<NodeRound> = (0..4).map(|p| report(p, round, 6.0, 4.0)).collect();
-            lived.observe(&reports);
+        for round in 7..=12 {
+            every(&mut lived, through, round, 9.0);
+        }
+        for round in 13..=17 {
+            every(&mut lived, through, round, 6.0);
         }
         let r = lived.recent(through, 0.7).unwrap();
         assert!((r - 0.6).abs() < 1e-9, "{r}");
+        assert_eq!(lived.recent(through, 0.80), Some(0.80 - MAX_CORRECTION));
+        assert_eq!(lived.recent(one_step, 0.93), None, "its stretch ended");
         // ... while the whole tally remembers the good rounds too.
         let c = lived.correction(through).unwrap();
-        assert!((c - (66.0 / 90.0 - 0.8)).abs() < 1e-9, "{c}");
-        // Bounded as a correction is, either way.
-        assert_eq!(lived.recent(through, 0.80), Some(0.80 - MAX_CORRECTION));
-        assert_eq!(lived.recent(one_step, 0.50), Some(0.50 + MAX_CORRECTION));
+        assert!((c - (84.0 / 110.0 - 0.8)).abs() < 1e-9, "{c}");
         // Reports of a round not yet closed, or from a node that did not upload, do not count.
-        lived.closed(14, through, 10.0, &[0, 1, 2]);
-        lived.observe(&[report(3, 14, 10.0, 0.0), report(0, 15, 10.0, 0.0)]);
-        let r = lived.recent(through, 0.7).unwrap();
-        assert!((r - 0.6).abs() < 1e-9, "{r}");
+        lived.closed(18, through, 10.0, &[0, 1, 2]);
+        lived.observe(&[report(3, 18, 10.0, 0.0), report(0, 19, 10.0, 0.0)]);
+        assert!(lived.rounds[&18].nodes.is_empty());
+        assert!(!lived.rounds.contains_key(&19));
     }
 
     #[test]
