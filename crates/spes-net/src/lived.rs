@@ -36,7 +36,7 @@ const KEEP_ROUNDS: u64 = 16;
 /// Rounds after its last that a setting's tally is forgotten (links and speeds change).
 const FORGET_ROUNDS: u64 = 60;
 
-/// What each chosen setting was predicted and lived, as the rounds' reports come in.
+/// What the recent rounds and each chosen setting lived, as the rounds' reports come in.
 #[derive(Clone, Debug, Default)]
 pub struct Lived {
     /// Per recent round: its settings, its time on the server's clock, who uploaded to it and
@@ -79,18 +79,25 @@ impl Tally {
 /// The members' lower median share of their time trained (the least busy one's with fewer than
 /// three), from each node's compute and idle seconds.
 fn share_trained(nodes: &BTreeMap<usize, (f64, f64)>) -> Option<f64> {
-    let mut shares: Vec<f64> = nodes
-        .values()
-        .filter(|(c, i)| c + i > 0.0)
-        .map(|(c, i)| c / (c + i))
-        .collect();
-    shares.sort_by(f64::total_cmp);
-    let at = if shares.len() >= 3 {
-        (shares.len() - 1) / 2
+    lower_median(
+        nodes
+            .values()
+            .filter(|(c, i)| c + i > 0.0)
+            .map(|(c, i)| c / (c + i))
+            .collect(),
+    )
+}
+
+/// The lower median of `values`, or the least of fewer than three: one figure alone cannot
+/// raise it.
+fn lower_median(mut values: Vec<f64>) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    let at = if values.len() >= 3 {
+        (values.len() - 1) / 2
     } else {
         0
     };
-    shares.get(at).copied()
+    values.get(at).copied()
 }
 
 impl Lived {
@@ -156,10 +163,21 @@ impl Lived {
         }
     }
 
+    /// What stands for the prediction of `settings`, planned at `planned`, once it lived enough
+    /// rounds: for the `running` setting what its last rounds lived ([`Lived::recent`]), for
+    /// another its plan corrected by what it lived when it last ran ([`Lived::correction`]).
+    pub fn predicted(&self, settings: RoundSettings, planned: f64, running: bool) -> Option<f64> {
+        if running {
+            self.recent(settings, planned)
+        } else {
+            Some(planned + self.correction(settings)?)
+        }
+    }
+
     /// How far what the members lived under `settings` fell short of (or beyond) the
     /// prediction it was chosen on, bounded, once it ran [`MIN_LIVED_ROUNDS`] rounds: what to
     /// add to its prediction while another setting runs.
-    pub fn correction(&self, settings: RoundSettings) -> Option<f64> {
+    fn correction(&self, settings: RoundSettings) -> Option<f64> {
         let (_, tally) = self.tallies.iter().find(|(s, _)| *s == settings)?;
         Some(tally.error()?.clamp(-MAX_CORRECTION, MAX_CORRECTION))
     }
@@ -168,11 +186,11 @@ impl Lived {
     /// last started (the lower median of the rounds'), once [`MIN_LIVED_ROUNDS`] of them were
     /// reported: the running setting's prediction, given its `planned` one, within
     /// [`MAX_CORRECTION`] of that.
-    pub fn recent(&self, settings: RoundSettings, planned: f64) -> Option<f64> {
+    fn recent(&self, settings: RoundSettings, planned: f64) -> Option<f64> {
         if !planned.is_finite() {
             return None;
         }
-        let mut shares: Vec<f64> = self
+        let shares: Vec<f64> = self
             .rounds
             .values()
             .rev()
@@ -185,8 +203,7 @@ impl Lived {
         }
         // The lower median of the rounds', so that one round's stall (a merge in the close)
         // does not move the run while a link that stays worse does.
-        shares.sort_by(f64::total_cmp);
-        let lived = shares[(shares.len() - 1) / 2];
+        let lived = lower_median(shares)?;
         Some(lived.clamp(planned - MAX_CORRECTION, planned + MAX_CORRECTION))
     }
 }

@@ -461,12 +461,7 @@ fn settle_next(
             let predicted: Vec<(RoundSettings, f64)> = planned
                 .iter()
                 .map(|&(settings, u)| {
-                    let lived = if settings == running {
-                        book.lived.recent(settings, u)
-                    } else {
-                        book.lived.correction(settings).map(|c| u + c)
-                    };
-                    let Some(lived) = lived else {
+                    let Some(lived) = book.lived.predicted(settings, u, settings == running) else {
                         return (settings, u);
                     };
                     corrections.push(format!(
