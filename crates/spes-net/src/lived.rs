@@ -16,6 +16,11 @@
 //! others lived (with fewer than three, only down); a running setting's round counts once three
 //! of its uploaders reported (all, with fewer). Either figure stays within [`MAX_CORRECTION`] of
 //! the planner's.
+//!
+//! A setting's tally is forgotten [`FORGET_ROUNDS`] rounds after its last round, so a run
+//! retries it once its links may have changed; each more time in a row it falls short of its
+//! prediction it is remembered twice as long (up to 960 rounds), so a setting the planner keeps
+//! overrating costs a long run a few rounds ever more rarely, not every 65.
 
 use spes_sync::RoundSettings;
 use spes_train::metrics::NodeRound;
@@ -33,8 +38,13 @@ pub const RECENT_ROUNDS: usize = 5;
 /// Rounds whose settings are kept for the reports still to come.
 const KEEP_ROUNDS: u64 = 16;
 
-/// Rounds after its last that a setting's tally is forgotten (links and speeds change).
+/// Rounds after its last that a setting's tally is forgotten (links and speeds change), if it
+/// lived up to its prediction or fell short the first time; each more time in a row it fell
+/// short, twice as many.
 const FORGET_ROUNDS: u64 = 60;
+
+/// The most times [`FORGET_ROUNDS`] doubles (60 · 2⁴ = 960 rounds).
+const MAX_DOUBLINGS: u32 = 4;
 
 /// What the recent rounds and each chosen setting lived, as the rounds' reports come in.
 #[derive(Clone, Debug, Default)]
@@ -44,6 +54,10 @@ pub struct Lived {
     rounds: BTreeMap<u64, Ran>,
     /// Per setting chosen on a prediction: that prediction and what its rounds lived.
     tallies: Vec<(RoundSettings, Tally)>,
+    /// Per setting: how many of its tallies in a row ended short of their prediction.
+    /// Forgetting lets a run retry a setting once its links may have changed; one that keeps
+    /// falling short is retried ever more rarely instead of every [`FORGET_ROUNDS`] rounds.
+    short: Vec<(RoundSettings, u32)>,
     /// The reports counted, by peer and round (a report repeats until the next).
     counted: BTreeSet<(usize, u64)>,
 }
@@ -64,9 +78,29 @@ struct Tally {
     expected: f64,
     nodes: BTreeMap<usize, (f64, f64)>,
     rounds: BTreeSet<u64>,
+    /// Its setting's tallies in a row that ended short before this one.
+    short_before: u32,
 }
 
 impl Tally {
+    /// Its setting's tallies in a row short of their prediction, this one included: one more
+    /// if it lived further below its prediction than the chooser's margin, none if it did
+    /// not, as before if it lived too few rounds to tell.
+    fn short_in_a_row(&self) -> u32 {
+        match self.error() {
+            Some(e) if e < -crate::choose::MARGIN => (self.short_before + 1).min(MAX_DOUBLINGS + 1),
+            Some(_) => 0,
+            None => self.short_before,
+        }
+    }
+
+    /// Whether it is still remembered after round `round` closed.
+    fn kept(&self, round: u64) -> bool {
+        let last = self.rounds.last().copied().unwrap_or(round);
+        let doublings = self.short_in_a_row().saturating_sub(1).min(MAX_DOUBLINGS);
+        round - last.min(round) <= FORGET_ROUNDS << doublings
+    }
+
     /// What the members lived minus the prediction the setting was chosen on.
     fn error(&self) -> Option<f64> {
         if self.rounds.len() < MIN_LIVED_ROUNDS {
@@ -103,14 +137,38 @@ fn lower_median(mut values: Vec<f64>) -> Option<f64> {
 impl Lived {
     /// The chooser took `settings`, predicted at `utilization`: its tally starts over.
     pub fn chosen(&mut self, settings: RoundSettings, utilization: f64) {
-        self.tallies.retain(|(s, _)| *s != settings);
+        self.end_tallies(|s, _| s == settings);
         if utilization.is_finite() {
             let tally = Tally {
                 expected: utilization,
+                short_before: self.short_of(settings),
                 ..Tally::default()
             };
             self.tallies.push((settings, tally));
         }
+    }
+
+    /// Ends the tallies `end` picks, keeping whether they fell short for the next ones.
+    fn end_tallies(&mut self, end: impl Fn(RoundSettings, &Tally) -> bool) {
+        let (ended, kept) = std::mem::take(&mut self.tallies)
+            .into_iter()
+            .partition(|(s, t)| end(*s, t));
+        self.tallies = kept;
+        for (settings, tally) in ended {
+            self.short.retain(|(s, _)| *s != settings);
+            let short = tally.short_in_a_row();
+            if short > 0 {
+                self.short.push((settings, short));
+            }
+        }
+    }
+
+    /// How many of `settings`' tallies in a row ended short.
+    fn short_of(&self, settings: RoundSettings) -> u32 {
+        self.short
+            .iter()
+            .find(|(s, _)| *s == settings)
+            .map_or(0, |(_, b)| *b)
     }
 
     /// Round `round` closed: it ran `settings`, took `round_s` seconds from its opening to its
@@ -132,9 +190,7 @@ impl Lived {
         let oldest = round.saturating_sub(KEEP_ROUNDS);
         self.rounds.retain(|&r, _| r >= oldest);
         self.counted.retain(|&(_, r)| r >= oldest);
-        let forget = round.saturating_sub(FORGET_ROUNDS);
-        self.tallies
-            .retain(|(_, t)| t.rounds.last().is_none_or(|&r| r >= forget));
+        self.end_tallies(|_, t| !t.kept(round));
     }
 
     /// Takes in the nodes' reports of their syncs, each for the round its sync loaded.
@@ -354,5 +410,60 @@ mod tests {
             all.observe(&[report(0, round, 10.0, 50.0), report(1, round, 5.0, 5.0)]);
         }
         assert_eq!(all.correction(s), Some(-MAX_CORRECTION));
+    }
+
+    #[test]
+    fn a_setting_that_keeps_falling_short_is_retried_ever_more_rarely() {
+        let short = settings(Wire::LowrankDelta, 1);
+        let other = settings(Wire::Int4Delta, 0);
+        let mut lived = Lived::default();
+        // Chosen at 98 %, it lives 90 %; then another setting runs.
+        let try_short = |lived: &mut Lived, from: u64, slow: f64| {
+            lived.chosen(short, 0.98);
+            rounds(lived, short, from, from + 4, slow);
+            assert!(lived.correction(short).is_some());
+            lived.chosen(other, 0.96);
+        };
+        try_short(&mut lived, 1, 9.0);
+        rounds(&mut lived, other, 6, 65, 9.0);
+        assert!(
+            lived.correction(short).is_some(),
+            "60 rounds after its last"
+        );
+        rounds(&mut lived, other, 66, 66, 9.0);
+        assert_eq!(lived.correction(short), None, "forgotten the first time");
+        // Retried, it falls short again: remembered twice as long.
+        try_short(&mut lived, 67, 9.0);
+        rounds(&mut lived, other, 72, 71 + 120, 9.0);
+        assert!(
+            lived.correction(short).is_some(),
+            "120 rounds after its last"
+        );
+        rounds(&mut lived, other, 192, 192, 9.0);
+        assert_eq!(lived.correction(short), None);
+        // Then four times as long, ... up to 960 rounds.
+        let mut from = 193;
+        for kept in [240, 480, 960, 960] {
+            try_short(&mut lived, from, 9.0);
+            rounds(&mut lived, other, from + 5, from + 4 + kept, 9.0);
+            assert!(
+                lived.correction(short).is_some(),
+                "{kept} rounds after its last"
+            );
+            rounds(&mut lived, other, from + 5 + kept, from + 5 + kept, 9.0);
+            assert_eq!(lived.correction(short), None, "{kept}");
+            from += 6 + kept;
+        }
+        // Living up to its prediction (its members 97-98 % where 98 % was predicted, within the
+        // chooser's margin) starts the count over: forgotten after 60 rounds again.
+        lived.chosen(short, 0.98);
+        for round in from..from + 5 {
+            lived.closed(round, short, 100.0, &[0, 1, 2, 3]);
+            let reports: Vec<NodeRound> = (0..4).map(|p| report(p, round, 97.0, 3.0)).collect();
+            lived.observe(&reports);
+        }
+        lived.chosen(other, 0.96);
+        rounds(&mut lived, other, from + 5, from + 4 + 61, 9.0);
+        assert_eq!(lived.correction(short), None, "the count started over");
     }
 }
