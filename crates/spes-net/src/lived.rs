@@ -418,13 +418,13 @@ mod tests {
         let other = settings(Wire::Int4Delta, 0);
         let mut lived = Lived::default();
         // Chosen at 98 %, it lives 90 %; then another setting runs.
-        let try_short = |lived: &mut Lived, from: u64, slow: f64| {
+        let try_short = |lived: &mut Lived, from: u64| {
             lived.chosen(short, 0.98);
-            rounds(lived, short, from, from + 4, slow);
+            rounds(lived, short, from, from + 4, 9.0);
             assert!(lived.correction(short).is_some());
             lived.chosen(other, 0.96);
         };
-        try_short(&mut lived, 1, 9.0);
+        try_short(&mut lived, 1);
         rounds(&mut lived, other, 6, 65, 9.0);
         assert!(
             lived.correction(short).is_some(),
@@ -433,7 +433,7 @@ mod tests {
         rounds(&mut lived, other, 66, 66, 9.0);
         assert_eq!(lived.correction(short), None, "forgotten the first time");
         // Retried, it falls short again: remembered twice as long.
-        try_short(&mut lived, 67, 9.0);
+        try_short(&mut lived, 67);
         rounds(&mut lived, other, 72, 71 + 120, 9.0);
         assert!(
             lived.correction(short).is_some(),
@@ -444,7 +444,7 @@ mod tests {
         // Then four times as long, ... up to 960 rounds.
         let mut from = 193;
         for kept in [240, 480, 960, 960] {
-            try_short(&mut lived, from, 9.0);
+            try_short(&mut lived, from);
             rounds(&mut lived, other, from + 5, from + 4 + kept, 9.0);
             assert!(
                 lived.correction(short).is_some(),
