@@ -40,7 +40,7 @@ const KEEP_ROUNDS: u64 = 16;
 
 /// Rounds after its last that a setting's tally is forgotten (links and speeds change), if it
 /// lived up to its prediction or fell short the first time; each more time in a row it fell
-/// short, twice as many.
+/// short, twice as many (a tally of too few rounds to tell keeps the count before it).
 const FORGET_ROUNDS: u64 = 60;
 
 /// The most times [`FORGET_ROUNDS`] doubles (60 · 2⁴ = 960 rounds).
@@ -83,9 +83,9 @@ struct Tally {
 }
 
 impl Tally {
-    /// Its setting's tallies in a row short of their prediction, this one included: one more
-    /// if it lived further below its prediction than the chooser's margin, none if it did
-    /// not, as before if it lived too few rounds to tell.
+    /// Its setting's tallies in a row short of their prediction, this one included (at most
+    /// one more than the doublings): one more if it lived further below its prediction than
+    /// the chooser's margin, none if it did not, as before if it lived too few rounds to tell.
     fn short_in_a_row(&self) -> u32 {
         match self.error() {
             Some(e) if e < -crate::choose::MARGIN => (self.short_before + 1).min(MAX_DOUBLINGS + 1),
@@ -454,8 +454,14 @@ mod tests {
             assert_eq!(lived.correction(short), None, "{kept}");
             from += 6 + kept;
         }
-        // Living up to its prediction (its members 97-98 % where 98 % was predicted, within the
-        // chooser's margin) starts the count over: forgotten after 60 rounds again.
+        // Chosen again and moved away from after two rounds, too few to tell: the count stays.
+        lived.chosen(short, 0.98);
+        rounds(&mut lived, short, from, from + 1, 9.0);
+        lived.chosen(other, 0.96);
+        assert_eq!(lived.short_of(short), MAX_DOUBLINGS + 1);
+        from += 2;
+        // Living up to its prediction (its members 97 % where 98 % was predicted, within the
+        // chooser's margin) starts the count over: forgotten after 60 rounds again, ...
         lived.chosen(short, 0.98);
         for round in from..from + 5 {
             lived.closed(round, short, 100.0, &[0, 1, 2, 3]);
@@ -463,7 +469,17 @@ mod tests {
             lived.observe(&reports);
         }
         lived.chosen(other, 0.96);
-        rounds(&mut lived, other, from + 5, from + 4 + 61, 9.0);
+        rounds(&mut lived, other, from + 5, from + 4 + 60, 9.0);
+        assert!(
+            lived.correction(short).is_some(),
+            "60 rounds after its last"
+        );
+        rounds(&mut lived, other, from + 65, from + 65, 9.0);
         assert_eq!(lived.correction(short), None, "the count started over");
+        // ... and falling short again after that counts from one.
+        from += 66;
+        try_short(&mut lived, from);
+        rounds(&mut lived, other, from + 5, from + 65, 9.0);
+        assert_eq!(lived.correction(short), None, "60 rounds, not 960");
     }
 }
