@@ -17,8 +17,9 @@ pub const MIN_ROUNDS: u64 = 5;
 pub const MARGIN: f64 = 0.02;
 
 /// How much lower a setting's expected loss must be for a run that reaches its target to
-/// change to it.
-pub const LOSS_MARGIN: f64 = 5e-4;
+/// change to it: what the loss table resolves. Its top rows' paired differences move by up to
+/// ±0.2 % from seed to seed, so the mean of its two seeds leaves about 0.1 % unresolved.
+pub const LOSS_MARGIN: f64 = 1e-3;
 
 /// Predicted utilizations this close count as equally busy.
 pub const AS_BUSY: f64 = 0.005;
@@ -245,12 +246,16 @@ mod tests {
         let just = |s: RoundSettings| if s == best { 0.955 } else { 0.99 };
         assert_eq!(c.choose(10, &predicted(&c, just)).unwrap().settings, next);
         // A setting that reaches the target stays unless another is clearly better.
-        let rows = vec![
-            row(Wire::Bf16Delta, None, 1.0),
-            row(Wire::LowrankDelta, Some(1), 1.0002),
-        ];
-        let mut c = Chooser::new(0.95, rows, FIRST_ROUNDS, 1, true);
-        assert_eq!(c.choose(10, &predicted(&c, |_| 0.99)), None);
+        // Better by 0.08 % (less than the table resolves) it stays; by 0.15 % it moves.
+        for (current, moves) in [(1.0008, false), (1.0015, true)] {
+            let rows = vec![
+                row(Wire::Bf16Delta, None, 1.0),
+                row(Wire::LowrankDelta, Some(1), current),
+            ];
+            let mut c = Chooser::new(0.95, rows, FIRST_ROUNDS, 1, true);
+            let chosen = c.choose(10, &predicted(&c, |_| 0.99));
+            assert_eq!(chosen.is_some(), moves, "{current}");
+        }
         // A prediction missing for the current setting decides nothing.
         let mut c = chooser(true);
         assert_eq!(c.choose(10, &[(best, 1.0)]), None);
