@@ -98,7 +98,13 @@ impl Chooser {
             })
             .copied();
         let (pick, why) = match pick {
-            Some(p) if p.settings == self.current => return self.keep(),
+            Some(p) if p.settings == self.current && self.chosen => return self.keep(),
+            // The first decision is recorded even where it keeps the first rounds' setting, so
+            // that every run says what it chose and why, and a replay takes the same path.
+            Some(p) if p.settings == self.current => (
+                p,
+                "the first rounds' setting is the one of least expected loss that keeps the slowest member busy enough",
+            ),
             Some(p) if fits(self.current, 0.0) => {
                 if p.loss_ratio > current_loss - LOSS_MARGIN {
                     return self.keep();
@@ -256,6 +262,16 @@ mod tests {
             let chosen = c.choose(10, &predicted(&c, |_| 0.99));
             assert_eq!(chosen.is_some(), moves, "{current}");
         }
+        // The first decision is recorded even where it keeps the first rounds' setting; a later
+        // keep is not.
+        let first = vec![
+            row(Wire::LowrankDelta, Some(1), 1.0),
+            row(Wire::Bf16Delta, None, 1.01),
+        ];
+        let mut c = Chooser::new(0.95, first, FIRST_ROUNDS, 1, false);
+        let kept = c.choose(10, &predicted(&c, |_| 0.99)).unwrap();
+        assert_eq!((kept.from_round, kept.settings), (12, FIRST_ROUNDS));
+        assert_eq!(c.choose(20, &predicted(&c, |_| 0.99)), None);
         // A prediction missing for the current setting decides nothing.
         let mut c = chooser(true);
         assert_eq!(c.choose(10, &[(best, 1.0)]), None);

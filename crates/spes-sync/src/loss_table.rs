@@ -35,7 +35,7 @@ const fn row(wire: Wire, overlap: Option<u64>, loss_ratio: f64) -> LossRow {
 /// The candidates and their expected loss, best first: final validation CE of the recipe grid's
 /// centre recipe (4 nodes, 250 steps, 5 steps a round) with each setting over the best one's,
 /// the mean of seeds 0 and 1, `spes simulate` with the overlap as a fixed delay (through the
-/// round: 5 steps); seed 0 at commits d35a485 and 750a418, seed 1 at a1fab41 and 0d2cc94
+/// round: 5 steps); seed 0 at commits d35a485 and 750a418, seed 1 at 419f35f
 /// (docs/guides/configuration.md#settings-that-choose-themselves has the table and command).
 /// Rows closer than about 0.1 % are not ordered by it (their paired differences change sign
 /// from seed to seed), so the server's chooser moves for a gain only beyond its loss margin.
