@@ -98,7 +98,7 @@ impl Tally {
     fn kept(&self, round: u64) -> bool {
         let last = self.rounds.last().copied().unwrap_or(round);
         let doublings = self.short_in_a_row().saturating_sub(1).min(MAX_DOUBLINGS);
-        round - last.min(round) <= FORGET_ROUNDS << doublings
+        round.saturating_sub(last) <= FORGET_ROUNDS << doublings
     }
 
     /// What the members lived minus the prediction the setting was chosen on.
