@@ -8,11 +8,16 @@
 
 use crate::link::LinkSpec;
 use crate::plan::{self, PlanInput, PlanRow, WireOption};
-use spes_sync::RoundSettings;
+use spes_sync::wire_cost::WireCost;
+use spes_sync::{RoundSettings, Wire};
 use spes_train::metrics::{Planned, PlannedOption, RoundClose, UploadTiming};
 use spes_train::{Mode, RunConfig};
 use std::collections::BTreeMap;
 use std::time::Duration;
+
+/// What each wire's code costs on the run's model, as the server timed it
+/// ([`spes_sync::wire_cost`]).
+pub type WireCosts = BTreeMap<Wire, WireCost>;
 
 /// The newest round's figure weighs this much in a node's running mean.
 const WEIGHT: f64 = 0.3;
@@ -272,11 +277,67 @@ pub fn plan_input(
     input
 }
 
+/// The planner's input for `option` in a run that ran `current` on `input` (scaled to what
+/// `current` measured). Where `costs` timed both wires' code, `option`'s fold and close are
+/// the running wire's measured ones plus the timed difference (the server timed both, on the
+/// machine that folds), and its apply the running one's times the timed ratio (a node's
+/// machine may be faster or slower than the server's: only the ratio carries over). Otherwise
+/// `option` borrows the running wire's scales.
+fn input_for(
+    input: &PlanInput,
+    current: Option<WireOption>,
+    option: WireOption,
+    costs: Option<&WireCosts>,
+) -> PlanInput {
+    let timed = |o: WireOption| costs.and_then(|c| c.get(&o.wire()));
+    let Some(cur) = current.filter(|c| c.wire() != option.wire()) else {
+        return input.clone();
+    };
+    let (Some(ran_cost), Some(cost)) = (timed(cur), timed(option)) else {
+        return input.clone();
+    };
+    let ran = plan::plan(input, cur);
+    let rated = plan::plan(
+        &PlanInput {
+            apply_scale: 1.0,
+            fold_scale: 1.0,
+            close_scale: 1.0,
+            ..input.clone()
+        },
+        option,
+    );
+    let scale = |target: f64, rated: f64, otherwise: f64| {
+        if rated > 0.0 && target.is_finite() {
+            target.max(0.0) / rated
+        } else {
+            otherwise
+        }
+    };
+    let total = input.model.param_counts().total.max(1) as f64;
+    let shards = input.shards.max(1) as f64;
+    let fold = ran.fold_s + ran.up_values / total * (cost.fold_s - ran_cost.fold_s);
+    let close = ran.close_s + (cost.encode_s - ran_cost.encode_s) / shards;
+    let apply = ran.apply_s * cost.apply_s / ran_cost.apply_s;
+    PlanInput {
+        fold_scale: scale(fold, rated.fold_s, input.fold_scale),
+        close_scale: scale(close, rated.close_s, input.close_scale),
+        apply_scale: scale(apply, rated.apply_s, input.apply_scale),
+        ..input.clone()
+    }
+}
+
 /// What every wire option would give on the measured links, the run's own option first.
-pub fn predict(input: &PlanInput, current: Option<WireOption>) -> Vec<PlanRow> {
+pub fn predict(
+    input: &PlanInput,
+    current: Option<WireOption>,
+    costs: Option<&WireCosts>,
+) -> Vec<PlanRow> {
     let mut options: Vec<WireOption> = current.into_iter().collect();
     options.extend(WireOption::ALL.into_iter().filter(|o| Some(*o) != current));
-    options.into_iter().map(|o| plan::plan(input, o)).collect()
+    options
+        .into_iter()
+        .map(|o| plan::plan(&input_for(input, current, o, costs), o))
+        .collect()
 }
 
 /// The slowest member's figures among `members`, once every one was measured and is a number
@@ -299,15 +360,18 @@ fn slowest(measured: &Measured, members: &[usize]) -> Option<Figures> {
 
 /// Each of `candidates`' predicted utilization of the slowest member among `members` on the
 /// links `measured`, for a run of `cfg` whose `sync` holds the open round's settings (its
-/// measured apply, fold and close scale every candidate's); `None` until the figures are in.
+/// measured apply, fold and close carried to every candidate's wire by `costs`:
+/// [`input_for`]); `None` until the figures are in.
 pub fn predict_settings(
     cfg: &RunConfig,
     measured: &Measured,
     members: &[usize],
     candidates: &[RoundSettings],
+    costs: Option<&WireCosts>,
 ) -> Option<Vec<(RoundSettings, f64)>> {
     let f = slowest(measured, members)?;
-    let input = plan_input(cfg, members.len(), &f, WireOption::of(&cfg.sync));
+    let current = WireOption::of(&cfg.sync);
+    let input = plan_input(cfg, members.len(), &f, current);
     Some(
         candidates
             .iter()
@@ -316,7 +380,7 @@ pub fn predict_settings(
                 let row = plan::plan(
                     &PlanInput {
                         overlap_cap: cap,
-                        ..input.clone()
+                        ..input_for(&input, current, option, costs)
                     },
                     option,
                 );
@@ -328,11 +392,16 @@ pub fn predict_settings(
 
 /// What the planner predicts for `cfg`'s run on the links `measured` among `members` (the
 /// slowest member's figures), once every figure it needs was measured.
-pub fn planned(cfg: &RunConfig, measured: &Measured, members: &[usize]) -> Option<Planned> {
+pub fn planned(
+    cfg: &RunConfig,
+    measured: &Measured,
+    members: &[usize],
+    costs: Option<&WireCosts>,
+) -> Option<Planned> {
     let f = slowest(measured, members)?;
     let current = WireOption::of(&cfg.sync);
     let input = plan_input(cfg, members.len(), &f, current);
-    let options = predict(&input, current)
+    let options = predict(&input, current, costs)
         .into_iter()
         .map(|r| PlannedOption {
             wire: r.option.label().to_owned(),
@@ -508,7 +577,7 @@ mod tests {
         m.observe(&on(first, 1));
         assert!(m.at_quantile(&[0, 1], 1.0).is_some());
         let candidates = [first, other];
-        let predicted = predict_settings(&cfg, &m, &[0, 1], &candidates).unwrap();
+        let predicted = predict_settings(&cfg, &m, &[0, 1], &candidates, None).unwrap();
         assert_eq!(predicted.len(), 2);
         assert!(predicted[0].1 > predicted[1].1, "{predicted:?}");
         // The first round on the other wire brings its uploads' fold but no report of its
@@ -548,7 +617,7 @@ mod tests {
             pace_s: 0.0,
         };
         let input = plan_input(&cfg, 4, &f, current);
-        let rows = predict(&input, current);
+        let rows = predict(&input, current, None);
         assert_eq!(rows.len(), WireOption::ALL.len());
         let own = &rows[0];
         assert_eq!(own.option, WireOption::LowrankOverlap);
@@ -565,5 +634,34 @@ mod tests {
             .find(|r| r.option == WireOption::Overlap)
             .unwrap();
         assert!(bf16.sync_s > own.sync_s, "{bf16:?} vs {own:?}");
+
+        // With the wires' code timed, another wire's fold and close are the running one's
+        // plus the timed difference, and its apply the running one's times the timed ratio;
+        // an untimed wire borrows the running one's scales as before.
+        let cost = |encode_s, fold_s, apply_s| WireCost {
+            encode_s,
+            fold_s,
+            apply_s,
+        };
+        let costs: WireCosts = [
+            (Wire::LowrankDelta, cost(0.25, 0.04, 0.12)),
+            (Wire::Int4Delta, cost(0.1, 0.03, 0.03)),
+        ]
+        .into();
+        let timed = predict(&input, current, Some(&costs));
+        let find = |rows: &[PlanRow], o| rows.iter().find(|r| r.option == o).unwrap().clone();
+        let int4 = find(&timed, WireOption::Int4Overlap);
+        let share = own.up_values / cfg.model.param_counts().total as f64;
+        assert!(share > 0.0 && share < 1.0, "{share}");
+        let near = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(near(int4.fold_s, own.fold_s - 0.01 * share), "{int4:?}");
+        assert!(near(int4.close_s, 0.3 - 0.15), "{int4:?}");
+        assert!(near(int4.apply_s, own.apply_s * 0.25), "{int4:?}");
+        let untimed = WireOption::SparseOverlap;
+        assert!(near(
+            find(&timed, untimed).round_s,
+            find(&rows, untimed).round_s
+        ));
+        assert!(near(timed[0].round_s, own.round_s));
     }
 }

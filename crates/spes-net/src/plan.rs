@@ -111,7 +111,7 @@ impl WireOption {
     }
 
     /// The `sync.wire` of this option.
-    fn wire(self) -> Wire {
+    pub fn wire(self) -> Wire {
         match self {
             WireOption::Fp32 => Wire::Fp32,
             WireOption::Bf16Delta | WireOption::Bf16DeltaSkipOwn | WireOption::Overlap => {
@@ -281,6 +281,8 @@ pub struct PlanRow {
     /// Mean bytes one node sends and receives per round.
     pub up_bytes: f64,
     pub down_bytes: f64,
+    /// Mean values of the model one node's upload covers.
+    pub up_values: f64,
     /// What every node's traffic adds up to at the server.
     pub server_in_bytes: f64,
     pub server_out_bytes: f64,
@@ -494,6 +496,7 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
         option,
         up_bytes: up.iter().sum::<f64>() / n,
         down_bytes: down.iter().sum::<f64>() / n,
+        up_values: up_values.iter().sum::<f64>() / n,
         server_in_bytes: up.iter().sum(),
         server_out_bytes: down.iter().sum(),
         compute_s,

@@ -22,7 +22,7 @@ pub enum Mode {
 
 /// What travels between nodes and the server ([`crate::delta`]). The server always aggregates
 /// in fp32.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Wire {
     /// Whole fp32 tensors both ways.

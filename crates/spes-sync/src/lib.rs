@@ -18,6 +18,7 @@ pub mod ownership;
 pub mod parts;
 pub mod replica;
 pub mod round;
+pub mod wire_cost;
 
 pub use budget::Work;
 pub use config::{

@@ -6,12 +6,13 @@
 use super::store::Publication;
 use super::State;
 use crate::choose::Chooser;
+use crate::measure::WireCosts;
 use crate::settings::Choices;
 use anyhow::Result;
 use spes_data::ValWindows;
 use spes_model::MoeModel;
-use spes_sync::RoundSettings;
 use spes_sync::{Named, RoundBy, RoundDelta, RoundReport, Scope};
+use spes_sync::{RoundSettings, Wire};
 use spes_train::metrics::{
     Candidate, MergeRecord, MetricsLog, RoundClose, RoundRecord, SettingsChoice,
 };
@@ -172,6 +173,7 @@ pub(super) fn run_closer(
         last_full: Instant::now(),
         measured: Default::default(),
         lived: Default::default(),
+        wire_costs: None,
     };
     while !stop.load(Ordering::Relaxed) {
         let _ = wake.recv_timeout(Duration::from_millis(100));
@@ -207,6 +209,8 @@ struct Books {
     measured: crate::measure::Measured,
     /// What each setting the run ran predicted and lived.
     lived: crate::lived::Lived,
+    /// An adaptive run's candidate wires' code, timed on the model at its first close.
+    wire_costs: Option<WireCosts>,
 }
 
 /// A round the coordinator closed, with what publishing it needs.
@@ -360,7 +364,15 @@ fn publish(
             sync: s.cfg.sync.for_round(c.settings),
             ..s.cfg.clone()
         };
-        close.planned = crate::measure::planned(&round_cfg, &book.measured, &report.members);
+        if book.wire_costs.is_none() {
+            book.wire_costs = time_candidate_wires(s);
+        }
+        close.planned = crate::measure::planned(
+            &round_cfg,
+            &book.measured,
+            &report.members,
+            book.wire_costs.as_ref(),
+        );
         close.choice = settle_next(s, report.round, &round_cfg, book, &report.members);
         if let Some(p) = &close.planned {
             let options: Vec<String> = p
@@ -423,6 +435,38 @@ fn until_written(stop: &AtomicBool, what: &str, mut write: impl FnMut() -> Resul
     true
 }
 
+/// An adaptive run's candidate wires' code timed on its model, so that what the running wire
+/// measured carries over to the others (`measure::input_for`); `None` in a run that does not
+/// choose.
+fn time_candidate_wires(s: &State) -> Option<WireCosts> {
+    let mut wires: Vec<Wire> = match &*s.settle.lock().unwrap() {
+        Settle::Adaptive { chooser, .. } => chooser.candidates().iter().map(|c| c.wire).collect(),
+        _ => return None,
+    };
+    wires.sort();
+    wires.dedup();
+    let t = Instant::now();
+    let costs = spes_sync::wire_cost::time_model(&s.cfg.model, &s.cfg.sync, &wires);
+    let each: Vec<String> = costs
+        .iter()
+        .map(|(w, c)| {
+            format!(
+                "{} encode {:.3} s, fold {:.3} s, apply {:.3} s",
+                w.name(),
+                c.encode_s,
+                c.fold_s,
+                c.apply_s
+            )
+        })
+        .collect();
+    tracing::info!(
+        "timed each candidate wire's code on the whole model in {:.1} s: {}",
+        t.elapsed().as_secs_f64(),
+        each.join("; ")
+    );
+    Some(costs)
+}
+
 /// How the rounds' settings are decided after each round.
 pub(super) enum Settle {
     /// Both keys pinned: the config's, every round.
@@ -453,6 +497,7 @@ fn settle_next(
                 &book.measured,
                 members,
                 &chooser.candidates(),
+                book.wire_costs.as_ref(),
             )?;
             // The running candidate's prediction is what it lived over its last rounds; each
             // other's is corrected by what it lived when it last ran.
