@@ -3,11 +3,12 @@
 //! much of its round the slowest member would train under each candidate setting, and takes,
 //! from two rounds on, the candidate of least expected loss among those that keep it at least
 //! `sync.target_utilization` busy; if none does, the busiest. The expected loss is
-//! [`spes_sync::LOSS_TABLE`], measured once. A change needs a margin over the target and
+//! [`spes_sync::LOSS_TABLE`], measured once; of candidates it does not tell apart, the one of
+//! fewest bytes. A change needs a margin over the target and
 //! [`MIN_ROUNDS`] rounds on the setting before, so measurements that swing do not make the
 //! run flap.
 
-use spes_sync::{LossRow, RoundSettings};
+use spes_sync::{loss_table, LossRow, RoundSettings};
 use spes_train::metrics::Chosen;
 
 /// Rounds a setting runs before the next change.
@@ -16,13 +17,20 @@ pub const MIN_ROUNDS: u64 = 5;
 /// How far above the target a setting's predicted utilization must be to change to it.
 pub const MARGIN: f64 = 0.02;
 
-/// How much lower a setting's expected loss must be for a run that reaches its target to
-/// change to it: what the loss table resolves. Its top rows' paired differences move by up to
-/// ±0.2 % from seed to seed, so the mean of its two seeds leaves about 0.1 % unresolved.
-pub const LOSS_MARGIN: f64 = 1e-3;
+/// Settings whose bytes a round are within this share of each other's count as alike.
+pub const FEWER_BYTES: f64 = 0.1;
 
 /// Predicted utilizations this close count as equally busy.
 pub const AS_BUSY: f64 = 0.005;
+
+/// What the server predicts of one candidate setting: the share of its round the slowest
+/// member would train, and the bytes one node would send and receive each round.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Prediction {
+    pub settings: RoundSettings,
+    pub utilization: f64,
+    pub bytes: f64,
+}
 
 /// An adaptive run's chooser: its candidates, the settings it runs and since when.
 #[derive(Clone, Debug)]
@@ -71,32 +79,30 @@ impl Chooser {
 
     /// After round `round` closed, given each candidate's predicted utilization: the settings
     /// from round `round + 2` on (the next close announces them), if they change.
-    pub fn choose(&mut self, round: u64, predicted: &[(RoundSettings, f64)]) -> Option<Chosen> {
+    pub fn choose(&mut self, round: u64, predicted: &[Prediction]) -> Option<Chosen> {
         let from_round = round + 2;
         if self.chosen && from_round < self.since + MIN_ROUNDS {
             return None;
         }
-        let util = |s: RoundSettings| {
-            predicted
-                .iter()
-                .find(|(p, _)| *p == s)
-                .map(|(_, u)| *u)
-                .filter(|u| u.is_finite())
-        };
+        let of = |s: RoundSettings| predicted.iter().find(|p| p.settings == s);
+        let util = |s: RoundSettings| of(s).map(|p| p.utilization).filter(|u| u.is_finite());
+        let bytes = |s: RoundSettings| of(s).map_or(f64::INFINITY, |p| p.bytes);
         let current_util = util(self.current)?;
         let fits = |s: RoundSettings, extra: f64| util(s).is_some_and(|u| u >= self.target + extra);
         let current_loss = self.loss_ratio(self.current).unwrap_or(f64::INFINITY);
-        let pick = self
+        let fitting: Vec<LossRow> = self
             .rows
             .iter()
-            .find(|r| {
+            .filter(|r| {
                 if r.settings == self.current {
                     fits(r.settings, 0.0)
                 } else {
                     fits(r.settings, MARGIN)
                 }
             })
-            .copied();
+            .copied()
+            .collect();
+        let pick = self.fewest_bytes_of_equals(&fitting, &bytes);
         let (pick, why) = match pick {
             Some(p) if p.settings == self.current && self.chosen => return self.keep(),
             // The first decision is recorded even where it keeps the first rounds' setting, so
@@ -106,13 +112,21 @@ impl Chooser {
                 "the first rounds' setting is the one of least expected loss that keeps the slowest member busy enough",
             ),
             Some(p) if fits(self.current, 0.0) => {
-                if p.loss_ratio > current_loss - LOSS_MARGIN {
+                if p.loss_ratio <= current_loss - loss_table::RESOLUTION {
+                    (
+                        p,
+                        "a lower expected loss that keeps the slowest member busy enough",
+                    )
+                } else if p.loss_ratio < current_loss + loss_table::RESOLUTION
+                    && bytes(p.settings) < (1.0 - FEWER_BYTES) * bytes(self.current)
+                {
+                    (
+                        p,
+                        "the same expected loss (within what the loss table resolves) for fewer bytes, and it keeps the slowest member busy enough",
+                    )
+                } else {
                     return self.keep();
                 }
-                (
-                    p,
-                    "a lower expected loss that keeps the slowest member busy enough",
-                )
             }
             Some(p) => (
                 p,
@@ -126,16 +140,19 @@ impl Chooser {
                     .iter()
                     .filter_map(|r| util(r.settings))
                     .max_by(f64::total_cmp)?;
-                let busiest = self
+                let as_busy: Vec<LossRow> = self
                     .rows
                     .iter()
-                    .filter_map(|r| util(r.settings).map(|u| (*r, u)))
-                    .find(|(_, u)| *u >= most - AS_BUSY)?;
-                if busiest.0.settings == self.current || busiest.1 < current_util + MARGIN {
+                    .filter(|r| util(r.settings).is_some_and(|u| u >= most - AS_BUSY))
+                    .copied()
+                    .collect();
+                let busiest = self.fewest_bytes_of_equals(&as_busy, &bytes)?;
+                let busiest_util = util(busiest.settings)?;
+                if busiest.settings == self.current || busiest_util < current_util + MARGIN {
                     return self.keep();
                 }
                 (
-                    busiest.0,
+                    busiest,
                     "the current setting falls short of the target and no other is predicted above it by the margin a change needs; this one comes closest",
                 )
             }
@@ -145,9 +162,10 @@ impl Chooser {
             .iter()
             .map(|r| match util(r.settings) {
                 Some(u) => format!(
-                    "{} {:.1} % (loss {:.4}×)",
+                    "{} {:.1} %, {:.1} MiB (loss {:.4}×)",
                     r.settings,
                     100.0 * u,
+                    bytes(r.settings) / f64::from(1 << 20),
                     r.loss_ratio
                 ),
                 None => format!("{} unpredicted", r.settings),
@@ -166,6 +184,32 @@ impl Chooser {
             settings: pick.settings,
             reason,
         })
+    }
+
+    /// Of `rows` (best loss first), those the loss table does not tell from the first (within
+    /// its resolution), the one of fewest bytes: the same expected loss for less of the
+    /// links. Bytes alike within [`FEWER_BYTES`] keep the current setting, then the table's
+    /// order.
+    fn fewest_bytes_of_equals(
+        &self,
+        rows: &[LossRow],
+        bytes: &dyn Fn(RoundSettings) -> f64,
+    ) -> Option<LossRow> {
+        let best = rows.first()?.loss_ratio;
+        let equals = rows
+            .iter()
+            .filter(|r| r.loss_ratio < best + loss_table::RESOLUTION);
+        let fewest = equals
+            .clone()
+            .map(|r| bytes(r.settings))
+            .fold(f64::INFINITY, f64::min);
+        let few = |r: &&LossRow| bytes(r.settings) <= fewest / (1.0 - FEWER_BYTES);
+        let mut few_enough = equals.filter(few);
+        let first = few_enough.clone().next().copied();
+        few_enough
+            .find(|r| r.settings == self.current)
+            .copied()
+            .or(first)
     }
 
     /// Once a setting was taken on measurements, keeping it counts as chosen too.
@@ -189,7 +233,7 @@ mod tests {
     fn rows() -> Vec<LossRow> {
         vec![
             row(Wire::Bf16Delta, None, 1.0),
-            row(Wire::Bf16Delta, Some(1), 1.002),
+            row(Wire::Bf16Delta, Some(1), 1.003),
             row(Wire::LowrankDelta, Some(1), 1.01),
             row(Wire::LowrankDelta, Some(0), 1.02),
         ]
@@ -199,9 +243,21 @@ mod tests {
         Chooser::new(0.95, rows(), FIRST_ROUNDS, 1, chosen)
     }
 
-    /// Predictions where each candidate keeps the slowest member `u(s)` busy.
-    fn predicted(c: &Chooser, u: impl Fn(RoundSettings) -> f64) -> Vec<(RoundSettings, f64)> {
-        c.candidates().into_iter().map(|s| (s, u(s))).collect()
+    /// Predictions where each candidate keeps the slowest member `u(s)` busy, with the bytes
+    /// of its wire.
+    fn predicted(c: &Chooser, u: impl Fn(RoundSettings) -> f64) -> Vec<Prediction> {
+        c.candidates()
+            .into_iter()
+            .map(|s| Prediction {
+                settings: s,
+                utilization: u(s),
+                bytes: match s.wire {
+                    Wire::Bf16Delta => 40e6,
+                    Wire::Int4Delta => 12e6,
+                    _ => 1e6,
+                },
+            })
+            .collect()
     }
 
     #[test]
@@ -252,8 +308,8 @@ mod tests {
         let just = |s: RoundSettings| if s == best { 0.955 } else { 0.99 };
         assert_eq!(c.choose(10, &predicted(&c, just)).unwrap().settings, next);
         // A setting that reaches the target stays unless another is clearly better.
-        // Better by 0.08 % (less than the table resolves) it stays; by 0.15 % it moves.
-        for (current, moves) in [(1.0008, false), (1.0015, true)] {
+        // Better by 0.15 % (less than the table resolves) it stays; by 0.25 % it moves.
+        for (current, moves) in [(1.0015, false), (1.0025, true)] {
             let rows = vec![
                 row(Wire::Bf16Delta, None, 1.0),
                 row(Wire::LowrankDelta, Some(1), current),
@@ -274,6 +330,47 @@ mod tests {
         assert_eq!(c.choose(20, &predicted(&c, |_| 0.99)), None);
         // A prediction missing for the current setting decides nothing.
         let mut c = chooser(true);
-        assert_eq!(c.choose(10, &[(best, 1.0)]), None);
+        let alone = Prediction {
+            settings: best,
+            utilization: 1.0,
+            bytes: 1.0,
+        };
+        assert_eq!(c.choose(10, &[alone]), None);
+    }
+
+    /// Of settings the loss table does not tell apart, the one of fewest bytes: taken first,
+    /// moved to from a setting that keeps its target, and not when the table orders them.
+    #[test]
+    fn of_equal_losses_the_fewest_bytes() {
+        let bf16 = row(Wire::Bf16Delta, Some(1), 1.0);
+        let close = |int4_loss| {
+            vec![
+                bf16,
+                row(Wire::Int4Delta, Some(1), int4_loss),
+                row(Wire::LowrankDelta, Some(1), 1.02),
+            ]
+        };
+        let int4 = close(1.0005)[1].settings;
+        let mut c = Chooser::new(0.95, close(1.0005), FIRST_ROUNDS, 1, false);
+        let d = c.choose(2, &predicted(&c, |_| 0.99)).unwrap();
+        assert_eq!(d.settings, int4);
+        assert!(d.reason.contains("11.4 MiB"), "{}", d.reason);
+        // Running bf16 on its target, the same loss for fewer bytes moves; once the table
+        // orders them (0.25 %), the better loss stays.
+        for (int4_loss, moves) in [(1.0005, true), (1.0025, false)] {
+            let mut c = Chooser::new(0.95, close(int4_loss), bf16.settings, 1, true);
+            let d = c.choose(10, &predicted(&c, |_| 0.99));
+            assert_eq!(d.map(|d| d.settings), moves.then_some(int4), "{int4_loss}");
+        }
+        // Nothing reaches the target and both are as busy: the fewer bytes.
+        let mut c = Chooser::new(0.95, close(1.0005), FIRST_ROUNDS, 1, false);
+        let util = |s: RoundSettings| {
+            if s.wire == Wire::LowrankDelta {
+                0.5
+            } else {
+                0.93
+            }
+        };
+        assert_eq!(c.choose(2, &predicted(&c, util)).unwrap().settings, int4);
     }
 }

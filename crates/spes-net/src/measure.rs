@@ -6,6 +6,7 @@
 //! run-wide figures are those of the node at a quantile of slowness, so one node's report
 //! alone cannot move them when the quantile is below the slowest.
 
+use crate::choose::Prediction;
 use crate::link::LinkSpec;
 use crate::plan::{self, PlanInput, PlanRow, WireOption};
 use spes_sync::wire_cost::WireCost;
@@ -368,7 +369,7 @@ pub fn predict_settings(
     members: &[usize],
     candidates: &[RoundSettings],
     costs: Option<&WireCosts>,
-) -> Option<Vec<(RoundSettings, f64)>> {
+) -> Option<Vec<Prediction>> {
     let f = slowest(measured, members)?;
     let current = WireOption::of(&cfg.sync);
     let input = plan_input(cfg, members.len(), &f, current);
@@ -384,7 +385,11 @@ pub fn predict_settings(
                     },
                     option,
                 );
-                Some((s, 1.0 - row.idle_share))
+                Some(Prediction {
+                    settings: s,
+                    utilization: 1.0 - row.idle_share,
+                    bytes: row.up_bytes + row.down_bytes,
+                })
             })
             .collect(),
     )
@@ -579,7 +584,11 @@ mod tests {
         let candidates = [first, other];
         let predicted = predict_settings(&cfg, &m, &[0, 1], &candidates, None).unwrap();
         assert_eq!(predicted.len(), 2);
-        assert!(predicted[0].1 > predicted[1].1, "{predicted:?}");
+        assert!(
+            predicted[0].utilization > predicted[1].utilization,
+            "{predicted:?}"
+        );
+        assert!(predicted[0].bytes < predicted[1].bytes, "{predicted:?}");
         // The first round on the other wire brings its uploads' fold but no report of its
         // apply yet: nothing to plan on until it does.
         let mut next = on(other, 2);

@@ -5,7 +5,7 @@
 
 use super::store::Publication;
 use super::State;
-use crate::choose::Chooser;
+use crate::choose::{Chooser, Prediction};
 use crate::measure::WireCosts;
 use crate::settings::Choices;
 use anyhow::Result;
@@ -503,11 +503,12 @@ fn settle_next(
             // other's is corrected by what it lived when it last ran.
             let running = round_cfg.sync.settings();
             let mut corrections = Vec::new();
-            let predicted: Vec<(RoundSettings, f64)> = planned
+            let predicted: Vec<Prediction> = planned
                 .iter()
-                .map(|&(settings, u)| {
+                .map(|&p| {
+                    let (settings, u) = (p.settings, p.utilization);
                     let Some(lived) = book.lived.predicted(settings, u, settings == running) else {
-                        return (settings, u);
+                        return p;
                     };
                     corrections.push(format!(
                         "{settings} {:.1} % planned, {:+.1} points lived{}",
@@ -519,7 +520,10 @@ fn settle_next(
                             ""
                         }
                     ));
-                    (settings, lived.clamp(0.0, 1.0))
+                    Prediction {
+                        utilization: lived.clamp(0.0, 1.0),
+                        ..p
+                    }
                 })
                 .collect();
             let decision = chooser.choose(round, &predicted).map(|mut d| {
@@ -528,18 +532,17 @@ fn settle_next(
                         &format!("; corrected by what they lived: {}", corrections.join(", "));
                 }
                 // Its rounds are held to the planner's own prediction.
-                let planned_u = planned.iter().find(|(s, _)| *s == d.settings);
-                if let Some(&(settings, u)) = planned_u {
-                    book.lived.chosen(settings, u);
+                if let Some(p) = planned.iter().find(|p| p.settings == d.settings) {
+                    book.lived.chosen(p.settings, p.utilization);
                 }
                 d
             });
             let candidates = predicted
                 .iter()
-                .map(|&(settings, utilization)| Candidate {
-                    settings,
-                    utilization,
-                    loss_ratio: chooser.loss_ratio(settings).unwrap_or(f64::NAN),
+                .map(|p| Candidate {
+                    settings: p.settings,
+                    utilization: p.utilization,
+                    loss_ratio: chooser.loss_ratio(p.settings).unwrap_or(f64::NAN),
                 })
                 .collect();
             let Some(d) = decision else {
