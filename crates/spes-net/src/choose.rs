@@ -3,8 +3,8 @@
 //! much of its round the slowest member would train under each candidate setting, and takes,
 //! from two rounds on, the candidate of least expected loss among those that keep it at least
 //! `sync.target_utilization` busy; if none does, the busiest. The expected loss is
-//! [`spes_sync::LOSS_TABLE`], measured once; of candidates it does not tell apart, the one of
-//! fewest bytes. A change needs a margin over the target and
+//! [`spes_sync::LOSS_TABLE`], measured once; of candidates it does not tell apart (one class:
+//! [`classes`]), the one of fewest bytes. A change needs a margin over the target and
 //! [`MIN_ROUNDS`] rounds on the setting before, so measurements that swing do not make the
 //! run flap.
 
@@ -37,6 +37,8 @@ pub struct Prediction {
 pub struct Chooser {
     target: f64,
     rows: Vec<LossRow>,
+    /// Each row's class: rows the table does not tell apart share one ([`classes`]).
+    class: Vec<usize>,
     current: RoundSettings,
     since: u64,
     /// Whether the current settings were chosen on measurements (not the first rounds').
@@ -57,6 +59,7 @@ impl Chooser {
     ) -> Chooser {
         Chooser {
             target,
+            class: classes(&rows),
             rows,
             current,
             since,
@@ -89,35 +92,38 @@ impl Chooser {
         let bytes = |s: RoundSettings| of(s).map_or(f64::INFINITY, |p| p.bytes);
         let current_util = util(self.current)?;
         let fits = |s: RoundSettings, extra: f64| util(s).is_some_and(|u| u >= self.target + extra);
-        let current_loss = self.loss_ratio(self.current).unwrap_or(f64::INFINITY);
-        let fitting: Vec<LossRow> = self
-            .rows
-            .iter()
-            .filter(|r| {
-                if r.settings == self.current {
-                    fits(r.settings, 0.0)
+        let class_of = |s: RoundSettings| {
+            let i = self.rows.iter().position(|r| r.settings == s)?;
+            Some(self.class[i])
+        };
+        let current_class = class_of(self.current).unwrap_or(usize::MAX);
+        let fitting: Vec<usize> = (0..self.rows.len())
+            .filter(|&i| {
+                let s = self.rows[i].settings;
+                if s == self.current {
+                    fits(s, 0.0)
                 } else {
-                    fits(r.settings, MARGIN)
+                    fits(s, MARGIN)
                 }
             })
-            .copied()
             .collect();
-        let pick = self.fewest_bytes_of_equals(&fitting, &bytes);
+        let pick = self.fewest_bytes_of_best_class(&fitting, &bytes);
         let (pick, why) = match pick {
             Some(p) if p.settings == self.current && self.chosen => return self.keep(),
             // The first decision is recorded even where it keeps the first rounds' setting, so
             // that every run says what it chose and why, and a replay takes the same path.
             Some(p) if p.settings == self.current => (
                 p,
-                "the first rounds' setting is the one of least expected loss that keeps the slowest member busy enough",
+                "the first rounds' setting is the one of least expected loss (then fewest bytes) that keeps the slowest member busy enough",
             ),
             Some(p) if fits(self.current, 0.0) => {
-                if p.loss_ratio <= current_loss - loss_table::RESOLUTION {
+                let class = class_of(p.settings).unwrap_or(usize::MAX);
+                if class < current_class {
                     (
                         p,
                         "a lower expected loss that keeps the slowest member busy enough",
                     )
-                } else if p.loss_ratio < current_loss + loss_table::RESOLUTION
+                } else if class == current_class
                     && bytes(p.settings) < (1.0 - FEWER_BYTES) * bytes(self.current)
                 {
                     (
@@ -134,19 +140,17 @@ impl Chooser {
             ),
             None => {
                 // Nothing reaches the target: the busiest, if clearly busier; of settings
-                // as busy (an exchange hidden whole by each), the least expected loss.
+                // as busy (an exchange hidden whole by each), the least expected loss, then
+                // the fewest bytes.
                 let most = self
                     .rows
                     .iter()
                     .filter_map(|r| util(r.settings))
                     .max_by(f64::total_cmp)?;
-                let as_busy: Vec<LossRow> = self
-                    .rows
-                    .iter()
-                    .filter(|r| util(r.settings).is_some_and(|u| u >= most - AS_BUSY))
-                    .copied()
+                let as_busy: Vec<usize> = (0..self.rows.len())
+                    .filter(|&i| util(self.rows[i].settings).is_some_and(|u| u >= most - AS_BUSY))
                     .collect();
-                let busiest = self.fewest_bytes_of_equals(&as_busy, &bytes)?;
+                let busiest = self.fewest_bytes_of_best_class(&as_busy, &bytes)?;
                 let busiest_util = util(busiest.settings)?;
                 if busiest.settings == self.current || busiest_util < current_util + MARGIN {
                     return self.keep();
@@ -186,30 +190,37 @@ impl Chooser {
         })
     }
 
-    /// Of `rows` (best loss first), those the loss table does not tell from the first (within
-    /// its resolution), the one of fewest bytes: the same expected loss for less of the
-    /// links. Bytes alike within [`FEWER_BYTES`] keep the current setting, then the table's
-    /// order.
-    fn fewest_bytes_of_equals(
+    /// Of the rows at `indices` (best loss first), those in the best one's class, the one of
+    /// fewest bytes: the same expected loss for less of the links. Bytes alike within
+    /// [`FEWER_BYTES`] keep the current setting, then the table's order; bytes not predicted
+    /// count as the most.
+    fn fewest_bytes_of_best_class(
         &self,
-        rows: &[LossRow],
+        indices: &[usize],
         bytes: &dyn Fn(RoundSettings) -> f64,
     ) -> Option<LossRow> {
-        let best = rows.first()?.loss_ratio;
-        let equals = rows
+        let best = self.class[*indices.first()?];
+        let bytes = |r: &LossRow| Some(bytes(r.settings)).filter(|b| b.is_finite());
+        let equals: Vec<LossRow> = indices
             .iter()
-            .filter(|r| r.loss_ratio < best + loss_table::RESOLUTION);
+            .filter(|&&i| self.class[i] == best)
+            .map(|&i| self.rows[i])
+            .collect();
         let fewest = equals
-            .clone()
-            .map(|r| bytes(r.settings))
+            .iter()
+            .filter_map(bytes)
             .fold(f64::INFINITY, f64::min);
-        let few = |r: &&LossRow| bytes(r.settings) <= fewest / (1.0 - FEWER_BYTES);
-        let mut few_enough = equals.filter(few);
-        let first = few_enough.clone().next().copied();
-        few_enough
-            .find(|r| r.settings == self.current)
+        let few_enough: Vec<LossRow> = equals
+            .iter()
+            .filter(|r| bytes(r).is_some_and(|b| b <= fewest / (1.0 - FEWER_BYTES)))
             .copied()
-            .or(first)
+            .collect();
+        few_enough
+            .iter()
+            .find(|r| r.settings == self.current)
+            .or(few_enough.first())
+            .or(equals.first())
+            .copied()
     }
 
     /// Once a setting was taken on measurements, keeping it counts as chosen too.
@@ -217,6 +228,26 @@ impl Chooser {
         self.chosen = true;
         None
     }
+}
+
+/// Each row's class, rows best loss first: a class opens at the first row not yet in one and
+/// holds the rows within [`loss_table::RESOLUTION`] of it, so that "the same expected loss"
+/// is one relation for every decision (on `LOSS_TABLE`: the top three rows, then low rank
+/// without and with one step apart, then the three through the round).
+fn classes(rows: &[LossRow]) -> Vec<usize> {
+    let mut out: Vec<usize> = Vec::with_capacity(rows.len());
+    let mut opened_at = f64::NEG_INFINITY;
+    for r in rows {
+        let class = match out.last() {
+            Some(&c) if r.loss_ratio < opened_at + loss_table::RESOLUTION => c,
+            last => {
+                opened_at = r.loss_ratio;
+                last.map_or(0, |c| c + 1)
+            }
+        };
+        out.push(class);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -340,6 +371,13 @@ mod tests {
 
     /// Of settings the loss table does not tell apart, the one of fewest bytes: taken first,
     /// moved to from a setting that keeps its target, and not when the table orders them.
+    /// The shipped table's classes: the top three, low rank without and with one step
+    /// apart, the three through the round.
+    #[test]
+    fn the_loss_tables_classes() {
+        assert_eq!(classes(&spes_sync::LOSS_TABLE), [0, 0, 0, 1, 2, 3, 3, 3]);
+    }
+
     #[test]
     fn of_equal_losses_the_fewest_bytes() {
         let bf16 = row(Wire::Bf16Delta, Some(1), 1.0);
@@ -362,6 +400,27 @@ mod tests {
             let d = c.choose(10, &predicted(&c, |_| 0.99));
             assert_eq!(d.map(|d| d.settings), moves.then_some(int4), "{int4_loss}");
         }
+        // Low rank without overlap, a class of its own below the top one, moves up once a
+        // row of the top class fits; of that class, the fewest bytes.
+        let three = vec![
+            bf16,
+            row(Wire::Int4Delta, Some(1), 1.0005),
+            row(Wire::LowrankDelta, None, 1.0023),
+            row(Wire::LowrankDelta, Some(1), 1.0044),
+        ];
+        assert_eq!(classes(&three), [0, 0, 1, 2]);
+        let mut c = Chooser::new(0.95, three.clone(), three[2].settings, 1, true);
+        let d = c.choose(10, &predicted(&c, |_| 0.99)).unwrap();
+        assert_eq!(d.settings, int4);
+        assert!(
+            d.reason.starts_with("a lower expected loss"),
+            "{}",
+            d.reason
+        );
+        // Bytes alike within 10 % keep the current setting.
+        let alike = vec![bf16, row(Wire::Bf16Delta, None, 1.0)];
+        let mut c = Chooser::new(0.95, alike.clone(), alike[1].settings, 1, true);
+        assert_eq!(c.choose(10, &predicted(&c, |_| 0.99)), None);
         // Nothing reaches the target and both are as busy: the fewer bytes.
         let mut c = Chooser::new(0.95, close(1.0005), FIRST_ROUNDS, 1, false);
         let util = |s: RoundSettings| {

@@ -281,9 +281,10 @@ pub fn plan_input(
 /// The planner's input for `option` in a run that ran `current` on `input` (scaled to what
 /// `current` measured). Where `costs` timed both wires' code, `option`'s fold and close are
 /// the running wire's measured ones plus the timed difference (the server timed both, on the
-/// machine that folds), and its apply the running one's times the timed ratio (a node's
-/// machine may be faster or slower than the server's: only the ratio carries over). Otherwise
-/// `option` borrows the running wire's scales.
+/// machine that folds; the close also the planner's difference of bytes written), and its
+/// apply the running one's times the timed ratio (a node's machine may be faster or slower
+/// than the server's: only the ratio carries over, timed on the server's CPU even where nodes
+/// apply on a GPU). Otherwise `option` borrows the running wire's scales.
 fn input_for(
     input: &PlanInput,
     current: Option<WireOption>,
@@ -316,8 +317,14 @@ fn input_for(
     };
     let total = input.model.param_counts().total.max(1) as f64;
     let shards = input.shards.max(1) as f64;
-    let fold = ran.fold_s + ran.up_values / total * (cost.fold_s - ran_cost.fold_s);
-    let close = ran.close_s + (cost.encode_s - ran_cost.encode_s) / shards;
+    let share = ran.up_values / total;
+    // Never less than the option's own code as timed: the running wire's measured figure
+    // can be below its timed one on a busy machine, and the difference then overshoots.
+    let fold = (ran.fold_s + share * (cost.fold_s - ran_cost.fold_s)).max(share * cost.fold_s);
+    let close = (ran.close_s
+        + (cost.encode_s - ran_cost.encode_s) / shards
+        + (rated.write_s - ran.write_s))
+        .max(cost.encode_s / shards + rated.write_s);
     let apply = ran.apply_s * cost.apply_s / ran_cost.apply_s;
     PlanInput {
         fold_scale: scale(fold, rated.fold_s, input.fold_scale),
@@ -664,8 +671,28 @@ mod tests {
         assert!(share > 0.0 && share < 1.0, "{share}");
         let near = |a: f64, b: f64| (a - b).abs() < 1e-9;
         assert!(near(int4.fold_s, own.fold_s - 0.01 * share), "{int4:?}");
-        assert!(near(int4.close_s, 0.3 - 0.15), "{int4:?}");
+        let written = int4.write_s - own.write_s;
+        assert!(near(int4.close_s, 0.3 - 0.15 + written), "{int4:?}");
         assert!(near(int4.apply_s, own.apply_s * 0.25), "{int4:?}");
+        // The running wire measured below its own timed code: the other's fold and close are
+        // never less than its own timed code.
+        let slow_timing: WireCosts = [
+            (Wire::LowrankDelta, cost(5.0, 4.0, 0.12)),
+            (Wire::Int4Delta, cost(0.1, 0.03, 0.03)),
+        ]
+        .into();
+        let floored = find(&predict(&input, current, Some(&slow_timing)), int4.option);
+        assert!(near(floored.fold_s, 0.03 * share), "{floored:?}");
+        assert!(near(floored.close_s, 0.1 + floored.write_s), "{floored:?}");
+        // A wire whose apply was timed at nothing borrows the running wire's scales.
+        let no_apply: WireCosts = [
+            (Wire::LowrankDelta, cost(0.25, 0.04, 0.0)),
+            (Wire::Int4Delta, cost(0.1, 0.03, 0.03)),
+        ]
+        .into();
+        let borrowed = find(&predict(&input, current, Some(&no_apply)), int4.option);
+        let before = find(&rows, int4.option);
+        assert!(near(borrowed.apply_s, before.apply_s), "{borrowed:?}");
         let untimed = WireOption::SparseOverlap;
         assert!(near(
             find(&timed, untimed).round_s,

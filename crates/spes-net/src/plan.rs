@@ -302,6 +302,8 @@ pub struct PlanRow {
     pub apply_s: f64,
     pub fold_s: f64,
     pub close_s: f64,
+    /// The part of `close_s` that writes the round, before the measured scale.
+    pub write_s: f64,
 }
 
 /// How many experts each node owns (the contiguous split: node p owns experts p·E/N ..
@@ -453,7 +455,8 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
     } else {
         model_fp32 / input.aggregate_bytes_per_s
     };
-    let close_s = input.close_scale * (close_s + written / input.disk_bytes_per_s) / shards;
+    let write_s = written / input.disk_bytes_per_s / shards;
+    let close_s = input.close_scale * (close_s / shards + write_s);
     let published = folded + close_s;
     let server_s = published - last_in;
     // Every node already waits on its fetch: the data leaves at once, lands one way later and
@@ -508,6 +511,7 @@ pub fn plan(input: &PlanInput, option: WireOption) -> PlanRow {
         apply_s: (0..down.len()).map(apply).sum::<f64>() / n,
         fold_s: (0..up.len()).map(fold_one).sum::<f64>() / n,
         close_s,
+        write_s,
     }
 }
 

@@ -361,7 +361,8 @@ pub struct SyncConfig {
     pub overlap_steps: Choice<u64>,
     /// Adaptive settings: the share of its round time the slowest member must train, as the
     /// planner predicts it on what the run measured; among the settings that reach it the
-    /// server takes the one of least expected loss (`crates/spes-net/src/choose.rs`).
+    /// server takes the one of least expected loss, then of fewest bytes
+    /// (`crates/spes-net/src/choose.rs`).
     pub target_utilization: f64,
     /// Close a round this long after it opened with whoever uploaded (never with nobody).
     pub round_timeout_s: f64,

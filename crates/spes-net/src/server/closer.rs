@@ -174,6 +174,7 @@ pub(super) fn run_closer(
         measured: Default::default(),
         lived: Default::default(),
         wire_costs: None,
+        wires_timed: false,
     };
     while !stop.load(Ordering::Relaxed) {
         let _ = wake.recv_timeout(Duration::from_millis(100));
@@ -211,6 +212,7 @@ struct Books {
     lived: crate::lived::Lived,
     /// An adaptive run's candidate wires' code, timed on the model at its first close.
     wire_costs: Option<WireCosts>,
+    wires_timed: bool,
 }
 
 /// A round the coordinator closed, with what publishing it needs.
@@ -364,8 +366,9 @@ fn publish(
             sync: s.cfg.sync.for_round(c.settings),
             ..s.cfg.clone()
         };
-        if book.wire_costs.is_none() {
+        if !book.wires_timed {
             book.wire_costs = time_candidate_wires(s);
+            book.wires_timed = true;
         }
         close.planned = crate::measure::planned(
             &round_cfg,
