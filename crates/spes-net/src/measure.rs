@@ -9,16 +9,12 @@
 use crate::choose::Prediction;
 use crate::link::LinkSpec;
 use crate::plan::{self, PlanInput, PlanRow, WireOption};
-use spes_sync::wire_cost::WireCost;
-use spes_sync::{RoundSettings, Wire};
+use spes_sync::wire_cost::WireCosts;
+use spes_sync::RoundSettings;
 use spes_train::metrics::{Planned, PlannedOption, RoundClose, UploadTiming};
 use spes_train::{Mode, RunConfig};
 use std::collections::BTreeMap;
 use std::time::Duration;
-
-/// What each wire's code costs on the run's model, as the server timed it
-/// ([`spes_sync::wire_cost`]).
-pub type WireCosts = BTreeMap<Wire, WireCost>;
 
 /// The newest round's figure weighs this much in a node's running mean.
 const WEIGHT: f64 = 0.3;
@@ -654,7 +650,7 @@ mod tests {
         // With the wires' code timed, another wire's fold and close are the running one's
         // plus the timed difference, and its apply the running one's times the timed ratio;
         // an untimed wire borrows the running one's scales as before.
-        let cost = |encode_s, fold_s, apply_s| WireCost {
+        let cost = |encode_s, fold_s, apply_s| spes_sync::wire_cost::WireCost {
             encode_s,
             fold_s,
             apply_s,

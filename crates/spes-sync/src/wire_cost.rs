@@ -25,6 +25,9 @@ pub struct WireCost {
     pub apply_s: f64,
 }
 
+/// Each timed wire's costs.
+pub type WireCosts = BTreeMap<Wire, WireCost>;
+
 /// Times each of the delta `wires` (the fp32 wire sends values and is left out) over every
 /// tensor of `model` on the CPU, with `cfg`'s other keys.
 pub fn time_model(
@@ -42,7 +45,7 @@ pub fn time_model(
 
 /// [`time_model`] over tensors of `shapes`. Each distinct shape is timed once (the least of
 /// three tries) and counted as often as it occurs, so a model's repeated layers cost one.
-fn time_wires(shapes: &[Vec<i64>], cfg: &SyncConfig, wires: &[Wire]) -> BTreeMap<Wire, WireCost> {
+fn time_wires(shapes: &[Vec<i64>], cfg: &SyncConfig, wires: &[Wire]) -> WireCosts {
     let mut counts: BTreeMap<&[i64], f64> = BTreeMap::new();
     for s in shapes {
         *counts.entry(s.as_slice()).or_default() += 1.0;

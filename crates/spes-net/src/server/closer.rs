@@ -6,11 +6,11 @@
 use super::store::Publication;
 use super::State;
 use crate::choose::{Chooser, Prediction};
-use crate::measure::WireCosts;
 use crate::settings::Choices;
 use anyhow::Result;
 use spes_data::ValWindows;
 use spes_model::MoeModel;
+use spes_sync::wire_cost::WireCosts;
 use spes_sync::{Named, RoundBy, RoundDelta, RoundReport, Scope};
 use spes_sync::{RoundSettings, Wire};
 use spes_train::metrics::{
