@@ -220,6 +220,10 @@ pub struct Args {
     /// smaller memory budget; repeatable).
     #[arg(long, value_name = "PEER:KEY=VALUE", value_parser = parse_node_set)]
     pub node_set: Vec<(usize, String)>,
+    /// Take each round's wire and overlap from an adaptive demo's `server/choices.json`
+    /// instead of choosing them (`spes server --replay-choices`).
+    #[arg(long, value_name = "FILE")]
+    pub replay_choices: Option<PathBuf>,
     /// The server keeps the run's state in this object store too (`spes server --store`).
     #[command(flatten)]
     pub store: crate::args::StoreArgs,
@@ -261,6 +265,8 @@ pub struct Extras {
     pub slowdown: Vec<(usize, f64)>,
     /// Other `--set`s of one node each.
     pub node_set: Vec<(usize, String)>,
+    /// The server's `--replay-choices`.
+    pub replay_choices: Option<PathBuf>,
     /// The server's `--store` flags.
     pub store: crate::args::StoreArgs,
 }
@@ -277,6 +283,7 @@ pub fn run(a: Args) -> Result<()> {
         http,
         slowdown,
         node_set,
+        replay_choices,
         store,
     } = a;
     let started = Instant::now();
@@ -305,6 +312,7 @@ pub fn run(a: Args) -> Result<()> {
             http,
             slowdown,
             node_set,
+            replay_choices,
             store,
         },
     )
@@ -373,6 +381,9 @@ pub fn launch(
         .arg("--secret-file")
         .arg(&secret);
     server.args(extras.store.to_args());
+    if let Some(file) = &extras.replay_choices {
+        server.arg("--replay-choices").arg(file);
+    }
     if let Some(addr) = extras.http {
         server.args(["--http", &addr.to_string()]);
         eprintln!("live run page: http://{addr}/ (Prometheus: http://{addr}/metrics)");
