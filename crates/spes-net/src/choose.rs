@@ -2,7 +2,8 @@
 //! every round the server asks the planner, fed what the run measured ([`crate::measure`]), how
 //! much of its round the slowest member would train under each candidate setting, and takes,
 //! from two rounds on, the candidate of least expected loss among those that keep it at least
-//! `sync.target_utilization` busy; if none does, the busiest. The expected loss is
+//! `sync.target_utilization` busy; if none does, the busiest (of those as busy, the least
+//! expected loss: what keeps the member idle is then not the exchange). The expected loss is
 //! [`spes_sync::LOSS_TABLE`], measured once; of candidates it does not tell apart (one class:
 //! [`classes`]), the one of fewest bytes. A change needs a margin over the target and
 //! [`MIN_ROUNDS`] rounds on the setting before, so measurements that swing do not make the
@@ -139,9 +140,10 @@ impl Chooser {
                 "the current setting leaves the slowest member idle too long",
             ),
             None => {
-                // Nothing reaches the target: the busiest, if clearly busier; of settings
-                // as busy (an exchange hidden whole by each), the least expected loss, then
-                // the fewest bytes.
+                // Nothing reaches the target: the busiest, if clearly busier or as busy and of
+                // a better loss class (what keeps the member idle is then not the exchange, as
+                // while a run's row split settles); of settings as busy (an exchange hidden
+                // whole by each), the least expected loss, then the fewest bytes.
                 let most = self
                     .rows
                     .iter()
@@ -152,13 +154,18 @@ impl Chooser {
                     .collect();
                 let busiest = self.fewest_bytes_of_best_class(&as_busy, &bytes)?;
                 let busiest_util = util(busiest.settings)?;
-                if busiest.settings == self.current || busiest_util < current_util + MARGIN {
+                let busier = busiest_util >= current_util + MARGIN;
+                // As busy as the busiest, so as the current setting too.
+                let better = class_of(busiest.settings).unwrap_or(usize::MAX) < current_class;
+                if busiest.settings == self.current || !(busier || better) {
                     return self.keep();
                 }
-                (
-                    busiest,
-                    "the current setting falls short of the target and no other is predicted above it by the margin a change needs; this one comes closest",
-                )
+                let why = if busier {
+                    "the current setting falls short of the target and no other is predicted above it by the margin a change needs; this one comes closest"
+                } else {
+                    "no setting is predicted to keep the slowest member busy enough, and this one keeps it as busy as any for a lower expected loss"
+                };
+                (busiest, why)
             }
         };
         let options: Vec<String> = self
@@ -313,6 +320,25 @@ mod tests {
         let mut c = chooser(false);
         let close = |s: RoundSettings| if s == whole { 0.51 } else { 0.5 };
         assert_eq!(c.choose(2, &predicted(&c, close)), None);
+        // Every setting as short (what keeps the member idle is not the exchange): the least
+        // expected loss of those as busy as the busiest, not the first rounds' setting.
+        let mut c = chooser(false);
+        let d = c.choose(2, &predicted(&c, |_| 0.886)).unwrap();
+        assert_eq!(d.settings, rows()[0].settings);
+        assert!(d.reason.contains("as busy as any"), "{}", d.reason);
+        let mut c = chooser(false);
+        let first = |s: RoundSettings| if s == FIRST_ROUNDS { 0.89 } else { 0.886 };
+        assert_eq!(
+            c.choose(2, &predicted(&c, first)).unwrap().settings,
+            rows()[0].settings
+        );
+        // ... but not for a worse class, nor one less busy than the current.
+        let mut c = chooser(false);
+        let worse = |s: RoundSettings| if s == whole { 0.89 } else { 0.88 };
+        assert_eq!(c.choose(2, &predicted(&c, worse)), None);
+        let mut c = chooser(false);
+        let less = |s: RoundSettings| if s == FIRST_ROUNDS { 0.886 } else { 0.88 };
+        assert_eq!(c.choose(2, &predicted(&c, less)), None);
         // Settings as busy as the busiest (each hides the exchange whole): the least loss.
         let other = row(Wire::Int4Delta, Some(0), 1.025);
         let rows = [rows(), vec![other]].concat();
