@@ -108,11 +108,19 @@ impl Chooser {
                 }
             })
             .collect();
+        // The first decision is recorded even where it keeps the first rounds' setting, so
+        // that every run says what it chose and why, and a replay takes the same path.
+        let first = (!self.chosen)
+            .then(|| {
+                self.rows
+                    .iter()
+                    .find(|r| r.settings == self.current)
+                    .copied()
+            })
+            .flatten();
         let pick = self.fewest_bytes_of_best_class(&fitting, &bytes);
         let (pick, why) = match pick {
             Some(p) if p.settings == self.current && self.chosen => return self.keep(),
-            // The first decision is recorded even where it keeps the first rounds' setting, so
-            // that every run says what it chose and why, and a replay takes the same path.
             Some(p) if p.settings == self.current => (
                 p,
                 "the first rounds' setting is the one of least expected loss (then fewest bytes) that keeps the slowest member busy enough",
@@ -130,6 +138,11 @@ impl Chooser {
                     (
                         p,
                         "the same expected loss (within what the loss table resolves) for fewer bytes, and it keeps the slowest member busy enough",
+                    )
+                } else if let Some(current) = first {
+                    (
+                        current,
+                        "the first rounds' setting keeps the slowest member busy enough, and no other does for a lower expected loss, or for as low with fewer bytes",
                     )
                 } else {
                     return self.keep();
@@ -155,17 +168,27 @@ impl Chooser {
                 let busiest = self.fewest_bytes_of_best_class(&as_busy, &bytes)?;
                 let busiest_util = util(busiest.settings)?;
                 let busier = busiest_util >= current_util + MARGIN;
-                // As busy as the busiest, so as the current setting too.
+                // Within half a point of the most, so about as busy as the current setting or
+                // busier: a better class costs nothing in utilization.
                 let better = class_of(busiest.settings).unwrap_or(usize::MAX) < current_class;
-                if busiest.settings == self.current || !(busier || better) {
+                if busier {
+                    (
+                        busiest,
+                        "the current setting falls short of the target and no other is predicted above it by the margin a change needs; this one comes closest",
+                    )
+                } else if better {
+                    (
+                        busiest,
+                        "no setting is predicted to keep the slowest member busy enough, and this one keeps it as busy as any for a lower expected loss",
+                    )
+                } else if let Some(current) = first {
+                    (
+                        current,
+                        "no setting is predicted to keep the slowest member busy enough, and none is clearly busier than the first rounds' setting, or as busy for a lower expected loss",
+                    )
+                } else {
                     return self.keep();
                 }
-                let why = if busier {
-                    "the current setting falls short of the target and no other is predicted above it by the margin a change needs; this one comes closest"
-                } else {
-                    "no setting is predicted to keep the slowest member busy enough, and this one keeps it as busy as any for a lower expected loss"
-                };
-                (busiest, why)
             }
         };
         let options: Vec<String> = self
@@ -317,9 +340,14 @@ mod tests {
         let mut c = chooser(false);
         let util = |s: RoundSettings| if s == whole { 0.80 } else { 0.5 };
         assert_eq!(c.choose(2, &predicted(&c, util)).unwrap().settings, whole);
+        // Nothing clearly busier: the first decision keeps the first rounds' setting, and
+        // says so.
         let mut c = chooser(false);
         let close = |s: RoundSettings| if s == whole { 0.51 } else { 0.5 };
-        assert_eq!(c.choose(2, &predicted(&c, close)), None);
+        let d = c.choose(2, &predicted(&c, close)).unwrap();
+        assert_eq!(d.settings, FIRST_ROUNDS);
+        assert!(d.reason.contains("none is clearly busier"), "{}", d.reason);
+        assert_eq!(c.choose(2 + MIN_ROUNDS, &predicted(&c, close)), None);
         // Every setting as short (what keeps the member idle is not the exchange): the least
         // expected loss of those as busy as the busiest, not the first rounds' setting.
         let mut c = chooser(false);
@@ -335,10 +363,16 @@ mod tests {
         // ... but not for a worse class, nor one less busy than the current.
         let mut c = chooser(false);
         let worse = |s: RoundSettings| if s == whole { 0.89 } else { 0.88 };
-        assert_eq!(c.choose(2, &predicted(&c, worse)), None);
+        assert_eq!(
+            c.choose(2, &predicted(&c, worse)).unwrap().settings,
+            FIRST_ROUNDS
+        );
         let mut c = chooser(false);
         let less = |s: RoundSettings| if s == FIRST_ROUNDS { 0.886 } else { 0.88 };
-        assert_eq!(c.choose(2, &predicted(&c, less)), None);
+        assert_eq!(
+            c.choose(2, &predicted(&c, less)).unwrap().settings,
+            FIRST_ROUNDS
+        );
         // Settings as busy as the busiest (each hides the exchange whole): the least loss.
         let other = row(Wire::Int4Delta, Some(0), 1.025);
         let rows = [rows(), vec![other]].concat();
