@@ -110,14 +110,11 @@ impl Chooser {
             .collect();
         // The first decision is recorded even where it keeps the first rounds' setting, so
         // that every run says what it chose and why, and a replay takes the same path.
-        let first = (!self.chosen)
-            .then(|| {
-                self.rows
-                    .iter()
-                    .find(|r| r.settings == self.current)
-                    .copied()
-            })
-            .flatten();
+        let first = self
+            .rows
+            .iter()
+            .find(|r| r.settings == self.current && !self.chosen)
+            .copied();
         let pick = self.fewest_bytes_of_best_class(&fitting, &bytes);
         let (pick, why) = match pick {
             Some(p) if p.settings == self.current && self.chosen => return self.keep(),
