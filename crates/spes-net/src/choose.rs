@@ -280,7 +280,15 @@ fn classes(rows: &[LossRow]) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use spes_sync::{Wire, FIRST_ROUNDS};
+    use spes_sync::Wire;
+
+    /// The first rounds' setting of these tests: the chooser takes it as given, whatever
+    /// [`spes_sync::FIRST_ROUNDS`] a run starts on.
+    const FIRST_ROUNDS: RoundSettings = RoundSettings {
+        wire: Wire::LowrankDelta,
+        overlap: true,
+        overlap_steps: 1,
+    };
 
     const fn row(wire: Wire, overlap: Option<u64>, loss_ratio: f64) -> LossRow {
         LossRow::new(wire, overlap, loss_ratio)

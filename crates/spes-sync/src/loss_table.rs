@@ -141,4 +141,43 @@ mod tests {
         };
         assert!(candidates(&unmeasured).is_empty());
     }
+
+    #[test]
+    fn every_adaptive_run_starts_on_one_of_its_candidates() {
+        let wires = [
+            Choice::Adaptive,
+            Wire::Bf16Delta.into(),
+            Wire::Int4Delta.into(),
+            Wire::LowrankDelta.into(),
+        ];
+        let steps = [Choice::Adaptive, 0.into(), 1.into()];
+        for wire in wires {
+            for overlap in [true, false] {
+                for overlap_steps in steps {
+                    let mut sync = SyncConfig {
+                        wire,
+                        overlap,
+                        overlap_steps,
+                        ..SyncConfig::default()
+                    };
+                    settle(&mut sync);
+                    if !sync.adaptive() {
+                        continue;
+                    }
+                    let first = sync.settings();
+                    assert!(
+                        candidates(&sync).iter().any(|r| r.settings == first),
+                        "{first} for {wire:?}, overlap {overlap}, {overlap_steps:?}"
+                    );
+                    assert_eq!(sync.wire(), first.wire);
+                }
+            }
+        }
+        let off = SyncConfig {
+            wire: Choice::Adaptive,
+            overlap: false,
+            ..SyncConfig::default()
+        };
+        assert_eq!(off.settings(), LOSS_TABLE[1].settings);
+    }
 }

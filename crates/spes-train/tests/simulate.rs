@@ -78,19 +78,17 @@ fn a_simulated_run_is_reproducible_and_the_low_rank_wire_sends_less() {
     assert_eq!(dense.curve.iter().map(|c| c.0).collect::<Vec<_>>(), [4, 8]);
     assert!(dense.curve[1].1 < dense.curve[0].1, "{:?}", dense.curve);
     let low = run(&["sync.wire=lowrank_delta", "sync.rank=2"], 1);
-    // The same run again, with the keys a server would choose left adaptive: without links
-    // simulate runs the first rounds' settings (these) throughout. The same bits, whatever
-    // the order of threads.
-    let again = run(
-        &[
-            "sync.wire=adaptive",
-            "sync.overlap_steps=adaptive",
-            "sync.rank=2",
-        ],
-        1,
-    );
-    assert_eq!(low.final_val_loss, again.final_val_loss);
     assert!(low.final_val_loss.is_finite());
+    // The first rounds' settings pinned, and the same run with the keys a server would choose
+    // left adaptive: without links simulate runs the first rounds' settings throughout. The
+    // same bits, whatever the order of threads.
+    let first = spes_sync::FIRST_ROUNDS;
+    let wire = format!("sync.wire={}", first.wire.name());
+    let steps = format!("sync.overlap_steps={}", first.overlap_steps);
+    let pinned = run(&[&wire, &steps], 1);
+    let again = run(&["sync.wire=adaptive", "sync.overlap_steps=adaptive"], 1);
+    assert_eq!(pinned.final_val_loss, again.final_val_loss);
+    assert!(pinned.final_val_loss.is_finite());
     assert!(
         low.bytes_per_round < dense.bytes_per_round / 4.0,
         "{} vs {}",
