@@ -488,13 +488,22 @@ impl Default for SyncConfig {
 
 /// What an adaptive run's first rounds use until the server has measured enough to choose: int4
 /// deltas with one step of overlap, the fewest bytes of the loss table's best class. Their loss
-/// carries to the run's end while their time is three rounds': a run whose first three rounds ran
-/// another wire ended 0.02–0.28 % above int4 throughout, and over a home uplink they trained
-/// about 80 % instead of 98 % (docs/results/sync-cost.md).
+/// carries to the run's end while their time is three rounds': every demo whose first three
+/// rounds ran another wire ended 0.02–0.31 % above int4 throughout, and over a home uplink they
+/// trained 71–80 % of their time where later rounds train 98–99 % (docs/results/sync-cost.md).
 pub const FIRST_ROUNDS: RoundSettings = RoundSettings {
     wire: Wire::Int4Delta,
     overlap: true,
     overlap_steps: 1,
+};
+
+/// The first rounds of an adaptive run with overlap pinned off: bf16 without overlap, the loss
+/// table's best row without it (int4 without overlap was not measured, and a first setting
+/// outside a run's candidates would leave its chooser without a prediction to start from).
+pub const FIRST_ROUNDS_WITHOUT_OVERLAP: RoundSettings = RoundSettings {
+    wire: Wire::Bf16Delta,
+    overlap: false,
+    overlap_steps: 0,
 };
 
 /// Declares the `[sync]` keys each role reads from its own config, once: the list the node's
@@ -522,9 +531,15 @@ per_role_keys!(
 
 impl SyncConfig {
     /// The wire of this config's round: the pinned one, or for an adaptive run that is not
-    /// settled to a round yet ([`SyncConfig::for_round`]) the first rounds' ([`SyncConfig::settings`]).
+    /// settled to a round yet ([`SyncConfig::for_round`]) the first rounds' ([`FIRST_ROUNDS`],
+    /// or with overlap pinned off [`FIRST_ROUNDS_WITHOUT_OVERLAP`]).
     pub fn wire(&self) -> Wire {
-        self.settings().wire
+        let first = if self.overlap {
+            FIRST_ROUNDS
+        } else {
+            FIRST_ROUNDS_WITHOUT_OVERLAP
+        };
+        self.wire.pinned().unwrap_or(first.wire)
     }
 
     /// Whether the server chooses a round's wire or overlap ([`Choice::Adaptive`]).
@@ -533,34 +548,24 @@ impl SyncConfig {
     }
 
     /// The settings of this config's round: its pinned keys, and for a run's adaptive keys
-    /// those of its first rounds ([`FIRST_ROUNDS`]), or where its pinned keys leave that out of
-    /// the loss table (overlap pinned off: int4 without overlap was not measured), its candidate
-    /// of least expected loss. Without overlap the steps are 0, so equal settings compare equal.
+    /// those of its first rounds ([`FIRST_ROUNDS`]). Without overlap the steps are 0, so equal
+    /// settings compare equal.
     pub fn settings(&self) -> RoundSettings {
-        let wire = self.wire.pinned().unwrap_or(FIRST_ROUNDS.wire);
-        let first = match self.overlap_steps {
+        match self.overlap_steps {
             Choice::Pinned(steps) => RoundSettings {
-                wire,
+                wire: self.wire(),
                 overlap: self.overlap,
                 overlap_steps: if self.overlap { steps } else { 0 },
             },
             Choice::Adaptive if !self.overlap => RoundSettings {
-                wire,
+                wire: self.wire(),
                 overlap: false,
                 overlap_steps: 0,
             },
             Choice::Adaptive => RoundSettings {
-                wire,
+                wire: self.wire(),
                 ..FIRST_ROUNDS
             },
-        };
-        if !self.adaptive() {
-            return first;
-        }
-        let rows = crate::loss_table::candidates(self);
-        match rows.first() {
-            Some(best) if !rows.iter().any(|r| r.settings == first) => best.settings,
-            _ => first,
         }
     }
 

@@ -91,7 +91,7 @@ pub fn settle(sync: &mut SyncConfig) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Choice, FIRST_ROUNDS};
+    use crate::config::{Choice, FIRST_ROUNDS, FIRST_ROUNDS_WITHOUT_OVERLAP};
 
     #[test]
     fn the_table_is_ordered_by_loss_and_holds_the_first_rounds() {
@@ -178,6 +178,6 @@ mod tests {
             overlap: false,
             ..SyncConfig::default()
         };
-        assert_eq!(off.settings(), LOSS_TABLE[1].settings);
+        assert_eq!(off.settings(), FIRST_ROUNDS_WITHOUT_OVERLAP);
     }
 }
