@@ -605,12 +605,15 @@ mod tests {
     }
 
     /// Fed the figures a run measured, the planner's round for the run's own wire applies and
-    /// folds in the measured seconds; the demo's settings are the low-rank overlapped option.
+    /// folds in the measured seconds; the demo's first rounds are the int4 overlapped option,
+    /// and with low rank pinned the low-rank one, which the figures below are of.
     #[test]
     fn the_runs_own_option_takes_what_was_measured() {
         let path =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/spes-tiny.toml");
-        let cfg = RunConfig::load(&path, &[]).unwrap();
+        let shipped = RunConfig::load(&path, &[]).unwrap();
+        assert_eq!(WireOption::of(&shipped.sync), Some(WireOption::Int4Overlap));
+        let cfg = RunConfig::load(&path, &["sync.wire=lowrank_delta".to_string()]).unwrap();
         let current = WireOption::of(&cfg.sync);
         assert_eq!(current, Some(WireOption::LowrankOverlap));
         assert_eq!(
